@@ -1,0 +1,193 @@
+"""Low-bit weight format: HQQ quantization, bit packing and the reference dequantizer.
+
+One quantized matrix W [rows, cols] with `bits` bits and group size g (HQQ, axis 0):
+  G = rows // g. Each group of g weights shares one column k and the rows n, n+G, n+2G, ...
+  W[n, k] = (code[n, k] - zero[n % G, k]) * scale[n % G, k]
+This is HQQ's default grouping and exactly the layout of the paper's published checkpoint,
+so its codes import byte for byte.
+
+Codes are stored as bit planes of width w in (1, 2, 4, 8): 2-bit = one 2-bit plane,
+3-bit = a 2-bit plane (high bits) + a 1-bit plane, 4-bit = one 4-bit plane. A plane of
+width w packs p = 8 // w codes per byte along rows in blocks:
+  part[r + s * rows // p, k] = (plane[r, k] >> (8 - w * (s + 1))) & (2**w - 1)
+Because rows // p is a multiple of G, the p codes in one byte share their scale and zero.
+
+Scales and zeros are either float16 [G, cols] or 8-bit: q uint8 [G, cols] with a float16
+`meta` [2, M] (row 0 scale, row 1 zero): value[f] = (q[f] - meta[1, f % M]) * meta[0, f % M],
+f the flat index into [G, cols]. 8-bit metadata is what brings 2-bit g16 from 4 to 3 bits
+per weight, and bytes on the PCIe link are the bottleneck.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PLANES = {2: (2,), 3: (2, 1), 4: (4,), 8: (8,)}
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    bits: int
+    group_size: int
+    meta_group: int  # scale/zero values sharing one 8-bit meta pair (fewer if it doesn't divide)
+
+
+# Group sizes as the paper (and better for 3/4-bit experts than its 64/128 defaults would be).
+EXPERT_SPECS = {2: QuantSpec(2, 16, 128), 3: QuantSpec(3, 64, 128), 4: QuantSpec(4, 64, 128)}
+ATTN_SPECS = {4: QuantSpec(4, 64, 256), 8: QuantSpec(8, 64, 256)}
+
+
+@dataclass
+class QMatrix:
+    rows: int
+    cols: int
+    bits: int
+    group_size: int
+    planes: list[torch.Tensor]  # uint8 [rows // (8 // w), cols] per plane width w
+    scale: torch.Tensor  # uint8 [G, cols] when scale_meta is set, else float16 [G, cols]
+    zero: torch.Tensor
+    scale_meta: torch.Tensor | None = None  # float16 [2, M]
+    zero_meta: torch.Tensor | None = None
+
+    @property
+    def groups(self) -> int:
+        return self.rows // self.group_size
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {f"plane{i}": p for i, p in enumerate(self.planes)}
+        out["scale"], out["zero"] = self.scale, self.zero
+        if self.scale_meta is not None:
+            out["scale_meta"] = self.scale_meta
+        if self.zero_meta is not None:
+            out["zero_meta"] = self.zero_meta
+        return out
+
+    def info(self) -> dict:
+        """The JSON-able description that, with tensors(), rebuilds this matrix."""
+        return {"rows": self.rows, "cols": self.cols, "bits": self.bits,
+                "group_size": self.group_size}
+
+    @classmethod
+    def from_tensors(cls, info: dict, t: dict[str, torch.Tensor]) -> "QMatrix":
+        planes = [t[f"plane{i}"] for i in range(len(PLANES[info["bits"]]))]
+        return cls(info["rows"], info["cols"], info["bits"], info["group_size"], planes,
+                   t["scale"], t["zero"], t.get("scale_meta"), t.get("zero_meta"))
+
+    def nbytes(self) -> int:
+        return sum(x.numel() * x.element_size() for x in self.tensors().values())
+
+
+def field_shapes(rows: int, cols: int, spec: QuantSpec) -> dict[str, tuple[torch.dtype, tuple]]:
+    """dtype and shape of every tensor of a matrix quantized with `spec` (8-bit metadata)."""
+    check_shape(rows, cols, spec)
+    G = rows // spec.group_size
+    m = meta_groups(G * cols, spec.meta_group)
+    out = {f"plane{i}": (torch.uint8, (rows * w // 8, cols)) for i, w in enumerate(PLANES[spec.bits])}
+    out["scale"] = out["zero"] = (torch.uint8, (G, cols))
+    out["scale_meta"] = out["zero_meta"] = (torch.float16, (2, m))
+    return out
+
+
+def check_shape(rows: int, cols: int, spec: QuantSpec) -> None:
+    if spec.bits not in PLANES:
+        raise ValueError(f"unsupported bit width {spec.bits}")
+    if rows % spec.group_size or rows % 8:
+        raise ValueError(f"a {rows}x{cols} matrix cannot be quantized with groups of "
+                         f"{spec.group_size} rows (rows must be a multiple of the group size and of 8)")
+
+
+def meta_groups(n: int, meta_group: int) -> int:
+    """Number of 8-bit meta pairs for n values: n // meta_group when that divides, else 1."""
+    return n // meta_group if n % meta_group == 0 and n >= meta_group else 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> list[torch.Tensor]:
+    """codes uint8 [rows, cols] in [0, 2**bits) -> bit planes (see module docstring)."""
+    planes, shift_left = [], bits
+    for w in PLANES[bits]:
+        shift_left -= w
+        part = (codes >> shift_left) & ((1 << w) - 1)
+        p = 8 // w
+        block = part.view(p, codes.shape[0] // p, codes.shape[1]).to(torch.int32)
+        packed = torch.zeros_like(block[0])
+        for s in range(p):
+            packed |= block[s] << (8 - w * (s + 1))
+        planes.append(packed.to(torch.uint8))
+    return planes
+
+
+def unpack_codes(planes: list[torch.Tensor], bits: int) -> torch.Tensor:
+    """Inverse of pack_codes: uint8 [rows, cols]."""
+    codes, shift_left = None, bits
+    for plane, w in zip(planes, PLANES[bits]):
+        shift_left -= w
+        p = 8 // w
+        parts = [(plane >> (8 - w * (s + 1))) & ((1 << w) - 1) for s in range(p)]
+        part = torch.cat(parts, dim=0)
+        codes = part << shift_left if codes is None else codes | (part << shift_left)
+    return codes
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantizing
+
+
+def quantize_meta8(values: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """values float [G, cols] -> (uint8 [G, cols], float16 meta [2, m]); value f shares meta f % m."""
+    v = values.float().reshape(-1, m)  # row i holds flat indices i*m .. i*m+m-1: column = f % m
+    lo, hi = v.min(dim=0).values, v.max(dim=0).values
+    sc = ((hi - lo) / 255).clamp(min=1e-8).half()
+    z = (-lo / sc.float()).half()
+    q = torch.round(v / sc.float() + z.float()).clamp(0, 255).to(torch.uint8)
+    return q.reshape(values.shape), torch.stack([sc, z])
+
+
+def quantize_matrix(weight: torch.Tensor, spec: QuantSpec, optimize: bool = True) -> QMatrix:
+    """HQQ-quantize weight [rows, cols] (any float dtype, any device) with 8-bit metadata."""
+    from hqq.core.quantize import Quantizer  # imported late: hqq is slow to import
+
+    rows, cols = weight.shape
+    check_shape(rows, cols, spec)
+    G = rows // spec.group_size
+    W = weight.detach().float()
+    codes, meta = Quantizer.quantize(W, nbits=spec.bits, group_size=spec.group_size, axis=0,
+                                     optimize=optimize, bitpack=False, compute_dtype=torch.float32,
+                                     device=str(W.device))
+    codes = codes.reshape(rows, cols).round().clamp(0, 2**spec.bits - 1).to(torch.uint8)
+    m = meta_groups(G * cols, spec.meta_group)
+    scale_q, scale_meta = quantize_meta8(meta["scale"].reshape(G, cols), m)
+    zero_q, zero_meta = quantize_meta8(meta["zero"].reshape(G, cols), m)
+    return QMatrix(rows, cols, spec.bits, spec.group_size, pack_codes(codes, spec.bits),
+                   scale_q, zero_q, scale_meta, zero_meta)
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference dequantizer (CPU path and the ground truth for every fused kernel)
+
+
+def decode_meta(q: torch.Tensor, meta: torch.Tensor | None) -> torch.Tensor:
+    """Scale or zero as float32 [G, cols]."""
+    if meta is None:
+        return q.float()
+    m = meta.shape[1]
+    qf = q.float().reshape(-1, m)
+    return ((qf - meta[1].float()) * meta[0].float()).reshape(q.shape)
+
+
+def dequantize(qm: QMatrix, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    codes = unpack_codes(qm.planes, qm.bits).float()  # [rows, cols]
+    scale = decode_meta(qm.scale, qm.scale_meta)  # [G, cols]
+    zero = decode_meta(qm.zero, qm.zero_meta)
+    reps = qm.group_size
+    w = (codes.view(reps, qm.groups, qm.cols) - zero) * scale  # row n = i*G + j
+    return w.reshape(qm.rows, qm.cols).to(dtype)
+
+
+def bits_per_weight(qm: QMatrix) -> float:
+    return qm.nbytes() * 8 / (qm.rows * qm.cols)
