@@ -1,0 +1,198 @@
+"""`moeferry` command line. With no command it opens the desktop app.
+
+Errors reach the user as one sentence on stderr: exit 2 for bad usage or input, 1 for a
+failed check. Set MOEFERRY_DEBUG=1 to see tracebacks of unexpected errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+
+from engine.errors import UserError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moeferry", description="Chat with Mixtral-8x7B on a gaming GPU.")
+    sub = p.add_subparsers(dest="command")
+
+    s = sub.add_parser("probe", help="GPU/CPU/RAM/disk report and the recommended plan")
+    s.add_argument("--json", action="store_true")
+
+    s = sub.add_parser("fetch", help="download a Hugging Face repo (resumable, verified)")
+    s.add_argument("repo_id")
+    s.add_argument("dest")
+    s.add_argument("--revision")
+    s.add_argument("--endpoint")
+
+    s = sub.add_parser("convert", help="Hugging Face Mixtral checkpoint -> MoE Ferry store")
+    s.add_argument("src")
+    s.add_argument("dest")
+    s.add_argument("--expert-bits", type=int, choices=(2, 3, 4, 16))
+    s.add_argument("--attn-bits", type=int, choices=(4, 8, 16))
+    s.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    s.add_argument("--tokenizer", help="folder (or cached repo) to take the tokenizer files from")
+
+    s = sub.add_parser("verify", help="re-hash every file of a store against its manifest")
+    s.add_argument("store")
+
+    s = sub.add_parser("generate", help="generate text from a prompt")
+    s.add_argument("store")
+    s.add_argument("--prompt", required=True)
+    s.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    s.add_argument("--max-new-tokens", type=int, default=128)
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--top-p", type=float, default=0.9)
+    s.add_argument("--seed", type=int)
+    s.add_argument("--device", default="auto")
+    s.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    s.add_argument("--cache-experts", type=int)
+    s.add_argument("--vram-budget")
+    s.add_argument("--prefetch", type=int, default=1)
+    s.add_argument("--kernels", default="auto", choices=("auto", "reference", "fused"))
+    s.add_argument("--json", action="store_true")
+
+    s = sub.add_parser("bench", help="the offloading benchmark (synthetic full-size Mixtral)")
+    s.add_argument("rest", nargs=argparse.REMAINDER)
+
+    s = sub.add_parser("demo", help="the embedded demo model: its path, a self-test, the locality study")
+    s.add_argument("rest", nargs=argparse.REMAINDER)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except UserError as e:
+        print(f"moeferry: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("moeferry: interrupted.", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the last line of defence against tracebacks
+        if os.environ.get("MOEFERRY_DEBUG"):
+            raise
+        if type(e).__name__ == "OutOfMemoryError":
+            print("moeferry: the GPU ran out of memory; lower --cache-experts or --vram-budget "
+                  "and try again.", file=sys.stderr)
+            return 1
+        print(f"moeferry: unexpected error ({type(e).__name__}: {e}); run again with MOEFERRY_DEBUG=1 "
+              f"for details and report it.", file=sys.stderr)
+        return 1
+
+
+def run(args) -> int:
+    if args.command is None:
+        from app.main import run_gui
+        return run_gui()
+    if args.command == "probe":
+        from engine.hardware import cli_probe
+        return cli_probe(args.json)
+    if args.command == "fetch":
+        from engine.download import cli_fetch
+        return cli_fetch(args.repo_id, args.dest, args.revision, args.endpoint)
+    if args.command == "convert":
+        return cmd_convert(args)
+    if args.command == "verify":
+        return cmd_verify(args)
+    if args.command == "generate":
+        return cmd_generate(args)
+    if args.command == "bench":
+        from engine.bench import cli_bench
+        return cli_bench(args.rest)
+    if args.command == "demo":
+        from engine.demo import cli_demo
+        return cli_demo(args.rest)
+    raise UserError(f"Unknown command {args.command}.")
+
+
+class ProgressLine:
+    """A one-line progress display on stderr (plain lines when stderr is not a terminal)."""
+
+    def __init__(self):
+        self.tty = sys.stderr.isatty()
+        self.last = 0.0
+
+    def __call__(self, fraction: float, message: str) -> None:
+        now = time.monotonic()
+        if fraction < 1.0 and now - self.last < (0.2 if self.tty else 5.0):
+            return
+        self.last = now
+        line = f"{fraction * 100:5.1f}%  {message}"
+        if self.tty:
+            print("\r" + line[:100].ljust(100), end="" if fraction < 1.0 else "\n", file=sys.stderr, flush=True)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+
+def cmd_convert(args) -> int:
+    from engine.convert import convert_checkpoint, detect_format
+    kind = detect_format(args.src)
+    if kind == "paper":
+        from engine.paper_format import import_paper_checkpoint
+        dest = import_paper_checkpoint(args.src, args.dest, expert_bits=args.expert_bits,
+                                       attn_bits=args.attn_bits, tokenizer=args.tokenizer,
+                                       progress=ProgressLine())
+    else:
+        if args.expert_bits is None or args.attn_bits is None:
+            raise UserError("convert needs --expert-bits {2,3,4,16} and --attn-bits {4,8,16} "
+                            "(16 keeps the source precision).")
+        dest = convert_checkpoint(args.src, args.dest, args.expert_bits, args.attn_bits, args.device,
+                                  tokenizer=args.tokenizer, progress=ProgressLine())
+    print(f"Wrote and verified the store {dest}.", file=sys.stderr)
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from engine.store import verify_store
+    bad = verify_store(args.store)
+    for line in bad:
+        print(f"BAD {line}", file=sys.stderr)
+    if bad:
+        print(f"moeferry: {len(bad)} file(s) of {args.store} are damaged; convert or download the "
+              f"model again.", file=sys.stderr)
+        return 1
+    print(f"{args.store}: every file matches its manifest.")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from engine.generate import SamplingSettings, load_engine
+    if args.max_new_tokens < 1:
+        raise UserError("--max-new-tokens must be 1 or more.")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise UserError("--temperature must be 0 or more and --top-p in (0, 1].")
+    engine = load_engine(args.store, device=args.device, dtype=args.dtype,
+                         cache_experts=args.cache_experts, vram_budget=args.vram_budget,
+                         prefetch=args.prefetch, kernels=args.kernels)
+    if engine.note:
+        print(f"moeferry: {engine.note}", file=sys.stderr)
+    sampling = SamplingSettings(args.temperature, args.top_p, args.max_new_tokens, args.seed)
+    cancel = threading.Event()
+    pieces, ids = [], []
+    try:
+        for piece in engine.stream(args.prompt, sampling, cancel, chat=args.chat):
+            pieces.append(piece.text)
+            ids.append(piece.token_id)
+            if not args.json:
+                print(piece.text, end="", flush=True)
+    except KeyboardInterrupt:
+        cancel.set()
+    stats = engine.last_stats
+    if args.json:
+        print(json.dumps({"text": "".join(pieces), "token_ids": ids, "stats": stats.contract()}))
+    else:
+        print()
+        print(f"[{stats.new_tokens} tokens, {stats.tokens_per_s:.2f} tokens/s, first token "
+              f"{stats.first_token_s:.2f} s, cache hits {stats.cache_hits}/"
+              f"{stats.cache_hits + stats.cache_misses}]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,367 @@
+"""Hugging Face Mixtral checkpoint folder -> MoE Ferry store, one tensor at a time.
+
+Peak memory is bounded by one expert (three matrices in the source dtype) plus HQQ's float32
+workspace for one matrix (about 6 copies of it), never the checkpoint: for Mixtral-8x7B
+about 0.35 GB + 1.4 GB, whatever the checkpoint's 93 GB. Reads go through plain file reads
+(engine/safetensors_io.py), so no mmap keeps pages of the checkpoint resident.
+
+The store is written into a hidden sibling folder, re-verified, then renamed into place: an
+interrupted conversion never leaves a folder that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine import quant, store
+from engine.errors import UserError
+from engine.model import ModelConfig
+from engine.safetensors_io import DTYPE_NAMES, FormatError, StreamingWriter, read_header, read_tensor
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                   "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                   "chat_template.json")
+EXTRA_FILES = ("generation_config.json",)
+
+
+class Cancelled(Exception):
+    pass
+
+
+@dataclass
+class TensorRef:
+    file: Path
+    entry: dict
+    data_start: int
+
+    def load(self) -> torch.Tensor:
+        return read_tensor(self.file, self.entry, self.data_start)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the source folder
+
+
+def read_hf_config(src: Path) -> dict:
+    if not src.is_dir():
+        raise UserError(f"{src} is not a folder; give the folder of a Hugging Face Mixtral checkpoint.")
+    try:
+        cfg = json.loads((src / "config.json").read_text())
+    except FileNotFoundError:
+        raise UserError(f"{src} has no config.json, so it is not a Hugging Face checkpoint; "
+                        f"give the folder that holds config.json and the .safetensors files.") from None
+    except ValueError:
+        raise UserError(f"{src}/config.json is not valid JSON; download the checkpoint again.") from None
+    kind = cfg.get("model_type", "")
+    if kind != "mixtral" and "MixtralForCausalLM" not in cfg.get("architectures", []):
+        raise UserError(f"{src} holds a {kind or 'unknown'!r} model, not Mixtral; "
+                        f"MoE Ferry converts Mixtral checkpoints only.")
+    return cfg
+
+
+def index_tensors(src: Path) -> dict[str, TensorRef]:
+    """Every tensor name in the checkpoint -> where its bytes are."""
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError):
+            raise UserError(f"{index} is damaged; download the checkpoint again.") from None
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (src / f).is_file()]
+        if missing:
+            raise UserError(f"{src} is missing {len(missing)} of {len(files)} shards named by "
+                            f"model.safetensors.index.json ({', '.join(missing[:3])}); "
+                            f"finish the download (`moeferry fetch` resumes) and convert again.")
+    else:
+        files = sorted(p.name for p in src.glob("*.safetensors"))
+        if not files:
+            raise UserError(f"{src} has no .safetensors files; MoE Ferry reads safetensors "
+                            f"checkpoints (model.safetensors or model-000NN-of-000MM.safetensors).")
+    refs = {}
+    for name in files:
+        path = src / name
+        try:
+            header, start = read_header(path)
+        except (OSError, FormatError) as e:
+            raise UserError(f"Cannot read {path} ({e}); download it again.") from None
+        for key, entry in header.items():
+            refs[key] = TensorRef(path, entry, start)
+    return refs
+
+
+def detect_format(src) -> str:
+    """'paper' for the paper's pre-quantized offloading checkpoint, else 'hf'."""
+    index = Path(src).expanduser() / "model.safetensors.index.json"
+    try:
+        keys = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "hf"
+    return "paper" if any(k.endswith(".W_q") for k in keys) else "hf"
+
+
+def expert_loader(refs: dict[str, TensorRef], cfg: ModelConfig):
+    """A function (layer, expert) -> {w1, w3, w2} for per-expert or fused (3-D) checkpoints."""
+    def per_expert(layer, e):
+        p = f"model.layers.{layer}.block_sparse_moe.experts.{e}."
+        return {m: refs[p + m + ".weight"].load() for m in store.EXPERT_MATRICES}
+
+    def fused(layer, e):
+        p = f"model.layers.{layer}.mlp.experts."
+        gate_up = slice_first(refs[p + "gate_up_proj"], e)  # [2F, H]
+        return {"w1": gate_up[:cfg.intermediate_size], "w3": gate_up[cfg.intermediate_size:],
+                "w2": slice_first(refs[p + "down_proj"], e)}
+
+    if "model.layers.0.block_sparse_moe.experts.0.w1.weight" in refs:
+        need = [f"model.layers.{l}.block_sparse_moe.experts.{e}.{m}.weight"
+                for l in range(cfg.num_layers) for e in range(cfg.num_experts) for m in store.EXPERT_MATRICES]
+        check_present(refs, need)
+        return per_expert, refs["model.layers.0.block_sparse_moe.experts.0.w1.weight"].entry["dtype"]
+    if "model.layers.0.mlp.experts.gate_up_proj" in refs:
+        check_present(refs, [f"model.layers.{l}.mlp.experts.{m}" for l in range(cfg.num_layers)
+                             for m in ("gate_up_proj", "down_proj")])
+        return fused, refs["model.layers.0.mlp.experts.gate_up_proj"].entry["dtype"]
+    raise UserError("The checkpoint has no Mixtral expert weights (expected keys like "
+                    "model.layers.0.block_sparse_moe.experts.0.w1.weight); is it a Mixtral checkpoint?")
+
+
+def slice_first(ref: TensorRef, i: int) -> torch.Tensor:
+    """ref's tensor [N, ...] -> its i-th slice, reading only those bytes."""
+    shape = ref.entry["shape"]
+    start, end = ref.entry["data_offsets"]
+    per = (end - start) // shape[0]
+    entry = {"dtype": ref.entry["dtype"], "shape": shape[1:],
+             "data_offsets": [start + i * per, start + (i + 1) * per]}
+    return read_tensor(ref.file, entry, ref.data_start)
+
+
+def dense_names(cfg: ModelConfig, refs: dict) -> list[tuple[str, str]]:
+    """(store name, checkpoint name) of every non-expert tensor."""
+    names = [("model.embed_tokens.weight",) * 2, ("model.norm.weight",) * 2]
+    if "lm_head.weight" in refs or not cfg.tie_word_embeddings:
+        names.append(("lm_head.weight",) * 2)
+    for l in range(cfg.num_layers):
+        p = f"model.layers.{l}."
+        names += [(p + "input_layernorm.weight",) * 2, (p + "post_attention_layernorm.weight",) * 2]
+        gate = p + "block_sparse_moe.gate.weight"
+        names.append((gate, gate if gate in refs else p + "mlp.gate.weight"))
+        names += [(p + f"self_attn.{m}.weight",) * 2 for m in store.ATTN_MATRICES]
+    check_present(refs, [src for _, src in names])
+    return names
+
+
+def check_present(refs: dict, names: list[str]) -> None:
+    missing = [n for n in names if n not in refs]
+    if missing:
+        raise UserError(f"The checkpoint lacks {len(missing)} tensors Mixtral needs (first: {missing[0]}); "
+                        f"it is incomplete or not a Mixtral checkpoint.")
+
+
+def quantization_of(bits: int, specs: dict, source_dtype: str, allowed) -> dict:
+    if bits not in allowed:
+        raise UserError(f"{bits}-bit is not offered here; choose one of {', '.join(map(str, allowed))}.")
+    if bits == 16:
+        return {"bits": 16, "dtype": source_dtype}
+    s = specs[bits]
+    return {"bits": bits, "group_size": s.group_size, "meta_group": s.meta_group, "method": "hqq"}
+
+
+def copy_tokenizer(src: Path, tok_dir: Path | None, dest: Path) -> None:
+    where = tok_dir or src
+    found = [f for f in TOKENIZER_FILES if (where / f).is_file()]
+    if not any(f in found for f in ("tokenizer.json", "tokenizer.model")):
+        raise UserError(f"{where} has no tokenizer (tokenizer.json or tokenizer.model); copy the "
+                        f"tokenizer files next to the weights or pass --tokenizer DIR.")
+    for f in found:
+        shutil.copy2(where / f, dest / f)
+    for f in EXTRA_FILES:
+        if (src / f).is_file():
+            shutil.copy2(src / f, dest / f)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for, but PyTorch sees no CUDA GPU; use --device cpu "
+                        "or install a CUDA build of PyTorch.")
+    return torch.device(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Converting
+
+
+def convert_checkpoint(src, dest, expert_bits: int, attn_bits: int, device: str = "auto",
+                       tokenizer: str | Path | None = None, progress=None,
+                       cancel: threading.Event | None = None) -> Path:
+    """Convert and install atomically; returns dest. progress(fraction, message)."""
+    src, dest = Path(src).expanduser(), Path(dest).expanduser()
+    hf = read_hf_config(src)
+    cfg = ModelConfig.from_hf(hf)
+    refs = index_tensors(src)
+    load_expert, src_dtype = expert_loader(refs, cfg)
+    names = dense_names(cfg, refs)
+    eq = quantization_of(expert_bits, quant.EXPERT_SPECS, src_dtype, (2, 3, 4, 16))
+    aq = quantization_of(attn_bits, quant.ATTN_SPECS, refs[names[-1][1]].entry["dtype"], (4, 8, 16))
+    try:
+        for m in store.EXPERT_MATRICES:
+            store.matrix_fields(*store.expert_shape(cfg, m), eq)
+        for m in store.ATTN_MATRICES:
+            store.matrix_fields(*store.attn_shape(cfg, m), aq)
+    except ValueError as e:
+        raise UserError(f"This model's shapes do not fit the chosen quantization: {e}.") from None
+    dev = resolve_device(device)
+    check_destination(dest)
+    tmp = store.temp_sibling(dest)
+    store.remove_partial(tmp)  # leftovers of an earlier interrupted run
+    tmp.mkdir(parents=True)
+    report = progress or (lambda f, m: None)
+    try:
+        tok_dir = resolve_tokenizer_dir(tokenizer) if tokenizer else None
+        copy_tokenizer(src, tok_dir, tmp)
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2))
+        total = len(names) + cfg.num_layers * cfg.num_experts
+        done = [0]
+
+        def tick(msg):
+            if cancel is not None and cancel.is_set():
+                raise Cancelled()
+            done[0] += 1
+            report(done[0] / total, msg)
+
+        hashes = {"dense.safetensors": write_dense(tmp, cfg, refs, names, aq, dev, tick)}
+        hashes["experts.safetensors"] = write_experts(tmp, cfg, load_expert, eq, dev, tick)
+        write_manifest(tmp, cfg, hf, src, eq, aq, hashes)
+        report(1.0, "verifying the new store")
+        bad = store.verify_store(tmp)
+        if bad:
+            raise UserError(f"The converted store failed verification ({bad[0]}); check the disk and run again.",
+                            exit_code=1)
+        if dest.is_dir():
+            dest.rmdir()  # empty, checked above
+        store.install_atomically(tmp, dest)
+    except Cancelled:
+        store.remove_partial(tmp)
+        raise UserError("Conversion cancelled; nothing was written.", exit_code=1) from None
+    except BaseException:
+        store.remove_partial(tmp)
+        raise
+    return dest
+
+
+def check_destination(dest: Path) -> None:
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise UserError(f"{dest} already exists and is not empty; choose a new folder or remove it first.")
+    parent = dest.parent if dest.parent != Path("") else Path(".")
+    if not parent.is_dir():
+        raise UserError(f"The folder {parent} does not exist; create it first or choose another DEST.")
+
+
+def resolve_tokenizer_dir(arg) -> Path:
+    p = Path(arg).expanduser()
+    if p.is_dir():
+        return p
+    try:
+        from engine.download import find_in_hf_cache
+        found = find_in_hf_cache(str(arg))
+    except ImportError:
+        found = None
+    if found is None:
+        raise UserError(f"--tokenizer {arg} is neither a folder nor a repository in your Hugging Face "
+                        f"cache; download it first with `moeferry fetch {arg} DIR`.")
+    return found
+
+
+def write_dense(tmp: Path, cfg: ModelConfig, refs, names, aq: dict, dev, tick) -> str:
+    entries, plan = [], []
+    for dst, src_name in names:
+        entry = refs[src_name].entry
+        proj = dst.split(".")[-2]
+        if proj in store.ATTN_MATRICES and aq["bits"] != 16:
+            fields = store.matrix_fields(*store.attn_shape(cfg, proj), aq)
+            base = dst[: -len(".weight")]
+            entries += [(f"{base}.{k}", dt, shape) for k, (dt, shape) in fields.items()]
+            plan.append((dst, src_name, base, True))
+        else:
+            from engine.safetensors_io import DTYPES
+            dtype = DTYPES[aq["dtype"]] if proj in store.ATTN_MATRICES else DTYPES[entry["dtype"]]
+            entries.append((dst, dtype, tuple(entry["shape"])))
+            plan.append((dst, src_name, dst, False))
+    w = StreamingWriter(tmp / "dense.safetensors", entries, {"format": store.FORMAT})
+    for dst, src_name, base, quantized in plan:
+        t = refs[src_name].load()
+        if quantized:
+            qm = quantize(t, aq, dev)
+            for k, v in qm.tensors().items():
+                w.write(f"{base}.{k}", v.cpu())
+        else:
+            w.write(dst, t)
+        tick(f"converting {dst}")
+    return w.close()
+
+
+def write_experts(tmp: Path, cfg: ModelConfig, load_expert, eq: dict, dev, tick) -> str:
+    fields, stride = store.expert_layout(cfg, eq)
+    shape = (cfg.num_layers, cfg.num_experts, stride)
+    w = StreamingWriter(tmp / "experts.safetensors", [("experts", torch.uint8, shape)],
+                        {"format": store.FORMAT})
+    for layer in range(cfg.num_layers):
+        for e in range(cfg.num_experts):
+            mats = load_expert(layer, e)
+            tensors = {}
+            for m, t in mats.items():
+                if eq["bits"] == 16:
+                    tensors[f"{m}.weight"] = t
+                else:
+                    for k, v in quantize(t, eq, dev).tensors().items():
+                        tensors[f"{m}.{k}"] = v.cpu()
+            w.write_raw("experts", memoryview(store.pack_expert(tensors, fields, stride).numpy()))
+            tick(f"converting layer {layer} expert {e}")
+    return w.close()
+
+
+def quantize(t: torch.Tensor, q: dict, dev) -> quant.QMatrix:
+    spec = quant.QuantSpec(q["bits"], q["group_size"], q["meta_group"])
+    return quant.quantize_matrix(t.to(dev), spec)
+
+
+def write_manifest(tmp: Path, cfg, hf, src: Path, eq, aq, hashes: dict) -> None:
+    fields, stride = store.expert_layout(cfg, eq)
+    files = {}
+    for p in sorted(tmp.iterdir()):
+        files[p.name] = {"size": p.stat().st_size,
+                         "sha256": hashes.get(p.name) or store.sha256_file(p)}
+    manifest = {
+        "format": store.FORMAT, "version": store.VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "source": source_info(src),
+        "quantization": {"experts": eq, "attention": aq},
+        "experts": {"file": "experts.safetensors", "tensor": "experts", "stride": stride,
+                    "fields": fields},
+        "files": files,
+    }
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+
+def source_info(src: Path) -> dict:
+    """Repo and revision when src is a Hugging Face cache snapshot or a fetched folder."""
+    info = {"path": str(src.resolve())}
+    m = re.search(r"models--([^/]+)--([^/]+)/snapshots/([0-9a-f]+)", str(src.resolve()))
+    if m:
+        info.update(repo=f"{m.group(1)}/{m.group(2)}", revision=m.group(3))
+    for meta in (src / ".moeferry-fetch.json", src / "fetch.json"):
+        if meta.is_file():
+            try:
+                info.update({k: v for k, v in json.loads(meta.read_text()).items() if k in ("repo", "revision")})
+            except ValueError:
+                pass
+    return info

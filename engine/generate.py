@@ -1,0 +1,382 @@
+"""Loading a store and generating text: sampling -> prefill -> decode -> stream -> load.
+
+`load_engine` picks the device, dtype and expert-cache size (from a VRAM budget), and
+`Engine.stream` yields text pieces as tokens are decoded; a threading.Event cancels it from
+any thread. Stats for every generation land in `Engine.last_stats`, the routing of every
+decoded token in `Engine.last_trace` (the GUI's expert map).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from engine import quant, store as store_mod
+from engine.errors import UserError
+from engine.expert_cache import ExpertCache
+from engine.model import KVCache, ModelConfig, OffloadedMixtral
+
+GiB = 1 << 30
+
+
+@dataclass
+class SamplingSettings:
+    temperature: float = 0.7
+    top_p: float = 0.9
+    max_new_tokens: int = 512
+    seed: int | None = None
+
+
+@dataclass
+class TokenPiece:
+    token_id: int
+    text: str
+
+
+@dataclass
+class GenerationStats:
+    tokens_per_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    first_token_s: float = 0.0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    prefetch_issued: int = 0
+    prefetch_used: int = 0
+    bytes_h2d: int = 0
+    peak_vram_bytes: int = 0
+    new_tokens: int = 0
+    prompt_tokens: int = 0
+    reused_prompt_tokens: int = 0
+    vram_budget_bytes: int | None = None
+    h2d_gb_per_s: float = 0.0
+
+    def contract(self) -> dict:
+        """The fields `moeferry generate --json` promises, first, then the rest."""
+        d = asdict(self)
+        keys = ("tokens_per_s", "prefill_s", "decode_s", "cache_hits", "cache_misses",
+                "prefetch_issued", "prefetch_used", "bytes_h2d", "peak_vram_bytes")
+        return {**{k: d[k] for k in keys}, **{k: v for k, v in d.items() if k not in keys}}
+
+
+@dataclass
+class ExpertTrace:
+    num_layers: int
+    num_experts: int
+    selected: list = field(default_factory=list)  # [token][layer] -> tuple of expert ids
+    resident_before: list = field(default_factory=list)  # [token][layer] -> experts resident then
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling
+
+
+def sample(logits: torch.Tensor, s: SamplingSettings, gen: torch.Generator | None) -> int:
+    """logits [vocab] float32 -> token id. temperature 0 = greedy."""
+    if s.temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float().cpu() / s.temperature, dim=-1)
+    if s.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        drop = torch.cumsum(sorted_p, dim=-1) - sorted_p > s.top_p  # keep the first past top_p
+        sorted_p[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine
+
+
+class Engine:
+    def __init__(self, store: store_mod.Store, model: OffloadedMixtral, tokenizer, device, dtype,
+                 budget: int | None, max_context: int, note: str = ""):
+        self.store, self.model, self.tokenizer = store, model, tokenizer
+        self.config: ModelConfig = store.config
+        self.device, self.dtype, self.vram_budget, self.max_context = device, dtype, budget, max_context
+        self.note = note  # e.g. "pinned memory unavailable: copies are slower"
+        self.last_stats = GenerationStats()
+        self.last_trace = ExpertTrace(self.config.num_layers, self.config.num_experts)
+        self.cached_ids: list[int] = []  # tokens whose keys/values are in the KV cache
+        self.lock = threading.Lock()
+        self.eos_ids = eos_ids(store.path, tokenizer)
+
+    # -- settings applied from the next message --------------------------------------------------
+
+    def set_prefetch(self, depth: int) -> None:
+        if depth < 0:
+            raise UserError("Prefetch depth must be 0 (off) or more.")
+        self.model.prefetch_depth = depth
+
+    def set_cache_experts(self, k: int) -> None:
+        with self.lock:
+            check_cache_size(k, self.config)
+            fixed = fixed_device_bytes(self.store, self.model, self.max_context)
+            check_budget(self.vram_budget, fixed, k, self.config.num_layers * self.store.expert_bytes)
+            host = self.model.cache.host if self.model.cache.host is not None else store_mod.experts_array(self.store)
+            self.model.cache = None
+            self.model.cache = make_cache(self.store, host, k, self.device)
+
+    # -- text in, text out -----------------------------------------------------------------------
+
+    def encode(self, prompt, chat: bool) -> list[int]:
+        if isinstance(prompt, list) or chat:
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise UserError("This model has no chat template; run without --chat.")
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(prompt)["input_ids"]
+
+    def stream(self, prompt, sampling: SamplingSettings, cancel: threading.Event | None = None,
+               chat: bool | None = None) -> Iterator[TokenPiece]:
+        """Yield text pieces as tokens are decoded. prompt: text or chat messages."""
+        ids = self.encode(prompt, chat if chat is not None else isinstance(prompt, list))
+        new: list[int] = []
+        shown = ""
+        for tok in self.generate_ids(ids, sampling, cancel):
+            new.append(tok)
+            text = self.tokenizer.decode(new, skip_special_tokens=True)
+            if text.endswith("\ufffd"):  # an unfinished multi-byte character: wait for the rest
+                continue
+            piece, shown = text[len(shown):], text
+            yield TokenPiece(tok, piece)
+
+    def generate_ids(self, prompt_ids: list[int], sampling: SamplingSettings,
+                     cancel: threading.Event | None = None) -> Iterator[int]:
+        with self.lock:
+            yield from self._generate(prompt_ids, sampling, cancel)
+
+    def _generate(self, prompt_ids, s: SamplingSettings, cancel) -> Iterator[int]:
+        if not prompt_ids:
+            raise UserError("The prompt is empty; give some text.")
+        room = self.max_context - len(prompt_ids)
+        if room < 1:
+            raise UserError(f"The prompt has {len(prompt_ids)} tokens, more than this model's context of "
+                            f"{self.max_context}; shorten it or start a new conversation.")
+        max_new = min(s.max_new_tokens, room)
+        model, cache = self.model, self.model.cache
+        model.setup_kv(min(self.max_context, len(prompt_ids) + max_new))
+        gen = torch.Generator().manual_seed(s.seed) if s.seed is not None else None
+        before = asdict(cache.stats)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        reuse = common_prefix(self.cached_ids, prompt_ids)
+        self.cached_ids = []  # the KV cache is being overwritten
+        stats = GenerationStats(prompt_tokens=len(prompt_ids), reused_prompt_tokens=reuse,
+                                vram_budget_bytes=self.vram_budget)
+        trace = ExpertTrace(self.config.num_layers, self.config.num_experts)
+        t0 = time.perf_counter()
+        tokens = torch.tensor(prompt_ids[reuse:], device=self.device)
+        model.trace = None
+        logits = model.forward(tokens, start=reuse)
+        tok = sample(logits[-1], s, gen)
+        stats.prefill_s = stats.first_token_s = time.perf_counter() - t0
+        done = list(prompt_ids)
+        model.trace = []
+        t1 = time.perf_counter()
+        try:
+            for n in range(max_new):
+                stats.new_tokens = n + 1
+                yield tok
+                if tok in self.eos_ids or n + 1 == max_new or (cancel is not None and cancel.is_set()):
+                    break
+                logits = model.forward(torch.tensor([tok], device=self.device), start=len(done))
+                done.append(tok)
+                tok = sample(logits[-1], s, gen)
+        finally:
+            self.cached_ids = done  # keys/values of these positions are valid for reuse
+            stats.decode_s = time.perf_counter() - t1
+            if stats.new_tokens > 1:
+                stats.tokens_per_s = (stats.new_tokens - 1) / max(stats.decode_s, 1e-9)
+            after = asdict(cache.stats)
+            stats.cache_hits = after["hits"] - before["hits"]
+            stats.cache_misses = after["misses"] - before["misses"]
+            stats.prefetch_issued = after["prefetch_issued"] - before["prefetch_issued"]
+            stats.prefetch_used = after["prefetch_used"] - before["prefetch_used"]
+            stats.bytes_h2d = after["bytes_h2d"] - before["bytes_h2d"]
+            total = stats.prefill_s + stats.decode_s
+            stats.h2d_gb_per_s = stats.bytes_h2d / total / 1e9 if total > 0 else 0.0
+            stats.peak_vram_bytes = peak_device_bytes(self)
+            for step in model.trace or []:
+                trace.selected.append([sel for sel, _ in step])
+                trace.resident_before.append([res for _, res in step])
+            model.trace = None
+            self.last_stats, self.last_trace = stats, trace
+
+    def close(self) -> None:
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return min(n, len(b) - 1)  # always recompute the last prompt token: its logits are needed
+
+
+def eos_ids(path: Path, tokenizer) -> set[int]:
+    ids = set()
+    gc = path / "generation_config.json"
+    if gc.is_file():
+        import json
+        v = json.loads(gc.read_text()).get("eos_token_id")
+        ids.update(v if isinstance(v, list) else [v] if v is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def peak_device_bytes(engine: Engine) -> int:
+    if engine.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(engine.device)
+    return fixed_device_bytes(engine.store, engine.model, engine.model.kv.capacity) + engine.model.cache.device_bytes()
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizing the expert cache from the VRAM budget
+
+
+def parse_size(text: str | None) -> int | None:
+    """'12GiB', '16GB', '800MiB', '123456', 'none' -> bytes (None = no budget)."""
+    if text is None or str(text).lower() in ("none", ""):
+        return None
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*", str(text).lower())
+    if not m:
+        raise UserError(f"Cannot read the size {text!r}; write it like 12GiB, 16GB or 800MiB.")
+    unit = (m.group(2) or "b").rstrip("b") or ""
+    mult = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
+            "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}[unit]
+    return int(float(m.group(1)) * mult)
+
+
+def fmt_bytes(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / (1 << 20):.1f} MiB"
+
+
+def workspace_bytes(cfg: ModelConfig, dtype, device: torch.device) -> int:
+    """Room for activations and the reference path's dequantized matrices."""
+    if device.type != "cuda":
+        return 0
+    return 3 * cfg.intermediate_size * cfg.hidden_size * dtype.itemsize + 256 * (1 << 20)
+
+
+def fixed_device_bytes(store: store_mod.Store, model: OffloadedMixtral, context: int) -> int:
+    """Bytes on the device that do not depend on the expert cache size."""
+    return (model.dense_bytes + KVCache.nbytes(store.config, context, model.dtype)
+            + workspace_bytes(store.config, model.dtype, model.device))
+
+
+def check_cache_size(k: int, cfg: ModelConfig) -> None:
+    if not 1 <= k <= cfg.num_experts:
+        raise UserError(f"--cache-experts must be between 1 and {cfg.num_experts} (the experts per layer "
+                        f"of this model); got {k}.")
+
+
+def check_budget(budget: int | None, fixed: int, k: int, per_slot: int) -> None:
+    if budget is None:
+        return
+    need = fixed + k * per_slot
+    if need > budget:
+        least = fixed + per_slot
+        raise UserError(f"A VRAM budget of {fmt_bytes(budget)} cannot hold this model with {k} cached "
+                        f"expert(s) per layer ({fmt_bytes(need)} needed; at least {fmt_bytes(least)} "
+                        f"with 1); raise --vram-budget or lower --cache-experts.")
+
+
+def make_cache(store: store_mod.Store, host: torch.Tensor, k: int, device, progress=None) -> ExpertCache:
+    cfg = store.config
+
+    def views(buf):  # views into the slot's bytes: no copy, no allocation per token
+        return store_mod.view_expert(buf, store.expert_fields, store.expert_quant, cfg)
+
+    return ExpertCache(host, k, device, views, progress)
+
+
+def move_dense(dense: dict, device, dtype) -> tuple[dict, int]:
+    out, nbytes = {}, 0
+    for name, w in dense.items():
+        if isinstance(w, quant.QMatrix):
+            t = {k: v.to(device) for k, v in w.tensors().items()}
+            out[name] = quant.QMatrix.from_tensors(w.info(), t)
+            nbytes += w.nbytes()
+        else:
+            out[name] = w.to(device=device, dtype=dtype)
+            nbytes += out[name].numel() * out[name].element_size()
+    return out, nbytes
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for, but PyTorch sees no CUDA GPU; use --device cpu "
+                        "or install a CUDA build of PyTorch.")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise UserError(f"Unknown device {device!r}; use auto, cpu or cuda.")
+    return torch.device(device)
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = None,
+                cache_experts: int | None = None, vram_budget: int | str | None = None,
+                prefetch: int = 1, kernels: str = "auto", max_context: int | None = None,
+                progress=None) -> Engine:
+    """Open a store and put it on the device. progress(fraction, message)."""
+    from transformers import AutoTokenizer
+
+    st = store_mod.open_store(store)
+    cfg = st.config
+    dev = resolve_device(device)
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise UserError(f"Unknown dtype {dtype!r}; use float32, bfloat16 or float16.")
+        dtype = DTYPES[dtype]
+    dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    budget = parse_size(vram_budget) if isinstance(vram_budget, str) else vram_budget
+    if cache_experts is not None:
+        check_cache_size(cache_experts, cfg)
+    if prefetch < 0:
+        raise UserError("--prefetch must be 0 (off) or more.")
+    context = min(max_context or 4096, cfg.max_position_embeddings)
+    report = progress or (lambda f, m: None)
+    report(0.0, "reading the model")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(st.path))
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad folder
+        raise UserError(f"Cannot load the tokenizer from {st.path} ({type(e).__name__}); "
+                        f"run `moeferry verify {st.path}`.") from None
+    dense, dense_b = move_dense(store_mod.read_dense(st), dev, dtype)
+    fixed = dense_b + KVCache.nbytes(cfg, context, dtype) + workspace_bytes(cfg, dtype, dev)
+    per_slot = cfg.num_layers * st.expert_bytes
+    if budget is None and dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        limit = free + dense_b - 512 * (1 << 20)  # dense weights are already on the device
+    elif budget is None:
+        limit = fixed + per_slot * cfg.num_experts if per_slot * cfg.num_experts <= 4 * GiB else fixed + 4 * GiB
+    else:
+        limit = budget
+    k = cache_experts if cache_experts is not None else max(0, min(cfg.num_experts, (limit - fixed) // per_slot))
+    if k < 1 or (budget is not None):
+        check_budget(limit, fixed, max(k, 1), per_slot)
+    host = store_mod.experts_array(st)
+    cache = make_cache(st, host, k, dev, lambda f, m: report(0.1 + 0.9 * f, m))
+    model = OffloadedMixtral(cfg, dense, cache, dev, dtype, kernels)
+    model.dense_bytes = dense_b
+    model.prefetch_depth = prefetch
+    note = "" if (cache.pinned or cache.host is None or dev.type != "cuda") else \
+        "Pinned memory is unavailable, so expert copies use pageable memory and are slower."
+    report(1.0, "ready")
+    return Engine(st, model, tokenizer, dev, dtype, budget, context, note)

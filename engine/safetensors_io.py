@@ -1,0 +1,132 @@
+"""Streaming safetensors reading and writing, one tensor at a time.
+
+The `safetensors` package reads through mmap (touched pages count towards the process's
+resident memory while the file is open) and writes only whole dicts. Converting a 93 GB
+checkpoint needs neither: we read each tensor into its own buffer and write tensors in
+order under a header that is known up front. The format is the public safetensors spec:
+u64 little-endian header length, a JSON header, then the raw little-endian tensor bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+import torch
+
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class FormatError(Exception):
+    pass
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """(header without __metadata__, byte offset where tensor data starts)."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise FormatError(f"{path.name} is not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100_000_000:
+            raise FormatError(f"{path.name} is not a safetensors file (bad header length)")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise FormatError(f"{path.name} is not a safetensors file ({e})") from None
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def read_tensor(path: Path, entry: dict, data_start: int) -> torch.Tensor:
+    """Read one tensor (header entry) into a fresh CPU tensor."""
+    start, end = entry["data_offsets"]
+    buf = bytearray(end - start)
+    with open(path, "rb") as f:
+        f.seek(data_start + start)
+        if f.readinto(buf) != len(buf):
+            raise FormatError(f"{path.name} is truncated")
+    dtype = DTYPES[entry["dtype"]]
+    if not buf:
+        return torch.empty(entry["shape"], dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype).reshape(entry["shape"])
+
+
+class StreamingWriter:
+    """Write a safetensors file whose tensors (names, dtypes, shapes) are declared up front.
+
+    Tensors must then be written in the declared order. The sha256 of the whole file is
+    computed on the way (`sha256` after close()).
+    """
+
+    def __init__(self, path: Path, entries: list[tuple[str, torch.dtype, tuple]],
+                 metadata: dict[str, str] | None = None, align: int = 256):
+        header, offset = {}, 0
+        self.order = []
+        for name, dtype, shape in entries:
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            offset = -(-offset // align) * align  # keep every tensor aligned for views
+            header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            self.order.append((name, dtype, tuple(shape), offset, nbytes))
+            offset += nbytes
+        if metadata:
+            header["__metadata__"] = metadata
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-(8 + len(raw)) % align)  # data section starts aligned too
+        self.data_start = 8 + len(raw)
+        self.total = self.data_start + offset
+        self.path = path
+        self.f = open(path, "wb")
+        self.hash = hashlib.sha256()
+        self.pos = 0
+        self._write(struct.pack("<Q", len(raw)) + raw)
+        self.next = 0
+
+    def _write(self, b) -> None:
+        self.f.write(b)
+        self.hash.update(b)
+        self.pos += len(b)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        want_name, dtype, shape, offset, nbytes = self.order[self.next]
+        if name != want_name or tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise ValueError(f"expected {want_name} {dtype} {shape}, got {name} {tensor.dtype} "
+                             f"{tuple(tensor.shape)}")
+        pad = self.data_start + offset - self.pos
+        if pad:
+            self._write(b"\0" * pad)
+        self._write(tensor_bytes(tensor))
+        self.next += 1
+
+    def write_raw(self, name: str, data: bytes | memoryview) -> None:
+        """Write part of the next tensor's bytes (for tensors written in slices)."""
+        want_name, _, _, offset, nbytes = self.order[self.next]
+        if name != want_name:
+            raise ValueError(f"expected {want_name}, got {name}")
+        start = self.data_start + offset
+        if self.pos < start:
+            self._write(b"\0" * (start - self.pos))
+        self._write(data)
+        if self.pos == start + nbytes:
+            self.next += 1
+        elif self.pos > start + nbytes:
+            raise ValueError(f"too many bytes for {name}")
+
+    def close(self) -> str:
+        if self.next != len(self.order):
+            raise ValueError(f"{self.path.name}: only {self.next} of {len(self.order)} tensors written")
+        self.f.close()
+        return self.hash.hexdigest()
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach().contiguous().cpu()
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
