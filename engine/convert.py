@@ -165,13 +165,21 @@ def check_present(refs: dict, names: list[str]) -> None:
                         f"it is incomplete or not a Mixtral checkpoint.")
 
 
-def quantization_of(bits: int, specs: dict, source_dtype: str, allowed) -> dict:
+def quantization_of(bits: int, specs: dict, source_dtype: str, allowed, rows: list[int]) -> dict:
+    """The quantization of one kind of matrix (experts or attention) as the manifest records it.
+
+    Small models whose row counts the default group size does not divide get the largest
+    power-of-two group that divides them all (Mixtral-8x7B keeps the defaults).
+    """
     if bits not in allowed:
         raise UserError(f"{bits}-bit is not offered here; choose one of {', '.join(map(str, allowed))}.")
     if bits == 16:
         return {"bits": 16, "dtype": source_dtype}
     s = specs[bits]
-    return {"bits": bits, "group_size": s.group_size, "meta_group": s.meta_group, "method": "hqq"}
+    g = s.group_size
+    while g > 8 and any(r % g for r in rows):
+        g //= 2
+    return {"bits": bits, "group_size": g, "meta_group": s.meta_group, "method": "hqq"}
 
 
 def copy_tokenizer(src: Path, tok_dir: Path | None, dest: Path) -> None:
@@ -210,8 +218,10 @@ def convert_checkpoint(src, dest, expert_bits: int, attn_bits: int, device: str 
     refs = index_tensors(src)
     load_expert, src_dtype = expert_loader(refs, cfg)
     names = dense_names(cfg, refs)
-    eq = quantization_of(expert_bits, quant.EXPERT_SPECS, src_dtype, (2, 3, 4, 16))
-    aq = quantization_of(attn_bits, quant.ATTN_SPECS, refs[names[-1][1]].entry["dtype"], (4, 8, 16))
+    eq = quantization_of(expert_bits, quant.EXPERT_SPECS, src_dtype, (2, 3, 4, 16),
+                         [store.expert_shape(cfg, m)[0] for m in store.EXPERT_MATRICES])
+    aq = quantization_of(attn_bits, quant.ATTN_SPECS, refs[names[-1][1]].entry["dtype"], (4, 8, 16),
+                         [store.attn_shape(cfg, m)[0] for m in store.ATTN_MATRICES])
     try:
         for m in store.EXPERT_MATRICES:
             store.matrix_fields(*store.expert_shape(cfg, m), eq)
@@ -330,8 +340,7 @@ def write_experts(tmp: Path, cfg: ModelConfig, load_expert, eq: dict, dev, tick)
 
 
 def quantize(t: torch.Tensor, q: dict, dev) -> quant.QMatrix:
-    spec = quant.QuantSpec(q["bits"], q["group_size"], q["meta_group"])
-    return quant.quantize_matrix(t.to(dev), spec)
+    return quant.quantize_matrix(t.to(dev), quant.QuantSpec.from_dict(q))
 
 
 def write_manifest(tmp: Path, cfg, hf, src: Path, eq, aq, hashes: dict) -> None:

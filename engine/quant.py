@@ -31,7 +31,14 @@ PLANES = {2: (2,), 3: (2, 1), 4: (4,), 8: (8,)}
 class QuantSpec:
     bits: int
     group_size: int
-    meta_group: int  # scale/zero values sharing one 8-bit meta pair (fewer if it doesn't divide)
+    meta_group: int  # scale values sharing one 8-bit meta pair (one pair if it doesn't divide)
+    zero_meta_group: int | None = None  # the same for zeros; None = meta_group
+    meta_bits: int = 8  # 8: scales and zeros are 8-bit + meta; 16: plain float16
+
+    @classmethod
+    def from_dict(cls, q: dict) -> "QuantSpec":
+        return cls(q["bits"], q["group_size"], q["meta_group"], q.get("zero_meta_group"),
+                   q.get("meta_bits", 8))
 
 
 # Group sizes as the paper (and better for 3/4-bit experts than its 64/128 defaults would be).
@@ -83,10 +90,13 @@ def field_shapes(rows: int, cols: int, spec: QuantSpec) -> dict[str, tuple[torch
     """dtype and shape of every tensor of a matrix quantized with `spec` (8-bit metadata)."""
     check_shape(rows, cols, spec)
     G = rows // spec.group_size
-    m = meta_groups(G * cols, spec.meta_group)
     out = {f"plane{i}": (torch.uint8, (rows * w // 8, cols)) for i, w in enumerate(PLANES[spec.bits])}
+    if spec.meta_bits == 16:
+        out["scale"] = out["zero"] = (torch.float16, (G, cols))
+        return out
     out["scale"] = out["zero"] = (torch.uint8, (G, cols))
-    out["scale_meta"] = out["zero_meta"] = (torch.float16, (2, m))
+    out["scale_meta"] = (torch.float16, (2, meta_groups(G * cols, spec.meta_group)))
+    out["zero_meta"] = (torch.float16, (2, meta_groups(G * cols, spec.zero_meta_group or spec.meta_group)))
     return out
 
 
@@ -160,9 +170,12 @@ def quantize_matrix(weight: torch.Tensor, spec: QuantSpec, optimize: bool = True
                                      optimize=optimize, bitpack=False, compute_dtype=torch.float32,
                                      device=str(W.device))
     codes = codes.reshape(rows, cols).round().clamp(0, 2**spec.bits - 1).to(torch.uint8)
-    m = meta_groups(G * cols, spec.meta_group)
-    scale_q, scale_meta = quantize_meta8(meta["scale"].reshape(G, cols), m)
-    zero_q, zero_meta = quantize_meta8(meta["zero"].reshape(G, cols), m)
+    scale, zero = meta["scale"].reshape(G, cols), meta["zero"].reshape(G, cols)
+    if spec.meta_bits == 16:
+        return QMatrix(rows, cols, spec.bits, spec.group_size, pack_codes(codes, spec.bits),
+                       scale.half(), zero.half())
+    scale_q, scale_meta = quantize_meta8(scale, meta_groups(G * cols, spec.meta_group))
+    zero_q, zero_meta = quantize_meta8(zero, meta_groups(G * cols, spec.zero_meta_group or spec.meta_group))
     return QMatrix(rows, cols, spec.bits, spec.group_size, pack_codes(codes, spec.bits),
                    scale_q, zero_q, scale_meta, zero_meta)
 

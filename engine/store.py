@@ -56,8 +56,7 @@ def matrix_fields(rows: int, cols: int, quantization: dict) -> dict[str, tuple[t
     """Tensors that store one matrix: {suffix: (dtype, shape)}; suffix 'weight' if unquantized."""
     if quantization["bits"] == 16:
         return {"weight": (DTYPES[quantization["dtype"]], (rows, cols))}
-    spec = quant.QuantSpec(quantization["bits"], quantization["group_size"], quantization["meta_group"])
-    return quant.field_shapes(rows, cols, spec)
+    return quant.field_shapes(rows, cols, quant.QuantSpec.from_dict(quantization))
 
 
 def expert_layout(cfg: ModelConfig, quantization: dict) -> tuple[list[dict], int]:
