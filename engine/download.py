@@ -1,0 +1,825 @@
+"""Download a Hugging Face repo: resumable, sha256-verified, installed atomically.
+
+The file list, sizes and LFS sha256 come from the hub API (huggingface_hub); the bytes are
+fetched here with HTTP Range requests so that a download resumes after a dropped connection
+and after the process was killed (huggingface_hub restarts from zero across processes).
+
+On disk, while fetching into DEST:
+
+    DEST.partial/                  files land here; DEST appears only when all verified
+        .moeferry-fetch.json       repo, revision, expected files, which are verified
+        <file>.incomplete          bytes so far; the next run continues with a Range request
+        <file>.corrupt             failed its hash; kept aside, fetched again only if asked
+    DEST.partial.lock              held while a process is fetching into DEST
+
+The finished DEST keeps `.moeferry-fetch.json` (with "complete": true) as its manifest.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import http.client
+import importlib
+import json
+import os
+import re
+import shutil
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from engine.errors import UserError
+
+STATE_NAME = ".moeferry-fetch.json"
+CHUNK = 1 << 20
+READ_TIMEOUT_S = 60
+MAX_RETRIES = 8
+BACKOFF_BASE_S = 1.0
+BACKOFF_MAX_S = 60.0
+DISK_MARGIN_BYTES = 64 << 20
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+USER_AGENT = "moeferry-fetch/0.1"
+
+
+@dataclass
+class RemoteFile:
+    path: str
+    size: int
+    sha256: str | None = None  # LFS files: the content's sha256
+    git_oid: str | None = None  # git blob sha1 (for non-LFS files, of the content)
+
+
+@dataclass
+class RepoListing:
+    repo_id: str
+    revision: str
+    commit: str | None
+    files: list[RemoteFile]
+
+
+@dataclass
+class FetchProgress:
+    """One progress event; `phase` is "download", "verify", "reuse" or "done"."""
+    file: str
+    file_done: int
+    file_total: int
+    done: int
+    total: int
+    rate_bps: float
+    eta_s: float | None
+    files_done: int
+    files_total: int
+    phase: str = "download"
+
+
+class FetchCancelled(Exception):
+    """The cancel event was set; what was fetched so far is kept for the next run."""
+
+
+class _Dropped(Exception):
+    """The server closed the connection before sending the whole body."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry points
+
+
+def fetch_repo(repo_id: str, dest, revision: str | None = None, endpoint: str | None = None,
+               token: str | None = None, progress: Callable[[FetchProgress], None] | None = None,
+               cancel: threading.Event | None = None, allow_patterns: list[str] | None = None,
+               *, retry_corrupt: bool = False, use_hf_cache: bool = True,
+               skip_pickle_duplicates: bool = True, max_retries: int = MAX_RETRIES,
+               backoff_s: float = BACKOFF_BASE_S, log: Callable[[str], None] | None = None) -> Path:
+    """Download `repo_id` at `revision` into the folder `dest` and return its path.
+
+    Every LFS file is checked against the hub's sha256, other files against their size and
+    git hash. A file that fails is renamed `<file>.corrupt` inside DEST.partial and, unless
+    `retry_corrupt`, is not fetched again. Files already in the Hugging Face cache with the
+    same hash are linked (or copied) instead of downloaded. Raises UserError with one
+    sentence (exit code 2: wrong repo/revision/access/DEST; 1: network, disk, bad bytes) and
+    FetchCancelled when `cancel` is set.
+    """
+    dest = Path(dest).expanduser().absolute()
+    revision = revision or "main"
+    base = (endpoint or _default_endpoint()).rstrip("/")
+    token = token if token is not None else _stored_token()
+    log = log or (lambda msg: None)
+    cancel = cancel or threading.Event()
+
+    done_already = _complete_download(dest, repo_id)
+    if done_already is not None and done_already.get("revision") == revision:
+        log(f"{dest} already holds {repo_id} ({revision}), verified when it was downloaded.")
+        return dest
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise UserError(f"{dest} already exists and is not an empty download of {repo_id} at "
+                        f"{revision}: choose another DEST or delete it.", 2)
+
+    listing = list_repo_files(repo_id, revision, base, token)
+    files = _select(listing.files, allow_patterns, skip_pickle_duplicates, log)
+    partial = dest.with_name(dest.name + ".partial")
+    with _Lock(dest.with_name(dest.name + ".partial.lock"), dest):
+        partial.mkdir(parents=True, exist_ok=True)
+        state = _load_state(partial, listing, files)
+        _check_disk(partial, files, state, _hf_cache_repo(repo_id) if use_hf_cache else None)
+        tracker = _Tracker(files, state, progress)
+        failed = []
+        for rf in files:
+            if rf.path in state["verified"]:
+                continue
+            ok = _fetch_one(rf, partial, state, listing, base, token, tracker, cancel,
+                            retry_corrupt, use_hf_cache, max_retries, backoff_s)
+            if not ok:
+                failed.append(rf.path)
+        if failed:
+            raise UserError(_corrupt_message(failed, partial), 1)
+        state["complete"] = True
+        _save_state(partial, state)
+        if dest.exists():
+            dest.rmdir()
+        os.replace(partial, dest)
+        tracker.emit("", 0, 0, phase="done", force=True)
+    return dest
+
+
+def cli_fetch(repo_id: str, dest: str, revision: str | None, endpoint: str | None) -> int:
+    """`moeferry fetch`: download with a progress bar on stderr; returns the exit code."""
+    bar = _ProgressBar(sys.stderr)
+    try:
+        path = fetch_repo(repo_id, dest, revision=revision, endpoint=endpoint,
+                          progress=bar, log=bar.message)
+    except KeyboardInterrupt:
+        bar.finish()
+        print("Download stopped; run the same command again to resume where it left off.",
+              file=sys.stderr)
+        return 130
+    bar.finish()
+    manifest = _read_json(path / STATE_NAME) or {}
+    n = len(manifest.get("files", []))
+    total = sum(f["size"] for f in manifest.get("files", []))
+    print(f"{repo_id} is in {path}: {n} files, {_fmt_bytes(total)}, every file verified.")
+    return 0
+
+
+def list_repo_files(repo_id: str, revision: str, endpoint: str, token: str | None) -> RepoListing:
+    """Ask the hub for the repo's commit and its files with sizes and hashes."""
+    from huggingface_hub import HfApi
+    from huggingface_hub import errors as hf_errors
+
+    api = HfApi(endpoint=endpoint, token=token or False)
+    try:
+        info = api.model_info(repo_id, revision=revision, timeout=30)
+        try:
+            entries = [e for e in api.list_repo_tree(repo_id, revision=revision, recursive=True)
+                       if hasattr(e, "blob_id") and e.path]
+            files = [RemoteFile(e.path, int(e.size), e.lfs.sha256 if e.lfs else None, e.blob_id)
+                     for e in entries]
+        except hf_errors.HfHubHTTPError as e:
+            if _status(e) != 404 or isinstance(e, hf_errors.RepositoryNotFoundError):
+                raise
+            info = api.model_info(repo_id, revision=revision, files_metadata=True, timeout=30)
+            files = [_from_sibling(s, repo_id) for s in info.siblings or []]
+    except Exception as e:  # noqa: BLE001 - every failure becomes one sentence below
+        raise _api_error(e, repo_id, revision, endpoint, token) from None
+    for rf in files:
+        _safe_relpath(rf.path)
+    return RepoListing(repo_id, revision, getattr(info, "sha", None), files)
+
+
+def hf_cache_dir() -> Path:
+    """The Hugging Face hub cache, read from the environment now (not at import)."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.path.expandvars(os.environ[var])).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.path.expandvars(os.environ["HF_HOME"])).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "huggingface" / "hub"
+
+
+def find_in_hf_cache(repo_id: str, revision: str | None = None) -> Path | None:
+    """An already-complete snapshot of `repo_id` in the user's HF cache, or None.
+
+    Complete means: config.json is there, and every weight file (those named by the
+    safetensors index, else every *.safetensors) exists and is as long as its header says.
+    Without a revision, refs/main is tried first, then the newest complete snapshot.
+    """
+    root = _hf_cache_repo(repo_id)
+    snapshots = root / "snapshots"
+    if not snapshots.is_dir():
+        return None
+    candidates = []
+    rev = revision or "main"
+    if re.fullmatch(r"[0-9a-f]{40}", rev):
+        candidates.append(snapshots / rev)
+    elif (root / "refs" / rev).is_file():
+        candidates.append(snapshots / (root / "refs" / rev).read_text().strip())
+    if revision is None:
+        others = sorted((p for p in snapshots.iterdir() if p.is_dir() and p not in candidates),
+                        key=lambda p: p.stat().st_mtime, reverse=True)
+        candidates += others
+    for snap in candidates:
+        if snap.is_dir() and _snapshot_complete(snap):
+            return snap
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Hub listing and errors
+
+
+def _default_endpoint() -> str:
+    from huggingface_hub import constants
+    return os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
+
+
+def _stored_token() -> str | None:
+    try:
+        from huggingface_hub import get_token
+        return get_token()
+    except Exception:  # noqa: BLE001 - a broken token file means "not logged in"
+        return None
+
+
+def _from_sibling(s, repo_id: str) -> RemoteFile:
+    if s.size is None:
+        raise UserError(f"The hub did not report file sizes for {repo_id}: check --endpoint "
+                        "points at a Hugging Face hub.", 1)
+    return RemoteFile(s.rfilename, int(s.size), s.lfs.sha256 if s.lfs else None, s.blob_id)
+
+
+def _status(e: Exception) -> int | None:
+    resp = getattr(e, "response", None)
+    return getattr(resp, "status_code", None)
+
+
+def _transport_errors() -> tuple[type, ...]:
+    errors: list[type] = [OSError]
+    for name in ("httpx2", "httpx"):
+        try:
+            errors.append(importlib.import_module(name).TransportError)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errors)
+
+
+def _gated_message(repo_id: str, token: str | None) -> str:
+    page = f"https://huggingface.co/{repo_id}"
+    if token:
+        return (f"{repo_id} is gated and your token has no access to it: accept its licence on "
+                f"{page} with the account the token belongs to, then run again.")
+    return (f"{repo_id} is gated: accept its licence on {page}, then log in with "
+            f"`hf auth login` (or set HF_TOKEN) and run again.")
+
+
+def _api_error(e: Exception, repo_id: str, revision: str, endpoint: str,
+               token: str | None) -> Exception:
+    from huggingface_hub import errors as hf_errors
+
+    if isinstance(e, UserError):
+        return e
+    status = _status(e)
+    if isinstance(e, hf_errors.GatedRepoError) or status == 403:
+        return UserError(_gated_message(repo_id, token), 2)
+    if isinstance(e, hf_errors.RevisionNotFoundError):
+        return UserError(f"Revision {revision} was not found in {repo_id}: check --revision.", 2)
+    if isinstance(e, hf_errors.RepositoryNotFoundError) and status == 401:
+        return UserError(
+            f"The hub refused access to {repo_id} (HTTP 401): if it is gated, accept its licence "
+            f"on https://huggingface.co/{repo_id} and log in with `hf auth login` (or set "
+            f"HF_TOKEN); otherwise check the repository name.", 2)
+    if isinstance(e, hf_errors.RepositoryNotFoundError) or status == 404:
+        return UserError(f"Repository {repo_id} was not found on {endpoint}: check its name "
+                         f"(ORG/NAME) and --endpoint.", 2)
+    if isinstance(e, hf_errors.HFValidationError):
+        return UserError(f"{repo_id!r} is not a valid repository id: use the form ORG/NAME.", 2)
+    if isinstance(e, hf_errors.OfflineModeIsEnabled):
+        return UserError("HF_HUB_OFFLINE is set, so nothing can be downloaded: unset it and run "
+                         "again.", 1)
+    if isinstance(e, hf_errors.HfHubHTTPError):
+        return UserError(f"The hub at {endpoint} answered HTTP {status} for {repo_id}: try again "
+                         "later or check --endpoint.", 1)
+    if isinstance(e, _transport_errors()):
+        cached = find_in_hf_cache(repo_id, None if revision == "main" else revision)
+        hint = (f"; a complete copy is already in your Hugging Face cache at {cached}, which can be "
+                "used directly" if cached else "")
+        return UserError(f"Cannot reach the hub at {endpoint} ({type(e).__name__}): check your "
+                         f"network connection or --endpoint{hint}.", 1)
+    return e
+
+
+def _select(files: list[RemoteFile], allow_patterns, skip_pickles: bool, log) -> list[RemoteFile]:
+    if allow_patterns:
+        files = [f for f in files if any(fnmatch.fnmatch(f.path, p) for p in allow_patterns)]
+    if skip_pickles and any(f.path.endswith(".safetensors") for f in files):
+        skipped = [f for f in files if f.path.endswith(PICKLE_SUFFIXES)]
+        if skipped:
+            log(f"Skipping {len(skipped)} pickled weight file(s) "
+                f"({_fmt_bytes(sum(f.size for f in skipped))}) that duplicate the safetensors weights.")
+            files = [f for f in files if not f.path.endswith(PICKLE_SUFFIXES)]
+    if not files:
+        raise UserError("The repository has no files to download (after filtering): check the "
+                        "repository name and revision.", 2)
+    return files
+
+
+def _safe_relpath(path: str) -> Path:
+    parts = path.split("/")
+    if path.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in path:
+        raise UserError(f"The hub listed an unsafe file name {path!r}: check --endpoint.", 1)
+    return Path(*parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# State, locking, disk
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _complete_download(dest: Path, repo_id: str) -> dict | None:
+    """The manifest of a finished download of repo_id in dest whose files are all there."""
+    state = _read_json(dest / STATE_NAME)
+    if not state or not state.get("complete") or state.get("repo_id") != repo_id:
+        return None
+    for f in state.get("files", []):
+        p = dest / _safe_relpath(f["path"])
+        if not p.is_file() or p.stat().st_size != f["size"]:
+            return None
+    return state
+
+
+def _save_state(partial: Path, state: dict) -> None:
+    tmp = partial / (STATE_NAME + ".tmp")
+    tmp.write_text(json.dumps(state, indent=1), encoding="utf-8")
+    os.replace(tmp, partial / STATE_NAME)
+
+
+def _load_state(partial: Path, listing: RepoListing, files: list[RemoteFile]) -> dict:
+    """Carry over what an earlier run fetched, dropping anything the hub now lists differently."""
+    old = _read_json(partial / STATE_NAME) or {}
+    if old.get("repo_id") not in (None, listing.repo_id):
+        raise UserError(f"{partial} holds a download of another repository "
+                        f"({old.get('repo_id')}): delete it or choose another DEST.", 2)
+    before = {f["path"]: f for f in old.get("files", [])}
+    now = {f.path: f for f in files}
+    for path, f in before.items():
+        rf = now.get(path)
+        if rf is None or (rf.size, rf.sha256, rf.git_oid) != (f["size"], f.get("sha256"), f.get("git_oid")):
+            local = partial / _safe_relpath(path)
+            for p in (local, _sibling(local, ".incomplete"), _sibling(local, ".corrupt")):
+                p.unlink(missing_ok=True)
+    verified = {}
+    for path, sha in old.get("verified", {}).items():
+        local = partial / _safe_relpath(path)
+        if path in now and path in before and local.is_file() and local.stat().st_size == now[path].size:
+            verified[path] = sha
+    state = {"format": "moeferry-fetch", "version": 1, "repo_id": listing.repo_id,
+             "revision": listing.revision, "commit": listing.commit, "complete": False,
+             "files": [{"path": f.path, "size": f.size, "sha256": f.sha256, "git_oid": f.git_oid}
+                       for f in files],
+             "verified": verified}
+    _save_state(partial, state)
+    return state
+
+
+def _sibling(path: Path, suffix: str) -> Path:
+    return path.with_name(path.name + suffix)
+
+
+class _Lock:
+    """An OS file lock, released by the OS if the process dies (so kill -9 leaves none)."""
+
+    def __init__(self, path: Path, dest: Path):
+        self.path, self.dest, self.fd = path, dest, None
+
+    def __enter__(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if os.name == "nt":
+                import msvcrt
+                msvcrt.locking(self.fd, msvcrt.LK_NBLCK, 1)
+            else:
+                import fcntl
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self.fd)
+            raise UserError(f"Another download into {self.dest} is running: wait for it to "
+                            "finish or stop it first.", 2) from None
+        return self
+
+    def __exit__(self, *exc):
+        os.close(self.fd)
+        try:
+            self.path.unlink()
+        except OSError:
+            pass
+
+
+def _existing_parent(path: Path) -> Path:
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def _check_disk(partial: Path, files: list[RemoteFile], state: dict, cache_repo: Path | None):
+    """Refuse before downloading when the bytes still to come do not fit."""
+    where = _existing_parent(partial)
+    dev = where.stat().st_dev
+    needed = 0
+    for rf in files:
+        if rf.path in state["verified"]:
+            continue
+        local = partial / _safe_relpath(rf.path)
+        have = _size(_sibling(local, ".incomplete"))
+        blob = _cache_blob(cache_repo, rf)
+        if blob is not None and blob.stat().st_dev == dev:
+            continue  # will be hard-linked, costs no space
+        needed += max(rf.size - have, 0)
+    free = shutil.disk_usage(where).free
+    if needed + DISK_MARGIN_BYTES > free:
+        raise UserError(f"Not enough free disk space in {where}: the download needs "
+                        f"{_fmt_bytes(needed)} more but only {_fmt_bytes(free)} is free; free "
+                        f"some space or choose another DEST.", 1)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# One file
+
+
+def _fetch_one(rf: RemoteFile, partial: Path, state: dict, listing: RepoListing, base: str,
+               token: str | None, tracker: "_Tracker", cancel: threading.Event,
+               retry_corrupt: bool, use_hf_cache: bool, max_retries: int, backoff_s: float) -> bool:
+    """Bring one file into `partial` and verify it; False if it failed its hash."""
+    local = partial / _safe_relpath(rf.path)
+    incomplete, corrupt = _sibling(local, ".incomplete"), _sibling(local, ".corrupt")
+    if corrupt.exists():
+        if not retry_corrupt:
+            return False
+        corrupt.unlink()
+    local.parent.mkdir(parents=True, exist_ok=True)
+    blob = _cache_blob(_hf_cache_repo(listing.repo_id), rf) if use_hf_cache else None
+    if blob is not None and _size(incomplete) == 0:
+        _link_or_copy(blob, incomplete)
+        tracker.start_file(rf, 0)
+        sha = _hash_prefix(incomplete, rf.size, tracker, rf, "reuse", cancel).hexdigest()
+    else:
+        url = f"{base}/{listing.repo_id}/resolve/{urllib.parse.quote(listing.revision, safe='')}/" \
+              f"{urllib.parse.quote(rf.path)}"
+        sha = _download(url, token, incomplete, rf, tracker, cancel, max_retries, backoff_s,
+                        listing.repo_id)
+    if not _verified(incomplete, rf, sha):
+        os.replace(incomplete, corrupt)
+        tracker.file_failed(rf)
+        return False
+    os.replace(incomplete, local)
+    state["verified"][rf.path] = sha
+    _save_state(partial, state)
+    tracker.file_done(rf)
+    return True
+
+
+def _verified(path: Path, rf: RemoteFile, sha256: str) -> bool:
+    if _size(path) != rf.size:
+        return False
+    if rf.sha256:
+        return sha256 == rf.sha256.lower()
+    if rf.git_oid and re.fullmatch(r"[0-9a-f]{40}", rf.git_oid):
+        data = path.read_bytes()
+        git = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        # Some hub mirrors report the plain sha1 of the content for small files.
+        return rf.git_oid in (git, hashlib.sha1(data).hexdigest())
+    return True
+
+
+def _hash_prefix(path: Path, limit: int, tracker, rf, phase: str, cancel) -> "hashlib._Hash":
+    """sha256 of the bytes already on disk (after a restart, or a reused cache blob)."""
+    h = hashlib.sha256()
+    done = 0
+    with open(path, "rb") as f:
+        while done < limit:
+            if cancel.is_set():
+                raise FetchCancelled()
+            block = f.read(min(CHUNK * 8, limit - done))
+            if not block:
+                break
+            h.update(block)
+            done += len(block)
+            tracker.advance(rf, len(block), transferred=False, phase=phase)
+    return h
+
+
+def _download(url: str, token: str | None, incomplete: Path, rf: RemoteFile, tracker,
+              cancel: threading.Event, max_retries: int, backoff_s: float, repo_id: str) -> str:
+    """Fetch url into `incomplete`, resuming from its length; returns the sha256 of the bytes."""
+    have = _size(incomplete)
+    if have > rf.size:
+        incomplete.unlink()
+        have = 0
+    tracker.start_file(rf, 0)
+    hasher = _hash_prefix(incomplete, have, tracker, rf, "verify", cancel) if have else hashlib.sha256()
+    failures = 0
+    while have < rf.size:
+        if cancel.is_set():
+            raise FetchCancelled()
+        got = 0
+        try:
+            resp = _open(url, token, have)
+            with resp:
+                start = _range_start(resp)
+                if start != have:  # the server ignored Range: start again from zero
+                    tracker.advance(rf, -have, transferred=False)
+                    have, hasher = 0, hashlib.sha256()
+                mode = "r+b" if have else "wb"
+                with open(incomplete, mode) as out:
+                    out.seek(have)
+                    out.truncate()
+                    while have < rf.size:
+                        if cancel.is_set():
+                            raise FetchCancelled()
+                        block = _read_block(resp, min(CHUNK, rf.size - have))
+                        if not block:
+                            raise _Dropped()
+                        _write(out, block, rf)
+                        hasher.update(block)
+                        have += len(block)
+                        got += len(block)
+                        tracker.advance(rf, len(block))
+                    out.flush()
+                    os.fsync(out.fileno())
+        except urllib.error.HTTPError as e:
+            if e.code == 416 and have:
+                incomplete.unlink(missing_ok=True)
+                tracker.advance(rf, -have, transferred=False)
+                have, hasher = 0, hashlib.sha256()
+                continue
+            if e.code not in RETRY_STATUS:
+                raise _http_error(e, rf, repo_id, token) from None
+            failures = _backoff(failures, got, max_retries, backoff_s, cancel, rf, f"HTTP {e.code}")
+        except (_Dropped, OSError, http.client.HTTPException) as e:
+            failures = _backoff(failures, got, max_retries, backoff_s, cancel, rf,
+                                type(e).__name__.lstrip("_"))
+    return hasher.hexdigest()
+
+
+def _read_block(resp, n: int) -> bytes:
+    reader = getattr(resp, "read1", None) or resp.read
+    return reader(n)
+
+
+def _write(out, block: bytes, rf: RemoteFile) -> None:
+    try:
+        out.write(block)
+    except OSError as e:
+        raise UserError(f"Could not write {rf.path} ({e.strerror or e}): free some disk space "
+                        "and run again to resume.", 1) from None
+
+
+def _backoff(failures: int, got: int, max_retries: int, backoff_s: float, cancel, rf, why) -> int:
+    failures = 1 if got else failures + 1  # progress resets the count
+    if failures > max_retries:
+        raise UserError(f"Downloading {rf.path} failed {max_retries} times in a row ({why}): check "
+                        "your network connection and run the same command again to resume.", 1)
+    if cancel.wait(min(backoff_s * 2 ** (failures - 1), BACKOFF_MAX_S)):
+        raise FetchCancelled()
+    return failures
+
+
+def _range_start(resp) -> int:
+    if resp.status != 206:
+        return 0
+    m = re.match(r"bytes (\d+)-", resp.headers.get("Content-Range", ""))
+    return int(m.group(1)) if m else 0
+
+
+def _http_error(e: urllib.error.HTTPError, rf: RemoteFile, repo_id: str, token) -> UserError:
+    code = e.headers.get("X-Error-Code", "") if e.headers else ""
+    if code == "GatedRepo" or e.code in (401, 403):
+        return UserError(_gated_message(repo_id, token), 2)
+    if e.code == 404:
+        return UserError(f"{rf.path} was not found in {repo_id} on the hub although it was "
+                         "listed: run again, or check the revision.", 1)
+    return UserError(f"The hub answered HTTP {e.code} for {rf.path}: try again later.", 1)
+
+
+class _AuthRedirect(urllib.request.HTTPRedirectHandler):
+    """Keep the token on same-host redirects; never send it to another host (the CDN)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        auth = req.unredirected_hdrs.get("Authorization")
+        if new is not None and auth and urllib.parse.urlsplit(newurl).netloc == \
+                urllib.parse.urlsplit(req.full_url).netloc:
+            new.add_unredirected_header("Authorization", auth)
+        return new
+
+
+_opener = urllib.request.build_opener(_AuthRedirect)
+
+
+def _open(url: str, token: str | None, start: int):
+    req = urllib.request.Request(url, headers={"User-Agent": USER_AGENT,
+                                               "Accept-Encoding": "identity"})
+    if start:
+        req.add_header("Range", f"bytes={start}-")
+    if token:
+        req.add_unredirected_header("Authorization", f"Bearer {token}")
+    return _opener.open(req, timeout=READ_TIMEOUT_S)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face cache
+
+
+def _hf_cache_repo(repo_id: str) -> Path:
+    return hf_cache_dir() / ("models--" + repo_id.replace("/", "--"))
+
+
+def _cache_blob(cache_repo: Path | None, rf: RemoteFile) -> Path | None:
+    """The cache stores LFS files as blobs/<sha256> and others as blobs/<git sha1>."""
+    if cache_repo is None:
+        return None
+    oid = rf.sha256 or rf.git_oid
+    if not oid or not re.fullmatch(r"[0-9a-fA-F]{40,64}", oid):
+        return None
+    blob = cache_repo / "blobs" / oid
+    return blob if blob.is_file() and blob.stat().st_size == rf.size else None
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+def _safetensors_whole(path: Path) -> bool:
+    """True when the file is as long as its header says (catches truncated copies)."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n <= 0 or n > 100 << 20:
+                return False
+            header = json.loads(f.read(n))
+    except (OSError, ValueError):
+        return False
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    return path.stat().st_size == 8 + n + end
+
+
+def _snapshot_complete(snap: Path) -> bool:
+    if not (snap / "config.json").is_file():
+        return False
+    index = snap / "model.safetensors.index.json"
+    if index.exists():
+        data = _read_json(index)
+        if not data or "weight_map" not in data:
+            return False
+        names = sorted(set(data["weight_map"].values()))
+    else:
+        names = sorted(p.name for p in snap.glob("*.safetensors"))
+    return bool(names) and all(_safetensors_whole(snap / n) for n in names)
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress
+
+
+class _Tracker:
+    """Counts bytes, estimates the rate over the last seconds, and throttles events."""
+
+    WINDOW_S = 5.0
+    EVERY_S = 0.1
+
+    def __init__(self, files: list[RemoteFile], state: dict, callback):
+        self.callback = callback
+        self.total = sum(f.size for f in files)
+        self.files_total = len(files)
+        self.done = sum(f.size for f in files if f.path in state["verified"])
+        self.files_done = sum(1 for f in files if f.path in state["verified"])
+        self.transferred = 0
+        self.samples: deque = deque([(time.monotonic(), 0)])
+        self.file_done_bytes = 0
+        self.last_emit = 0.0
+        self.current: RemoteFile | None = None
+
+    def start_file(self, rf: RemoteFile, done: int) -> None:
+        self.current, self.file_done_bytes = rf, done
+
+    def advance(self, rf: RemoteFile, n: int, transferred: bool = True, phase: str = "download"):
+        self.file_done_bytes += n
+        self.done += n
+        if transferred:
+            self.transferred += n
+        self.emit(rf.path, self.file_done_bytes, rf.size, phase)
+
+    def file_done(self, rf: RemoteFile) -> None:
+        self.files_done += 1
+        self.emit(rf.path, rf.size, rf.size, "download", force=True)
+
+    def file_failed(self, rf: RemoteFile) -> None:
+        self.done -= self.file_done_bytes
+        self.emit(rf.path, 0, rf.size, "verify", force=True)
+
+    def rate(self) -> float:
+        now = time.monotonic()
+        self.samples.append((now, self.transferred))
+        while len(self.samples) > 2 and now - self.samples[0][0] > self.WINDOW_S:
+            self.samples.popleft()
+        t0, b0 = self.samples[0]
+        return (self.transferred - b0) / (now - t0) if now > t0 else 0.0
+
+    def emit(self, name: str, file_done: int, file_total: int, phase: str, force: bool = False):
+        now = time.monotonic()
+        if self.callback is None or (not force and now - self.last_emit < self.EVERY_S):
+            return
+        self.last_emit = now
+        rate = self.rate()
+        left = max(self.total - self.done, 0)
+        eta = left / rate if rate > 0 else (0.0 if left == 0 else None)
+        self.callback(FetchProgress(name, file_done, file_total, self.done, self.total, rate, eta,
+                                    self.files_done, self.files_total, phase))
+
+
+@dataclass
+class _ProgressBar:
+    """Renders FetchProgress on a terminal (one redrawn line) or a log (a line now and then)."""
+    stream: object
+    width: int = 24
+    log_every_s: float = 10.0
+    _last_log: float = 0.0
+    _drawn: bool = field(default=False)
+
+    def __call__(self, p: FetchProgress) -> None:
+        frac = p.done / p.total if p.total else 1.0
+        fill = int(frac * self.width)
+        eta = _fmt_duration(p.eta_s) if p.eta_s is not None else "--"
+        line = (f"{frac * 100:5.1f}% [{'#' * fill}{'-' * (self.width - fill)}] "
+                f"{_fmt_bytes(p.done)}/{_fmt_bytes(p.total)} {_fmt_bytes(p.rate_bps)}/s "
+                f"ETA {eta}  {p.file}")
+        if _isatty(self.stream):
+            self.stream.write("\r" + line[:120].ljust(120))
+            self._drawn = True
+        elif time.monotonic() - self._last_log >= self.log_every_s or p.phase == "done":
+            self._last_log = time.monotonic()
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def message(self, text: str) -> None:
+        self.finish()
+        self.stream.write(text + "\n")
+
+    def finish(self) -> None:
+        if self._drawn:
+            self.stream.write("\n")
+            self._drawn = False
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _corrupt_message(failed: list[str], partial: Path) -> str:
+    names = ", ".join(failed[:3]) + (f" and {len(failed) - 3} more" if len(failed) > 3 else "")
+    verb = "was" if len(failed) == 1 else "were"
+    return (f"{names} did not match the hub's checksum and {verb} kept aside as .corrupt in "
+            f"{partial}: delete the .corrupt file(s) and run the same command again to download "
+            f"them again.")
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _fmt_duration(s: float) -> str:
+    s = int(s)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s"
