@@ -60,8 +60,11 @@ class ExpertCache:
     def resident(self, layer: int) -> tuple[int, ...]:
         return tuple(sorted(self.lru[layer]))
 
-    def acquire(self, layer: int, expert: int):
-        """Weights of `expert` on the device, copying it in if it misses; then use, then release()."""
+    def acquire(self, layer: int, expert: int, keep=()):
+        """Weights of `expert` on the device, copying it in if it misses; then use, then release().
+
+        keep: experts needed in the same step, which a miss does not evict while others can go.
+        """
         lru = self.lru[layer]
         if expert in lru:
             self.stats.hits += 1
@@ -72,7 +75,7 @@ class ExpertCache:
             slot = lru[expert]
         else:
             self.stats.misses += 1
-            slot = self._load(layer, expert, keep=())
+            slot = self._load(layer, expert, keep)
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(self.ready[layer][slot])
         return self.views[layer][slot], slot
@@ -101,7 +104,7 @@ class ExpertCache:
         if len(lru) < self.K:
             slot = len(lru)
         else:
-            victim = next(e for e in lru if e not in keep)
+            victim = next((e for e in lru if e not in keep), next(iter(lru)))
             slot = lru.pop(victim)
             self.unused_prefetch[layer].discard(victim)
         lru[expert] = slot

@@ -89,10 +89,17 @@ class OffloadedMixtral:
         self.inv_freq = inv
 
     def setup_kv(self, capacity: int) -> None:
-        """Allocate the KV cache; a no-op when the current one is big enough."""
-        if self.kv is None or self.kv.capacity < capacity:
-            self.kv = None
-            self.kv = KVCache(self.cfg, capacity, self.device, self.dtype)
+        """Allocate the KV cache; a no-op when the current one is big enough.
+
+        Grows in steps of 256 positions and keeps what it holds (reused prompt prefixes).
+        """
+        if self.kv is not None and self.kv.capacity >= capacity:
+            return
+        old, self.kv = self.kv, None
+        self.kv = KVCache(self.cfg, -(-capacity // 256) * 256, self.device, self.dtype)
+        if old is not None:
+            self.kv.k[:, :old.capacity] = old.k
+            self.kv.v[:, :old.capacity] = old.v
 
     # -- the whole model ------------------------------------------------------------------------
 
@@ -159,7 +166,7 @@ class OffloadedMixtral:
             step.append((tuple(ids_host[0]), self.cache.resident(i)))
         out = torch.zeros_like(h)
         for e in needed:  # the host queues copies and compute without waiting for either
-            w, slot = self.cache.acquire(i, e)
+            w, slot = self.cache.acquire(i, e, keep=needed)
             if h.shape[0] == 1:  # decode: positions known on the host, no device sync
                 k = ids_host[0].index(e)
                 out += (self.expert(w, h) * weights[:, k:k + 1]).to(out.dtype)
