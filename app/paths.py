@@ -1,0 +1,42 @@
+"""Where the app keeps its files: one data folder, overridable for tests."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+DATA_DIR_ENV = "MOEFERRY_DATA_DIR"
+
+
+def data_dir() -> Path:
+    """The folder holding the database, the settings and installed models (created if needed)."""
+    override = os.environ.get(DATA_DIR_ENV)
+    if override:
+        path = Path(override)
+    else:
+        import platformdirs
+
+        path = Path(platformdirs.user_data_dir("moeferry", appauthor=False))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def models_dir(root: Path | None = None) -> Path:
+    return (root or data_dir()) / "models"
+
+
+def move_aside(path: Path) -> Path:
+    """Rename a damaged file to `<name>.corrupt-<timestamp>` so nothing is lost; returns the new path."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = path.with_name(f"{path.name}.corrupt-{stamp}")
+    n = 1
+    while target.exists():
+        target = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
+        n += 1
+    os.replace(path, target)
+    return target
+
+
+def resources_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "resources"

@@ -1,0 +1,130 @@
+"""What the wizard needs from the engine, behind one injectable object. No Qt.
+
+The engine modules (hardware probe, planner, downloader, converter, store, demo model) are
+imported only when a function is called, so the app starts without them and tests pass fakes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from app.catalog import CatalogEntry, load_catalog
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    cache_experts_per_layer: int | None
+    predicted_tokens_per_s: float | None
+    verdict: str = ""
+
+
+@dataclass
+class SetupBackend:
+    probe: Callable[[], dict]
+    catalog: Callable[[], list[CatalogEntry]]
+    plan: Callable[[dict, CatalogEntry | None, int | None], PlanSummary | None]
+    fetch: Callable[..., Path]          # fetch(repo_id, dest, revision=, endpoint=, progress=, cancel=)
+    find_in_hf_cache: Callable[[str], Path | None]
+    convert: Callable[..., Any]         # convert(src, dest, expert_bits, attn_bits, progress=, cancel=)
+    verify: Callable[[Path], list[str]]
+    demo_path: Callable[[], Path | None]
+    endpoint: str | None = None         # hub address for fetch (None = the real hub)
+    options: dict = field(default_factory=dict)
+
+
+def _basic_probe() -> dict:
+    """Used only while engine.hardware is missing: what can be learned without it."""
+    hw: dict[str, Any] = {"gpu_name": None, "vram_bytes": None}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            hw.update(gpu_name=props.name, vram_bytes=props.total_memory)
+    except Exception:
+        pass
+    try:
+        hw["ram_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        hw["ram_bytes"] = None
+    hw["disk_free_bytes"] = shutil.disk_usage(Path.home()).free
+    hw["cpu"] = os.cpu_count() and f"{os.cpu_count()} CPU threads"
+    return hw
+
+
+def real_probe() -> dict:
+    try:
+        from engine.hardware import probe
+    except ImportError:
+        return _basic_probe()
+    return probe(measure_bandwidth=True)
+
+
+def _get(obj: Any, *names: str) -> Any:
+    for name in names:
+        value = obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def real_plan(hw: dict, entry: CatalogEntry | None, vram_budget: int | None) -> PlanSummary | None:
+    try:
+        from engine.plan import make_plan
+    except ImportError:
+        return None
+    sizes = (entry.raw or {}) if entry else {}
+    plan = make_plan(hw, sizes, vram_budget_bytes=vram_budget)
+    return PlanSummary(
+        cache_experts_per_layer=_get(plan, "cache_experts_per_layer", "cache_experts"),
+        predicted_tokens_per_s=_get(plan, "predicted_tokens_per_s", "tokens_per_s"),
+        verdict=str(_get(plan, "verdict") or ""),
+    )
+
+
+def real_fetch(repo_id: str, dest: Path, **kwargs) -> Path:
+    from engine.download import fetch_repo
+
+    return fetch_repo(repo_id, dest, **kwargs)
+
+
+def real_find_in_hf_cache(repo_id: str) -> Path | None:
+    try:
+        from engine.download import find_in_hf_cache
+    except ImportError:
+        return None
+    return find_in_hf_cache(repo_id)
+
+
+def real_convert(src: Path, dest: Path, expert_bits: int, attn_bits: int, **kwargs) -> Any:
+    from engine.convert import convert_checkpoint
+
+    return convert_checkpoint(src, dest, expert_bits, attn_bits, **kwargs)
+
+
+def real_verify(path: Path) -> list[str]:
+    from engine.store import verify_store
+
+    return verify_store(path)
+
+
+def real_demo_path() -> Path | None:
+    try:
+        from engine.demo import demo_store_path
+
+        path = demo_store_path()
+    except Exception:  # the demo model may not be built into this install
+        return None
+    return path if path and Path(path).exists() else None
+
+
+def real_setup_backend() -> SetupBackend:
+    return SetupBackend(
+        probe=real_probe, catalog=load_catalog, plan=real_plan, fetch=real_fetch,
+        find_in_hf_cache=real_find_in_hf_cache, convert=real_convert, verify=real_verify,
+        demo_path=real_demo_path, endpoint=os.environ.get("HF_ENDPOINT") or None,
+    )

@@ -1,0 +1,85 @@
+"""Plain-words formatting of generation stats and sizes for the status bar and the wizard. No Qt."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+GB = 1e9
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "unknown"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_duration(seconds: float | None) -> str:
+    if seconds is None or seconds != seconds or seconds < 0:
+        return "unknown"
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {(seconds % 3600) // 60:02d} min"
+
+
+def _get(stats: Any, name: str, default=None):
+    if stats is None:
+        return default
+    if isinstance(stats, dict):
+        return stats.get(name, default)
+    return getattr(stats, name, default)
+
+
+def _ratio(a, b) -> float | None:
+    return None if not b else a / b
+
+
+@dataclass(frozen=True)
+class StatItem:
+    key: str
+    text: str
+    tooltip: str
+
+
+def stats_items(stats: Any) -> list[StatItem]:
+    """The status-bar items for one generation's stats (a GenerationStats or its dict)."""
+    dash = "–"
+    tps = _get(stats, "tokens_per_s")
+    ttft = _get(stats, "first_token_s")
+    hits, misses = _get(stats, "cache_hits", 0) or 0, _get(stats, "cache_misses", 0) or 0
+    issued, used = _get(stats, "prefetch_issued", 0) or 0, _get(stats, "prefetch_used", 0) or 0
+    peak, budget = _get(stats, "peak_vram_bytes"), _get(stats, "vram_budget_bytes")
+    h2d = _get(stats, "h2d_gb_per_s")
+    hit_rate, pf_rate = _ratio(hits, hits + misses), _ratio(used, issued)
+    vram = dash
+    if peak:
+        vram = f"{peak / GB:.1f} / {budget / GB:.1f} GB" if budget else f"{peak / GB:.1f} GB"
+    return [
+        StatItem("tps", f"{tps:.1f} tok/s" if tps else f"{dash} tok/s", "Tokens generated per second"),
+        StatItem("ttft", f"first token {ttft:.2f} s" if ttft is not None else f"first token {dash}",
+                 "Time from sending to the first token of the reply"),
+        StatItem("cache", f"cache hits {hit_rate:.0%}" if hit_rate is not None else f"cache hits {dash}",
+                 f"Experts already on the GPU when needed ({hits} hits, {misses} misses)"),
+        StatItem("prefetch", f"prefetch {pf_rate:.0%}" if pf_rate is not None else f"prefetch {dash}",
+                 f"Prefetched experts that were then used ({used} of {issued})"),
+        StatItem("vram", f"VRAM {vram}", "Peak GPU memory used / the VRAM budget"),
+        StatItem("h2d", f"H2D {h2d:.1f} GB/s" if h2d else f"H2D {dash}",
+                 "Host-to-device copy speed of the expert transfers"),
+    ]
+
+
+def stats_dict(stats: Any) -> dict | None:
+    """A JSON-able copy of the stats, kept with the reply in the database."""
+    if stats is None:
+        return None
+    if isinstance(stats, dict):
+        return dict(stats)
+    if hasattr(stats, "__dataclass_fields__"):
+        return {name: getattr(stats, name) for name in stats.__dataclass_fields__}
+    return {k: v for k, v in vars(stats).items() if not k.startswith("_")}

@@ -1,0 +1,160 @@
+"""The settings panel: model variant, speed (prefetch, cache, VRAM budget), sampling, theme.
+
+Every change is emitted at once as {Key: value}; the chat applies it from the next message,
+and a different model variant is reloaded in the worker with progress in the status bar.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import QSignalBlocker, Signal
+from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QFormLayout, QGroupBox, QHBoxLayout, QLabel,
+                               QPushButton, QScrollArea, QSpinBox, QVBoxLayout, QWidget)
+
+from app.settings import Key, Settings
+
+THEMES = [("Follow the system", "system"), ("Light", "light"), ("Dark", "dark")]
+BIT_WIDTHS = (2, 3, 4)
+
+
+def variant_label(entry: dict) -> str:
+    bits = entry.get("expert_bits")
+    name = entry.get("name") or Path(entry.get("path", "")).name
+    return f"{bits}-bit experts · {name}" if bits else name
+
+
+class SettingsPanel(QScrollArea):
+    changed = Signal(dict)              # {Key: value}
+    convert_requested = Signal(int)     # expert bits
+    setup_requested = Signal()
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setWidgetResizable(True)
+        body = QWidget()
+        layout = QVBoxLayout(body)
+        layout.setContentsMargins(8, 4, 8, 8)
+
+        model = QGroupBox("Model")
+        form = QFormLayout(model)
+        self.variant = QComboBox()
+        self.variant.setToolTip("The installed variants of the model; switching reloads it")
+        self.variant.currentIndexChanged.connect(self._variant_changed)
+        form.addRow("Expert bit-width", self.variant)
+        convert_row = QHBoxLayout()
+        self.convert_bits = QComboBox()
+        self.convert_button = QPushButton("Convert…")
+        self.convert_button.setToolTip("Make another bit-width from the downloaded checkpoint")
+        self.convert_button.clicked.connect(
+            lambda: self.convert_requested.emit(int(self.convert_bits.currentData() or 0)))
+        convert_row.addWidget(self.convert_bits, 1)
+        convert_row.addWidget(self.convert_button)
+        self.convert_label = QLabel("New variant")
+        form.addRow(self.convert_label, convert_row)
+        setup = QPushButton("Set up another model…")
+        setup.clicked.connect(self.setup_requested)
+        form.addRow(setup)
+
+        speed = QGroupBox("Speed")
+        form = QFormLayout(speed)
+        self.prefetch = QSpinBox()
+        self.prefetch.setRange(0, 4)
+        self.prefetch.setToolTip("How many layers ahead experts are guessed and copied early (0 = off)")
+        self.cache = QSpinBox()
+        self.cache.setRange(0, 8)
+        self.cache.setSpecialValueText("Auto")
+        self.cache.setToolTip("Experts kept on the GPU per layer; more means more cache hits and more VRAM")
+        self.budget = QDoubleSpinBox()
+        self.budget.setRange(0, 1024)
+        self.budget.setSingleStep(0.5)
+        self.budget.setDecimals(1)
+        self.budget.setSuffix(" GB")
+        self.budget.setSpecialValueText("Auto")
+        self.budget.setToolTip("GPU memory the model may use; changing it reloads the model")
+        form.addRow("Prefetch depth", self.prefetch)
+        form.addRow("Experts cached per layer", self.cache)
+        form.addRow("VRAM budget", self.budget)
+
+        sampling = QGroupBox("Sampling")
+        form = QFormLayout(sampling)
+        self.temperature = QDoubleSpinBox()
+        self.temperature.setRange(0, 2)
+        self.temperature.setSingleStep(0.05)
+        self.temperature.setToolTip("0 = always the most likely token")
+        self.top_p = QDoubleSpinBox()
+        self.top_p.setRange(0.01, 1)
+        self.top_p.setSingleStep(0.05)
+        self.max_tokens = QSpinBox()
+        self.max_tokens.setRange(1, 32768)
+        self.max_tokens.setSingleStep(64)
+        self.seed = QSpinBox()
+        self.seed.setRange(-1, 2**31 - 1)
+        self.seed.setSpecialValueText("Random")
+        form.addRow("Temperature", self.temperature)
+        form.addRow("Top-p", self.top_p)
+        form.addRow("Max new tokens", self.max_tokens)
+        form.addRow("Seed", self.seed)
+
+        look = QGroupBox("Appearance")
+        form = QFormLayout(look)
+        self.theme = QComboBox()
+        for label, value in THEMES:
+            self.theme.addItem(label, value)
+        form.addRow("Theme", self.theme)
+
+        self.note = QLabel("Changes apply from the next message.")
+        self.note.setObjectName("muted")
+        self.note.setWordWrap(True)
+        for group in (model, speed, sampling, look):
+            layout.addWidget(group)
+        layout.addWidget(self.note)
+        layout.addStretch(1)
+        self.setWidget(body)
+
+        self._fields = {
+            Key.PREFETCH: (self.prefetch, self.prefetch.valueChanged),
+            Key.CACHE_EXPERTS: (self.cache, self.cache.valueChanged),
+            Key.VRAM_BUDGET_GB: (self.budget, self.budget.valueChanged),
+            Key.TEMPERATURE: (self.temperature, self.temperature.valueChanged),
+            Key.TOP_P: (self.top_p, self.top_p.valueChanged),
+            Key.MAX_NEW_TOKENS: (self.max_tokens, self.max_tokens.valueChanged),
+            Key.SEED: (self.seed, self.seed.valueChanged),
+        }
+        for key, (_, signal) in self._fields.items():
+            signal.connect(lambda value, key=key: self.changed.emit({key: value}))
+        self.theme.currentIndexChanged.connect(
+            lambda _i: self.changed.emit({Key.THEME: self.theme.currentData()}))
+
+    def load(self, settings: Settings, num_experts: int = 8) -> None:
+        """Show `settings` without emitting changes."""
+        blockers = [QSignalBlocker(w) for w, _ in self._fields.values()]
+        blockers += [QSignalBlocker(self.theme), QSignalBlocker(self.variant)]
+        self.cache.setMaximum(num_experts)
+        for key, (widget, _) in self._fields.items():
+            widget.setValue(settings.get(key))
+        self.theme.setCurrentIndex(max(0, self.theme.findData(settings.get(Key.THEME))))
+        self.variant.clear()
+        installed = settings.get(Key.INSTALLED)
+        current = settings.get(Key.STORE_PATH)
+        for entry in installed:
+            self.variant.addItem(variant_label(entry), entry.get("path"))
+        if current and self.variant.findData(current) < 0:
+            self.variant.addItem(Path(current).name, current)
+        self.variant.setCurrentIndex(max(0, self.variant.findData(current)))
+        self.variant.setEnabled(self.variant.count() > 1)
+        have = {e.get("expert_bits") for e in installed}
+        sources = [e for e in installed if e.get("source_path")]
+        self.convert_bits.clear()
+        for bits in BIT_WIDTHS:
+            if bits not in have:
+                self.convert_bits.addItem(f"{bits}-bit experts", bits)
+        can_convert = bool(sources) and self.convert_bits.count() > 0
+        for w in (self.convert_bits, self.convert_button, self.convert_label):
+            w.setVisible(can_convert)
+        del blockers
+
+    def _variant_changed(self, _index: int) -> None:
+        path = self.variant.currentData()
+        if path:
+            self.changed.emit({Key.STORE_PATH: path})

@@ -1,0 +1,80 @@
+"""Wizard page 5: how much GPU memory the model may use, and so how many experts stay cached."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QFormLayout, QHBoxLayout, QLabel, QSlider, QSpinBox, QVBoxLayout, QWidget, QWizardPage
+
+from app.hardware_words import pick
+
+GiB = 1024**3
+STEP_GB = 0.5
+
+
+class CachePage(QWizardPage):
+    def __init__(self, wizard):
+        super().__init__()
+        self.w = wizard
+        self.user_edited = False
+        self.setTitle("GPU memory")
+        self.setSubTitle("More memory keeps more experts on the GPU: more cache hits, faster replies.")
+        self.intro = QLabel()
+        self.intro.setWordWrap(True)
+        self.slider = QSlider(Qt.Orientation.Horizontal)
+        self.slider.valueChanged.connect(self._budget_changed)
+        self.budget_label = QLabel()
+        self.budget_label.setMinimumWidth(90)
+        self.cache = QSpinBox()
+        self.cache.setRange(1, 8)
+        self.cache.valueChanged.connect(self._cache_edited)
+        self.predicted = QLabel()
+        self.predicted.setWordWrap(True)
+        self.form_widget = QWidget()
+        form = QFormLayout(self.form_widget)
+        row = QHBoxLayout()
+        row.addWidget(self.slider, 1)
+        row.addWidget(self.budget_label)
+        form.addRow("VRAM budget", row)
+        form.addRow("Experts cached per layer", self.cache)
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.intro)
+        layout.addWidget(self.form_widget)
+        layout.addWidget(self.predicted)
+        layout.addStretch(1)
+
+    def initializePage(self) -> None:
+        hw = self.w.hw or {}
+        vram = pick(hw, "vram_bytes", "vram_total_bytes", "gpu_memory_bytes")
+        has_gpu = bool(pick(hw, "gpu_name", "gpu")) and bool(vram)
+        self.form_widget.setVisible(has_gpu)
+        if not has_gpu:
+            self.intro.setText("No NVIDIA GPU was found, so the model runs on the CPU, where everything is in "
+                               "memory already: there is no cache to size. You can change this later in "
+                               "Settings.")
+            self.predicted.clear()
+            self.w.cache_experts, self.w.vram_budget_gb = 0, 0.0
+            return
+        total_gb = vram / GiB
+        self.intro.setText(f"Your GPU has {total_gb:.0f} GB. Leave some for the desktop and other programs; "
+                           "the default keeps about 1 GB free.")
+        steps = max(1, int(total_gb / STEP_GB))
+        self.slider.setRange(max(1, int(4 / STEP_GB)), steps)
+        self.slider.setValue(max(self.slider.minimum(), steps - int(1 / STEP_GB)))
+        self._budget_changed(self.slider.value())
+
+    def _budget_changed(self, value: int) -> None:
+        budget_gb = value * STEP_GB
+        self.budget_label.setText(f"{budget_gb:.1f} GB")
+        self.w.vram_budget_gb = budget_gb
+        plan = self.w.backend.plan(self.w.hw or {}, self.w.entry, int(budget_gb * GiB))
+        if plan and plan.cache_experts_per_layer and not self.user_edited:
+            self.cache.blockSignals(True)
+            self.cache.setValue(plan.cache_experts_per_layer)
+            self.cache.blockSignals(False)
+        self.w.cache_experts = self.cache.value()
+        speed = plan.predicted_tokens_per_s if plan else None
+        self.predicted.setText(f"Predicted speed: about {speed:.1f} tokens/s." if speed else "")
+
+    def _cache_edited(self, value: int) -> None:
+        self.user_edited = True
+        self.w.cache_experts = value

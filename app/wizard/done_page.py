@@ -1,0 +1,34 @@
+"""Wizard page 6: what was set up; Finish opens the chat."""
+
+from __future__ import annotations
+
+from PySide6.QtWidgets import QLabel, QVBoxLayout, QWizardPage
+
+
+class DonePage(QWizardPage):
+    def __init__(self, wizard):
+        super().__init__()
+        self.w = wizard
+        self.setTitle("Ready")
+        self.setSubTitle("Everything is in place.")
+        self.summary = QLabel()
+        self.summary.setWordWrap(True)
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.summary)
+        layout.addStretch(1)
+
+    def initializePage(self) -> None:
+        w = self.w
+        lines = [f"<b>Model:</b> {w.request.name if w.request else 'unchanged'}"]
+        if w.store_path:
+            lines.append(f"<b>Stored in:</b> {w.store_path}")
+        if w.cache_experts:
+            lines.append(f"<b>Experts cached per layer:</b> {w.cache_experts} "
+                         f"(VRAM budget {w.vram_budget_gb:.1f} GB)")
+        else:
+            lines.append("<b>Expert cache:</b> automatic")
+        lines.append("")
+        lines.append("Everything here can be changed later in the Settings panel; the Model menu runs this "
+                     "set-up again. Watch the <b>Expert map</b> tab while it answers: it shows which experts "
+                     "each layer used and which were already on the GPU.")
+        self.summary.setText("<br>".join(lines))

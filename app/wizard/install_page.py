@@ -1,0 +1,157 @@
+"""Wizard page 4: download, verify and convert, with bytes, rate and time left; cancel and resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWizardPage
+
+from app.install import STEP_TITLES, InstallProgress, InstallRequest, run_install
+from app.stats_format import fmt_bytes, fmt_duration
+from app.task_runner import TaskRunner
+
+
+def steps_for(req: InstallRequest) -> list[str]:
+    if req.source == "demo":
+        return []
+    steps = ["download"] if req.source == "catalog" else []
+    if req.needs_convert:
+        steps.append("convert")
+    return steps + ["verify"]
+
+
+def progress_words(p: InstallProgress) -> str:
+    parts = []
+    if p.bytes_total:
+        parts.append(f"{fmt_bytes(p.bytes_done or 0)} of {fmt_bytes(p.bytes_total)}")
+    if p.rate:
+        parts.append(f"{fmt_bytes(p.rate)}/s")
+    if p.eta_s is not None and p.step != "done":
+        parts.append(f"about {fmt_duration(p.eta_s)} left")
+    if p.message and not p.bytes_total:
+        parts.insert(0, p.message)
+    return " · ".join(parts)
+
+
+class InstallPage(QWizardPage):
+    def __init__(self, wizard):
+        super().__init__()
+        self.w = wizard
+        self.task: TaskRunner | None = None
+        self.done = False
+        self.resuming = False
+        self.last: InstallProgress | None = None
+        self.setTitle("Getting the model")
+        self.setSubTitle("Downloaded files are checked against the hub; a stopped download continues later.")
+        self.what = QLabel()
+        self.what.setObjectName("pageHeadline")
+        self.what.setWordWrap(True)
+        self.steps = QLabel()
+        self.steps.setWordWrap(True)
+        self.bar = QProgressBar()
+        self.bar.setRange(0, 1000)
+        self.detail = QLabel()
+        self.detail.setWordWrap(True)
+        self.message = QLabel()
+        self.message.setWordWrap(True)
+        self.cancel_button = QPushButton("Cancel")
+        self.cancel_button.clicked.connect(self.cancel)
+        self.resume_button = QPushButton("Resume")
+        self.resume_button.clicked.connect(self.start)
+        row = QHBoxLayout()
+        row.addStretch(1)
+        row.addWidget(self.cancel_button)
+        row.addWidget(self.resume_button)
+        layout = QVBoxLayout(self)
+        for w in (self.what, self.steps, self.bar, self.detail, self.message):
+            layout.addWidget(w)
+        layout.addLayout(row)
+        layout.addStretch(1)
+
+    def initializePage(self) -> None:
+        req = self.w.request
+        self.what.setText(("Resuming: " if self.resuming else "") + req.name)
+        self.start()
+
+    def cleanupPage(self) -> None:  # going Back cancels; the partial download stays for a resume
+        self.cancel()
+
+    def start(self) -> None:
+        req: InstallRequest = self.w.request
+        self.done = False
+        self.w.store_path = None
+        self.message.clear()
+        self.resume_button.hide()
+        self.cancel_button.show()
+        self._show_steps(None)
+        if req.source in ("catalog", "hf_cache") or req.needs_convert:
+            self.w.remember_pending(req)
+        backend = self.w.backend
+        self.task = TaskRunner(lambda report, cancel: run_install(req, backend, report, cancel), self)
+        self.task.progress.connect(self._progress)
+        self.task.finished.connect(self._finished)
+        self.task.failed.connect(self._failed)
+        self.task.cancelled.connect(self._cancelled)
+        self.task.start()
+        self.completeChanged.emit()
+
+    def cancel(self) -> None:
+        if self.task is not None and self.task.running:
+            self.task.cancel()
+            self.cancel_button.setEnabled(False)
+            self.message.setText("Stopping…")
+
+    def _show_steps(self, current: str | None) -> None:
+        steps = steps_for(self.w.request)
+        words = []
+        for step in steps:
+            title = STEP_TITLES[step]
+            words.append(f"<b>{title}</b>" if step == current else title)
+        self.steps.setText(" → ".join(words))
+
+    def _progress(self, p: InstallProgress) -> None:
+        self.last = p
+        self._show_steps(p.step)
+        if p.fraction is None:
+            self.bar.setRange(0, 0)
+        else:
+            self.bar.setRange(0, 1000)
+            self.bar.setValue(int(p.fraction * 1000))
+        self.detail.setText(progress_words(p))
+
+    def _finished(self, path) -> None:
+        self.w.store_path = Path(path)
+        self.w.remember_pending(None)
+        self.done = True
+        self.bar.setRange(0, 1000)
+        self.bar.setValue(1000)
+        self._show_steps(None)
+        self.detail.setText(f"Ready and verified: {path}")
+        self.message.setText("Press Next to choose how much GPU memory it may use.")
+        self.cancel_button.hide()
+        self.completeChanged.emit()
+
+    def _failed(self, info) -> None:
+        self.bar.setRange(0, 1000)
+        self.message.setText(f"<span style='color:#c53030'>{info.message}</span>")
+        self._stopped("Try again")
+
+    def _cancelled(self) -> None:
+        self.bar.setRange(0, 1000)
+        self.message.setText("Stopped. What was downloaded is kept: Resume continues from there, now or the "
+                             "next time MoE Ferry starts.")
+        self._stopped("Resume")
+
+    def _stopped(self, label: str) -> None:
+        self.cancel_button.setEnabled(True)
+        self.cancel_button.hide()
+        self.resume_button.setText(label)
+        self.resume_button.show()
+        self.completeChanged.emit()
+
+    def isComplete(self) -> bool:
+        return self.done
+
+    def stop_tasks(self) -> None:
+        if self.task is not None:
+            self.task.stop(3000)

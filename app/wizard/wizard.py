@@ -1,0 +1,118 @@
+"""The first-run set-up: welcome, hardware check, model choice, install, cache size, done.
+
+Re-runnable from the Model menu. The pages share what they learn through this object;
+the settings are written only when the user finishes.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from pathlib import Path
+
+from PySide6.QtCore import Signal
+from PySide6.QtGui import QIcon
+from PySide6.QtWidgets import QWidget, QWizard
+
+from app.catalog import CatalogEntry, read_store_info
+from app.hardware_words import HardwareVerdict
+from app.install import InstallRequest
+from app.paths import resources_dir
+from app.settings import Key, Settings
+from app.setup_backend import PlanSummary, SetupBackend
+
+
+class Page(IntEnum):
+    WELCOME = 0
+    HARDWARE = 1
+    MODEL = 2
+    INSTALL = 3
+    CACHE = 4
+    DONE = 5
+
+
+class SetupWizard(QWizard):
+    installed = Signal()  # the settings now name a model that is ready to load
+
+    def __init__(self, backend: SetupBackend, settings: Settings, parent: QWidget | None = None,
+                 start_request: InstallRequest | None = None):
+        super().__init__(parent)
+        from app.wizard.cache_page import CachePage
+        from app.wizard.done_page import DonePage
+        from app.wizard.hardware_page import HardwarePage
+        from app.wizard.install_page import InstallPage
+        from app.wizard.model_page import ModelPage
+        from app.wizard.welcome_page import WelcomePage
+
+        self.backend = backend
+        self.settings = settings
+        # What the pages learn
+        self.hw: dict | None = None
+        self.verdict: HardwareVerdict | None = None
+        self.catalog: list[CatalogEntry] = []
+        self.plans: dict[str, PlanSummary | None] = {}
+        self.hf_cache: dict[str, Path] = {}
+        self.demo: Path | None = None
+        self.entry: CatalogEntry | None = None
+        self.request: InstallRequest | None = None
+        self.store_path: Path | None = None
+        self.cache_experts = 0
+        self.vram_budget_gb = 0.0
+
+        self.setWindowTitle("Set up MoE Ferry")
+        icon = resources_dir() / "icons" / "moeferry.svg"
+        if icon.exists():
+            self.setWindowIcon(QIcon(str(icon)))
+        self.setWizardStyle(QWizard.WizardStyle.ModernStyle)
+        self.setOption(QWizard.WizardOption.NoBackButtonOnLastPage, True)
+        self.setOption(QWizard.WizardOption.NoCancelButtonOnLastPage, True)
+        self.setButtonText(QWizard.WizardButton.FinishButton, "Open the chat")
+        self.setMinimumSize(780, 560)
+        self.pages = {
+            Page.WELCOME: WelcomePage(self), Page.HARDWARE: HardwarePage(self), Page.MODEL: ModelPage(self),
+            Page.INSTALL: InstallPage(self), Page.CACHE: CachePage(self), Page.DONE: DonePage(self),
+        }
+        for pid, page in self.pages.items():
+            self.setPage(pid, page)
+        pending = settings.get(Key.PENDING_INSTALL)
+        if start_request is None and pending:
+            start_request = InstallRequest.from_dict(pending)
+            self.pages[Page.INSTALL].resuming = True
+        if start_request is not None:
+            self.request = start_request
+            self.setStartId(Page.INSTALL)
+
+    def stop_tasks(self) -> None:
+        for page in self.pages.values():
+            stop = getattr(page, "stop_tasks", None)
+            if stop:
+                stop()
+
+    def remember_pending(self, request: InstallRequest | None) -> None:
+        self.settings.set(Key.PENDING_INSTALL, request.to_dict() if request else None)
+        self.settings.save_in_background()
+
+    def accept(self) -> None:
+        """Finish: record the model, its cache size, and that set-up is done."""
+        s = self.settings
+        if self.store_path is not None:
+            path = str(self.store_path)
+            info = read_store_info(self.store_path)
+            req = self.request
+            entry = {"path": path, "name": req.name if req else self.store_path.name,
+                     "expert_bits": info.expert_bits if info else (req.expert_bits if req else None),
+                     "attn_bits": info.attn_bits if info else (req.attn_bits if req else None),
+                     "source_path": req.src_path if req and req.needs_convert else ""}
+            installed = [e for e in s.get(Key.INSTALLED) if e.get("path") != path]
+            s.set(Key.INSTALLED, installed + [entry])
+            s.set(Key.STORE_PATH, path)
+        s.set(Key.CACHE_EXPERTS, self.cache_experts)
+        s.set(Key.VRAM_BUDGET_GB, self.vram_budget_gb)
+        s.set(Key.WIZARD_DONE, True)
+        s.set(Key.PENDING_INSTALL, None)
+        s.save_in_background()
+        self.installed.emit()
+        super().accept()
+
+    def reject(self) -> None:
+        self.stop_tasks()
+        super().reject()

@@ -1,0 +1,201 @@
+"""Fakes for the app's injected backends: an engine that streams words, a setup backend on tmp dirs."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+from app.catalog import CatalogEntry
+from app.engine_backend import EngineBackend, LoadOptions, Sampling
+from app.setup_backend import PlanSummary, SetupBackend
+
+
+@dataclass
+class FakeStats:
+    tokens_per_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    first_token_s: float = 0.0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    prefetch_issued: int = 0
+    prefetch_used: int = 0
+    bytes_h2d: int = 0
+    peak_vram_bytes: int = 0
+    new_tokens: int = 0
+    prompt_tokens: int = 0
+    vram_budget_bytes: int = 0
+    h2d_gb_per_s: float = 0.0
+
+
+@dataclass
+class FakeTrace:
+    selected: list = field(default_factory=list)
+    resident_before: list = field(default_factory=list)
+    num_layers: int = 4
+    num_experts: int = 8
+
+
+def default_reply(messages: list[dict], sampling) -> str:
+    last = messages[-1]["content"] if messages else ""
+    return (f"You said: {last}\n\nHere is some code:\n\n```python\nprint('hi')\n```\n\n"
+            f"Temperature was {sampling.temperature}.")
+
+
+class FakeEngine:
+    def __init__(self, opts: LoadOptions, reply=default_reply, delay: float = 0.002, layers: int = 4,
+                 experts: int = 8, top_k: int = 2, fail_with: Exception | None = None):
+        self.opts = opts
+        self.reply = reply
+        self.delay = delay
+        self.fail_with = fail_with
+        self.config = SimpleNamespace(num_layers=layers, num_experts=experts, top_k=top_k, hidden_size=64)
+        self.tokenizer = None
+        self.prefetch = opts.prefetch
+        self.cache_experts = opts.cache_experts or 2
+        self.calls: list[tuple[list[dict], object]] = []
+        self.last_stats = None
+        self.last_trace = None
+        self.closed = False
+        self.gate = threading.Event()   # tests may hold the stream half-way
+        self.gate.set()
+
+    def set_prefetch(self, depth: int) -> None:
+        self.prefetch = depth
+
+    def set_cache_experts(self, k: int) -> None:
+        self.cache_experts = k
+
+    def stream(self, messages, sampling, cancel=None):
+        self.calls.append((messages, sampling))
+        text = self.reply(messages, sampling)
+        words = text.split(" ")
+        rng = random.Random(sampling.seed or 0)
+        layers, experts, k = self.config.num_layers, self.config.num_experts, self.config.top_k
+        caches = [OrderedDict() for _ in range(layers)]
+        trace = FakeTrace(num_layers=layers, num_experts=experts)
+        hits = misses = 0
+        start = time.monotonic()
+        for i, word in enumerate(words[: sampling.max_new_tokens]):
+            self.gate.wait(5)
+            if cancel is not None and cancel.is_set():
+                break
+            if self.fail_with is not None and i == 3:
+                raise self.fail_with
+            sel, res = [], []
+            for layer in range(layers):
+                chosen = tuple(rng.sample(range(experts), k)) if rng.random() > 0.5 or not caches[layer] \
+                    else tuple(list(caches[layer])[-k:])
+                res.append(tuple(caches[layer]))
+                for e in chosen:
+                    if e in caches[layer]:
+                        hits += 1
+                        caches[layer].move_to_end(e)
+                    else:
+                        misses += 1
+                        caches[layer][e] = True
+                        if len(caches[layer]) > self.cache_experts:
+                            caches[layer].popitem(last=False)
+                sel.append(chosen)
+            trace.selected.append(sel)
+            trace.resident_before.append(res)
+            time.sleep(self.delay)
+            yield SimpleNamespace(token_id=i, text=word if i == 0 else " " + word)
+        elapsed = max(time.monotonic() - start, 1e-6)
+        n = len(trace.selected)
+        self.last_trace = trace
+        self.last_stats = FakeStats(tokens_per_s=n / elapsed, decode_s=elapsed, first_token_s=0.05,
+                                    cache_hits=hits, cache_misses=misses, prefetch_issued=misses,
+                                    prefetch_used=misses // 2, bytes_h2d=misses * 66_000_000,
+                                    peak_vram_bytes=9_100_000_000, new_tokens=n,
+                                    vram_budget_bytes=11_000_000_000, h2d_gb_per_s=21.4)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeEngineBackend:
+    """load() makes a FakeEngine; set `load_error` or `engine_kwargs` to change what it does."""
+
+    def __init__(self, **engine_kwargs):
+        self.engine_kwargs = engine_kwargs
+        self.load_error: Exception | None = None
+        self.engines: list[FakeEngine] = []
+        self.loads: list[LoadOptions] = []
+
+    def load(self, opts: LoadOptions, progress) -> FakeEngine:
+        self.loads.append(opts)
+        progress(0.5, "Reading weights")
+        if self.load_error is not None:
+            raise self.load_error
+        engine = FakeEngine(opts, **self.engine_kwargs)
+        self.engines.append(engine)
+        return engine
+
+    @property
+    def engine(self) -> FakeEngine:
+        return self.engines[-1]
+
+    def as_backend(self) -> EngineBackend:
+        return EngineBackend(load=self.load, make_sampling=lambda s: s)
+
+
+def make_store(path: Path, expert_bits: int = 2, source: str = "tiny/mixtral") -> Path:
+    """A folder that looks like a MoE Ferry store to the app (manifest only)."""
+    path.mkdir(parents=True, exist_ok=True)
+    manifest = {"format": "moeferry-store", "version": 1, "source": {"repo_id": source},
+                "quantization": {"experts": {"bits": expert_bits}, "attention": {"bits": 4}}, "files": {}}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    return path
+
+
+def fake_setup_backend(tmp: Path, hw: dict | None = None, fetch=None, convert=None) -> SetupBackend:
+    hw = hw if hw is not None else {"gpu_name": "NVIDIA GeForce RTX 3060", "vram_bytes": 12 * 1024**3,
+                                    "pcie_gen": 4, "pcie_width": 16, "h2d_gb_per_s": 24.8,
+                                    "ram_bytes": 32 * 1024**3, "disk_free_bytes": 500 * 1024**3,
+                                    "driver": "550.54", "cpu": "AMD Ryzen 5 5600X"}
+    catalog = [
+        CatalogEntry(id="mixtral-2bit", name="Mixtral-8x7B Instruct, 2-bit experts", repo_id="tiny/mixtral-store",
+                     download_bytes=17_500_000_000, disk_bytes=17_500_000_000,
+                     quality="WikiText2 perplexity 4.61 (fp16: 3.59)"),
+        CatalogEntry(id="mixtral-src", name="Mixtral-8x7B Instruct, converted here", repo_id="tiny/mixtral",
+                     needs_convert=True, expert_bits=3, download_bytes=93_000_000_000,
+                     disk_bytes=114_000_000_000, quality="WikiText2 perplexity 4.05"),
+    ]
+
+    def plan(hw_, entry, budget):
+        vram = budget or hw_.get("vram_bytes") or 0
+        return PlanSummary(cache_experts_per_layer=max(1, min(8, int(vram / 1024**3 / 4))),
+                           predicted_tokens_per_s=2.3 if hw_.get("gpu_name") else None,
+                           verdict="Fits: attention on the GPU, experts in RAM.")
+
+    def default_fetch(repo_id, dest, revision=None, endpoint=None, progress=None, cancel=None):
+        dest = Path(dest)
+        total = 4_000_000
+        for i in range(1, 5):
+            if cancel is not None and cancel.is_set():
+                raise RuntimeError("cancelled")
+            progress(SimpleNamespace(bytes_done=i * total // 4, bytes_total=total, rate=2e6, eta=(4 - i) * 0.5))
+            time.sleep(0.01)
+        if repo_id.endswith("-store"):
+            return make_store(dest)
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / "config.json").write_text("{}")
+        (dest / "model.safetensors").write_bytes(b"0")
+        return dest
+
+    def default_convert(src, dest, expert_bits, attn_bits, progress=None, cancel=None, **_):
+        for i in range(1, 5):
+            progress(i / 4, f"layer {i} of 4")
+        make_store(Path(dest), expert_bits)
+
+    demo = make_store(tmp / "demo-store", source="demo")
+    return SetupBackend(probe=lambda: dict(hw), catalog=lambda: list(catalog), plan=plan,
+                        fetch=fetch or default_fetch, find_in_hf_cache=lambda repo: None,
+                        convert=convert or default_convert, verify=lambda p: [], demo_path=lambda: demo)
