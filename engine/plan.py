@@ -1,0 +1,478 @@
+"""The plan: from the hardware probe and a model's sizes, pick the expert cache size (and the
+expert bit-width) under a VRAM budget, and predict decode speed.
+
+Decode cost model, per generated token (batch 1):
+
+    misses   = layers * top_k * (1 - hit_rate(cache experts per layer))
+    transfer = misses * expert_bytes / host->device bandwidth
+    compute  = layers * (layer overhead + bytes the layer reads / (GPU bandwidth * kernel efficiency))
+    time     = max(hidden * transfer, compute) + (1 - hidden) * transfer
+               + misses * per-miss overhead + per-token overhead
+
+`hidden` is the share of the misses that prefetching starts early enough to hide behind
+compute (the paper's prefetch recall times how well copies really overlap). Every coefficient lives in `Coefficients`, with where its default comes from, and
+`fit_coefficients` refits them to measured benchmark runs. Without a usable NVIDIA GPU the
+plan is a CPU plan whose speed comes from the CPU's measured matrix-vector rate.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+GiB = 1024**3
+
+# LRU cache hit rate for Mixtral-8x7B-Instruct by cached experts per layer (index = k, 0..8).
+# Source: Eliseev & Mazur 2023, "Fast Inference of Mixture-of-Experts Language Models with
+# Offloading", Figure 2 (left): about 0.2 at k=1 rising to about 0.6 at k=4. k=2,3 are read
+# between those points; k=5..7 are interpolated linearly to 1.0 at k=8 (all experts resident).
+LRU_HIT_RATE = (0.0, 0.20, 0.34, 0.47, 0.60, 0.70, 0.80, 0.90, 1.0)
+# Same paper, Figure 2 (right): speculative loading one layer ahead recalls about 0.6-0.9 of
+# the experts the next layer will use; 0.75 is the middle of that range.
+PREFETCH_RECALL_1_AHEAD = 0.75
+
+# PCIe payload rate per lane in GB/s, by generation (after line encoding).
+PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.877}
+
+# HQQ store formats: {bits: group size}; 8-bit scale and zero per group, and an fp16
+# (scale, zero) pair per META_GROUP of those (mirrors engine/quant.py's EXPERT/ATTN specs).
+EXPERT_GROUP = {2: 16, 3: 64, 4: 64}
+ATTN_GROUP = {4: 64, 8: 64}
+EXPERT_META_GROUP, ATTN_META_GROUP = 128, 256
+
+# What stays free on the GPU besides the weights and the expert cache: the CUDA context,
+# the allocator's slack and activations of a long prompt (measured: the paper's code peaks
+# 10.0 GiB for 3 cached experts/layer where its weights + cache take about 8.5 GiB).
+WORKSPACE_BYTES = int(1.25 * GiB)
+DEFAULT_CONTEXT_TOKENS = 4096
+DEFAULT_PROMPT_TOKENS = 128
+# Host RAM that the OS, Python, torch and the app need besides the model's weights.
+HOST_RESERVE_BYTES = 3 * GiB
+# A plan is "slower but better" worth recommending if it keeps this share of the best speed.
+SPEED_TOLERANCE = 0.85
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """The tunable constants of the cost model (refit them with `fit_coefficients`).
+
+    The GPU defaults are `fit_coefficients(paper_calibration())`, rounded: the paper's code
+    on an H200 (7.9 / 4.8 / 4.2 tok/s with 8 / 4 / 3 experts cached) and the paper's Table 2
+    (A100 3.1, RTX 3080 Mobile 2.7, RTX 3060 2.3, T4 2.1 tok/s); RMS error about 10 %, the
+    A100 the worst (+26 %). They describe that code's kernels and Python overhead; refit
+    with MoE Ferry's own benchmark rows when it has them.
+    """
+    prefetch_recall: float = PREFETCH_RECALL_1_AHEAD
+    overlap_efficiency: float = 0.1  # share of recalled copies really hidden behind compute
+    gpu_layer_overhead_s: float = 3.0e-3  # launches, attention, router, Python, per layer
+    gpu_kernel_efficiency: float = 0.1  # share of GPU memory bandwidth low-bit GEMV reaches
+    miss_overhead_s: float = 1.6e-3  # per expert copy: issue, events, cache bookkeeping
+    token_overhead_s: float = 25e-3  # sampling, embedding, lm_head, per token
+    prefill_token_layer_s: float = 1e-5  # GPU prefill compute per prompt token per layer (H200 first token 0.79 s)
+    pcie_efficiency: float = 0.8  # measured/theoretical PCIe rate when bandwidth is not measured
+    default_gpu_mem_bytes_per_s: float = 300e9  # when the GPU's memory bandwidth is unknown
+    # CPU cost per active weight / the probe's fp32 matvec cost. Measured on 2 cores for the
+    # engine's CPU path (quant.dequantize + F.linear, 4096x4096, 2- and 4-bit): 30-54x.
+    cpu_kernel_factor: float = 35.0
+    cpu_layer_overhead_s: float = 1.0e-3
+    hit_rate_scale: float = 1.0  # multiplies LRU_HIT_RATE (fit to measured hit rates)
+
+
+DEFAULT = Coefficients()
+
+
+@dataclass
+class ModelSizes:
+    """What the planner needs to know about a model (one store variant)."""
+    num_layers: int
+    num_experts: int
+    top_k: int
+    expert_bytes: int  # one packed expert: the unit copied host->device
+    dense_bytes: int  # everything but the experts (lives on the GPU)
+    kv_bytes_per_token: int
+    expert_params: int = 0
+    dense_params: int = 0  # of which embed_params are only looked up, not read per token
+    embed_params: int = 0
+    embed_bytes: int = 0
+    expert_bits: int | None = None
+    attn_bits: int | None = None
+    name: str = ""
+
+    @property
+    def all_expert_bytes(self) -> int:
+        return self.num_layers * self.num_experts * self.expert_bytes
+
+    @property
+    def store_bytes(self) -> int:
+        return self.all_expert_bytes + self.dense_bytes
+
+    @property
+    def active_params(self) -> int:
+        """Weights read for one token: all dense but the embedding, top_k experts per layer."""
+        return self.dense_params - self.embed_params + self.num_layers * self.top_k * self.expert_params
+
+    @classmethod
+    def from_config(cls, config: dict, expert_bits: int, attn_bits: int, name: str = "") -> "ModelSizes":
+        """Sizes of a store converted from a Hugging Face Mixtral config.json (analytic)."""
+        L, E = config["num_hidden_layers"], config["num_local_experts"]
+        H, F, V = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+        nh, nkv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+        hd = config.get("head_dim") or H // nh
+        expert_params = 3 * H * F
+        attn_params = L * (2 * H * nh * hd + 2 * H * nkv * hd)
+        embed = V * H
+        head = 0 if config.get("tie_word_embeddings") else V * H
+        small = L * 2 * H + H + L * E * H  # norms and routers, kept in fp16
+        attn_bytes = sum(_matrix_bytes(r, c, attn_bits, ATTN_GROUP, ATTN_META_GROUP) * L
+                         for r, c in ((nh * hd, H), (nkv * hd, H), (nkv * hd, H), (H, nh * hd)))
+        expert_bytes = (2 * _matrix_bytes(F, H, expert_bits, EXPERT_GROUP, EXPERT_META_GROUP)
+                        + _matrix_bytes(H, F, expert_bits, EXPERT_GROUP, EXPERT_META_GROUP))
+        return cls(num_layers=L, num_experts=E, top_k=config["num_experts_per_tok"],
+                   expert_bytes=expert_bytes, dense_bytes=attn_bytes + 2 * (embed + head + small),
+                   kv_bytes_per_token=L * 2 * nkv * hd * 2, expert_params=expert_params,
+                   dense_params=attn_params + embed + head + small, embed_params=embed,
+                   embed_bytes=2 * embed, expert_bits=expert_bits, attn_bits=attn_bits, name=name)
+
+    @classmethod
+    def from_catalog(cls, entry: dict) -> "ModelSizes":
+        """From a resources/catalog.json entry (its "sizes", or its architecture + bits)."""
+        if "sizes" in entry:
+            known = {k: v for k, v in entry["sizes"].items() if k in cls.__dataclass_fields__}
+            return cls(**known, expert_bits=entry.get("expert_bits"),
+                       attn_bits=entry.get("attn_bits"), name=entry.get("name", entry.get("id", "")))
+        return cls.from_config(entry["config"], entry["expert_bits"], entry["attn_bits"],
+                               name=entry.get("name", entry.get("id", "")))
+
+    @classmethod
+    def from_store(cls, path) -> "ModelSizes":
+        """From a MoE Ferry store folder: its config.json and manifest.json."""
+        path = Path(path)
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+        quant = manifest.get("quantization", {})
+        bits = lambda q: (q or {}).get("bits", 16)  # noqa: E731
+        sizes = cls.from_config(config, bits(quant.get("experts")), bits(quant.get("attention")),
+                                name=path.name)
+        stride = (manifest.get("experts") or {}).get("stride")
+        if stride:
+            sizes.expert_bytes = int(stride)
+        files = manifest.get("files")
+        if isinstance(files, dict):
+            files = [dict(v, path=k) if isinstance(v, dict) else {"path": k, "size": v}
+                     for k, v in files.items()]
+        dense = [f.get("size", 0) for f in files or [] if isinstance(f, dict)
+                 and str(f.get("path", f.get("name", ""))).startswith("dense")]
+        if dense:
+            sizes.dense_bytes = int(sum(dense))
+        return sizes
+
+
+def _matrix_bytes(rows: int, cols: int, bits: int, groups: dict, meta_group: int) -> int:
+    params = rows * cols
+    if bits >= 16:
+        return 2 * params
+    g = groups[bits]
+    n_meta = params // g  # scale values (and as many zeros)
+    pairs = n_meta // meta_group if n_meta % meta_group == 0 and n_meta >= meta_group else 1
+    return params * bits // 8 + 2 * n_meta + 2 * pairs * 2 * 2
+
+
+def bits_per_param(sizes: ModelSizes) -> float:
+    return 8 * sizes.expert_bytes / sizes.expert_params if sizes.expert_params else float("nan")
+
+
+@dataclass
+class Plan:
+    device: str  # "cuda" or "cpu"
+    cache_experts_per_layer: int
+    vram_budget_bytes: int | None
+    predicted_tokens_per_s: float
+    predicted_first_token_s: float
+    bound: str  # "pcie", "compute" or "cpu"
+    verdict: str
+    fits: bool
+    expert_bits: int | None = None
+    hit_rate: float = 0.0
+    misses_per_token: float = 0.0
+    bytes_h2d_per_token: float = 0.0
+    vram_needed_bytes: int = 0  # dense + cache + transfer buffers + headroom
+    headroom_bytes: int = 0  # kv cache + workspace
+    kv_cache_bytes: int = 0
+    workspace_bytes: int = WORKSPACE_BYTES
+    context_tokens: int = DEFAULT_CONTEXT_TOKENS
+    host_ram_needed_bytes: int = 0
+    h2d_bytes_per_s: float | None = None
+    model: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hardware numbers the model needs
+
+
+def hit_rate(k: int, num_experts: int, coeffs: Coefficients = DEFAULT) -> float:
+    """LRU hit rate with k cached experts per layer, scaled from Mixtral's 8 experts."""
+    if k >= num_experts:
+        return 1.0
+    x = k * 8 / num_experts
+    i = min(int(x), 7)
+    rate = LRU_HIT_RATE[i] + (x - i) * (LRU_HIT_RATE[i + 1] - LRU_HIT_RATE[i])
+    return min(1.0, rate * coeffs.hit_rate_scale)
+
+
+def h2d_bytes_per_s(hw: dict, coeffs: Coefficients = DEFAULT) -> float | None:
+    """Measured pinned host->device rate, else the PCIe link's theoretical rate * efficiency."""
+    if hw.get("h2d_bytes_per_s"):
+        return float(hw["h2d_bytes_per_s"])
+    gen = hw.get("pcie_gen_max") or hw.get("pcie_gen")
+    width = hw.get("pcie_width_max") or hw.get("pcie_width")
+    if gen and width and int(gen) in PCIE_LANE_GBPS:
+        return PCIE_LANE_GBPS[int(gen)] * 1e9 * int(width) * coeffs.pcie_efficiency
+    return None
+
+
+def has_cuda_gpu(hw: dict) -> bool:
+    return bool(hw.get("gpu_name")) and bool(hw.get("torch_cuda_available", True))
+
+
+def default_vram_budget(hw: dict) -> int | None:
+    if hw.get("vram_free_bytes"):
+        return int(hw["vram_free_bytes"])
+    if hw.get("vram_total_bytes"):
+        return int(hw["vram_total_bytes"]) - GiB // 2
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Predictions
+
+
+def predict_gpu(hw: dict, m: ModelSizes, k: int, coeffs: Coefficients = DEFAULT,
+                prefetch_depth: int = 1, prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
+                measured_hit_rate: float | None = None) -> dict:
+    """Decode tokens/s and first-token latency with k cached experts per layer."""
+    bw = h2d_bytes_per_s(hw, coeffs) or 12e9
+    gpu_bw = float(hw.get("gpu_mem_bandwidth_bytes_per_s") or coeffs.default_gpu_mem_bytes_per_s)
+    k = min(k, m.num_experts)
+    h = measured_hit_rate if measured_hit_rate is not None else hit_rate(k, m.num_experts, coeffs)
+    misses = m.num_layers * m.top_k * (1.0 - h)
+    transfer = misses * m.expert_bytes / bw
+    read = (m.dense_bytes - m.embed_bytes) + m.num_layers * m.top_k * m.expert_bytes
+    compute = m.num_layers * coeffs.gpu_layer_overhead_s + read / (gpu_bw * coeffs.gpu_kernel_efficiency)
+    hidden = coeffs.prefetch_recall * coeffs.overlap_efficiency if prefetch_depth > 0 else 0.0
+    t = (max(hidden * transfer, compute) + (1 - hidden) * transfer
+         + misses * coeffs.miss_overhead_s + coeffs.token_overhead_s)
+    # Prefill touches nearly every expert of every layer once; all but the cached ones load.
+    touched = m.num_experts * (1 - (1 - m.top_k / m.num_experts) ** max(prompt_tokens, 1))
+    loads = m.num_layers * max(touched - k, 0.0)
+    first = (loads * (m.expert_bytes / bw + coeffs.miss_overhead_s)
+             + m.num_layers * (coeffs.gpu_layer_overhead_s + prompt_tokens * coeffs.prefill_token_layer_s)
+             + t)
+    bound = "pcie" if transfer + misses * coeffs.miss_overhead_s > compute else "compute"
+    return {"tokens_per_s": 1.0 / t, "first_token_s": first, "hit_rate": h, "misses": misses,
+            "bytes_h2d": misses * m.expert_bytes, "bound": bound, "h2d_bytes_per_s": bw}
+
+
+def predict_cpu(hw: dict, m: ModelSizes, coeffs: Coefficients = DEFAULT,
+                prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> dict:
+    """Decode on the CPU: every active weight is read from RAM and dequantized each token."""
+    cores = hw.get("cpu_cores_physical") or hw.get("cpu_cores_logical") or 2
+    rate = hw.get("cpu_matvec_params_per_s") or 0.5e9 * cores  # fp32 weights per second
+    flops = hw.get("cpu_matmul_flops") or 15e9 * cores
+    t = (m.active_params * coeffs.cpu_kernel_factor / rate
+         + m.num_layers * coeffs.cpu_layer_overhead_s + coeffs.token_overhead_s)
+    first = t + 2.0 * m.active_params * prompt_tokens / flops
+    return {"tokens_per_s": 1.0 / t, "first_token_s": first, "hit_rate": 1.0, "misses": 0.0,
+            "bytes_h2d": 0.0, "bound": "cpu", "h2d_bytes_per_s": None}
+
+
+# ---------------------------------------------------------------------------------------------
+# Plans
+
+
+def make_plan(hw: dict, model, vram_budget_bytes: int | None = None, *,
+              coeffs: Coefficients = DEFAULT, context_tokens: int = DEFAULT_CONTEXT_TOKENS,
+              prefetch_depth: int = 1, prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
+              cache_experts_per_layer: int | None = None) -> Plan:
+    """The plan for one model on this hardware: cache size, fit, predicted speed, verdict.
+
+    `model` is a ModelSizes or a catalog entry dict. The cache gets what the VRAM budget
+    (default: the free VRAM) leaves after the dense weights, `top_k * (1 + prefetch_depth)`
+    transfer buffers and the headroom: KV cache for `context_tokens` plus WORKSPACE_BYTES.
+    """
+    m = model if isinstance(model, ModelSizes) else ModelSizes.from_catalog(model)
+    kv = m.kv_bytes_per_token * context_tokens
+    headroom = kv + WORKSPACE_BYTES
+    budget = vram_budget_bytes if vram_budget_bytes is not None else default_vram_budget(hw)
+    ram_total = hw.get("ram_total_bytes")
+    host_needed = m.all_expert_bytes + HOST_RESERVE_BYTES
+    common = dict(vram_budget_bytes=budget, expert_bits=m.expert_bits, kv_cache_bytes=kv,
+                  headroom_bytes=headroom, context_tokens=context_tokens, model=m.name)
+    gib = lambda n: f"{n / GiB:.1f} GiB"  # noqa: E731
+
+    fixed = m.dense_bytes + m.top_k * (1 + prefetch_depth) * m.expert_bytes + headroom
+    gpu_reason = None
+    if not has_cuda_gpu(hw):
+        gpu_reason = ("an NVIDIA GPU is present but this PyTorch has no CUDA support"
+                      if hw.get("gpu_name") else "no usable NVIDIA GPU was found")
+    elif budget is None or budget < fixed:
+        gpu_reason = (f"the GPU's {gib(budget or 0)} budget is below the {gib(fixed)} that the "
+                      f"dense weights, transfer buffers and headroom need")
+    if gpu_reason:
+        return _cpu_plan(hw, m, gpu_reason, coeffs, prompt_tokens, common)
+
+    per_k = m.num_layers * m.expert_bytes
+    k = min(m.num_experts, int((budget - fixed) // per_k))
+    if cache_experts_per_layer is not None:
+        k = min(cache_experts_per_layer, m.num_experts)
+    p = predict_gpu(hw, m, k, coeffs, prefetch_depth, prompt_tokens)
+    vram_needed = fixed + k * per_k
+    ram_ok = ram_total is None or ram_total >= host_needed
+    fits = vram_needed <= budget and ram_ok
+    notes = [f"VRAM: {gib(m.dense_bytes)} dense weights + {k} x {m.num_layers} cached experts "
+             f"({gib(k * per_k)}) + transfer buffers + headroom {gib(headroom)} (KV cache for "
+             f"{context_tokens} tokens {gib(kv)}, workspace {gib(WORKSPACE_BYTES)})."]
+    if not ram_ok:
+        verdict = (f"Not enough RAM: the experts need {gib(host_needed)} of host memory with the "
+                   f"system's share, and this machine has {gib(ram_total)}; use fewer bits or the demo model.")
+    elif k >= m.num_experts:
+        verdict = (f"All experts fit on the GPU: about {p['tokens_per_s']:.1f} tokens/s, no "
+                   f"offloading needed.")
+    else:
+        link = "host->GPU copies (PCIe)" if p["bound"] == "pcie" else "GPU compute"
+        verdict = (f"Keep {k} expert{'s' if k != 1 else ''} per layer on the GPU and the rest in "
+                   f"RAM: about {p['tokens_per_s']:.1f} tokens/s, first token after about "
+                   f"{p['first_token_s']:.1f} s, limited by {link}.")
+    return Plan(device="cuda", cache_experts_per_layer=k, predicted_tokens_per_s=p["tokens_per_s"],
+                predicted_first_token_s=p["first_token_s"], bound=p["bound"], verdict=verdict,
+                fits=fits, hit_rate=p["hit_rate"], misses_per_token=p["misses"],
+                bytes_h2d_per_token=p["bytes_h2d"], vram_needed_bytes=vram_needed,
+                host_ram_needed_bytes=host_needed, h2d_bytes_per_s=p["h2d_bytes_per_s"],
+                notes=notes, **common)
+
+
+def _cpu_plan(hw: dict, m: ModelSizes, reason: str, coeffs: Coefficients, prompt_tokens: int,
+              common: dict) -> Plan:
+    p = predict_cpu(hw, m, coeffs, prompt_tokens)
+    ram_total = hw.get("ram_total_bytes")
+    needed = m.store_bytes + HOST_RESERVE_BYTES
+    fits = ram_total is None or ram_total >= needed
+    speed = p["tokens_per_s"]
+    big = m.store_bytes > 4 * GiB
+    verdict = f"Runs on the CPU because {reason}: about {_speed_words(speed)}"
+    if not fits:
+        verdict += (f", but the model needs {needed / GiB:.1f} GiB of RAM and this machine has "
+                    f"{ram_total / GiB:.1f} GiB")
+    verdict += ("; that is slow for full Mixtral, so start with the demo model." if big else ".")
+    return Plan(device="cpu", cache_experts_per_layer=0, predicted_tokens_per_s=speed,
+                predicted_first_token_s=p["first_token_s"], bound="cpu", verdict=verdict,
+                fits=fits, hit_rate=1.0, host_ram_needed_bytes=needed,
+                notes=["CPU speed estimated from the measured fp32 matrix-vector rate and "
+                       f"{coeffs.cpu_kernel_factor:g}x for dequantizing."], **common)
+
+
+def _speed_words(tokens_per_s: float) -> str:
+    if tokens_per_s >= 1:
+        return f"{tokens_per_s:.1f} tokens/s"
+    per = 1 / tokens_per_s
+    return f"{per:.0f} s per token" if per < 120 else f"{per / 60:.0f} minutes per token"
+
+
+def recommend(plans: list[Plan], extra_cost: list[float] | None = None) -> int:
+    """Index of the plan to recommend among variants of one model with different expert bits.
+
+    Among the plans that fit: the most expert bits whose predicted speed is within
+    SPEED_TOLERANCE of the fastest; ties go to the lowest `extra_cost` (for example the
+    download size). When nothing fits: the plan needing the least memory.
+    """
+    cost = extra_cost or [0.0] * len(plans)
+    fitting = [i for i, p in enumerate(plans) if p.fits]
+    if not fitting:
+        return min(range(len(plans)), key=lambda i: (plans[i].host_ram_needed_bytes, cost[i]))
+    fastest = max(plans[i].predicted_tokens_per_s for i in fitting)
+    good = [i for i in fitting if plans[i].predicted_tokens_per_s >= SPEED_TOLERANCE * fastest]
+    return max(good, key=lambda i: (plans[i].expert_bits or 0, -cost[i]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Calibration against measured runs
+
+
+def predict_observation(obs: dict, coeffs: Coefficients) -> float:
+    """Predicted tokens/s for one measured run: {"hw", "model", "cache_experts_per_layer",
+    "prefetch_depth"?, "measured_hit_rate"?, "device"?} (the form fit_coefficients takes)."""
+    m = obs["model"] if isinstance(obs["model"], ModelSizes) else ModelSizes.from_catalog(obs["model"])
+    if obs.get("device") == "cpu":
+        return predict_cpu(obs["hw"], m, coeffs)["tokens_per_s"]
+    return predict_gpu(obs["hw"], m, obs["cache_experts_per_layer"], coeffs,
+                       obs.get("prefetch_depth", 1), obs.get("prompt_tokens", DEFAULT_PROMPT_TOKENS),
+                       obs.get("measured_hit_rate"))["tokens_per_s"]
+
+
+FIT_NAMES = ("gpu_layer_overhead_s", "gpu_kernel_efficiency", "miss_overhead_s",
+             "overlap_efficiency", "token_overhead_s")
+
+
+def fit_coefficients(observations: list[dict], names: tuple[str, ...] = FIT_NAMES,
+        start: Coefficients = DEFAULT, rounds: int = 60) -> tuple[Coefficients, float]:
+    """Refit `names` to runs with "measured_tokens_per_s"; returns (coefficients, RMS log error).
+
+    A coordinate search in log space: crude, dependency-free, and enough for a handful of
+    positive coefficients and a few dozen benchmark rows.
+    """
+    def loss(c: Coefficients) -> float:
+        errs = [math.log(predict_observation(o, c) / o["measured_tokens_per_s"]) for o in observations]
+        return math.sqrt(sum(e * e for e in errs) / len(errs))
+
+    best, best_loss, step = start, loss(start), 1.0
+    for _ in range(rounds):
+        improved = False
+        for name in names:
+            for factor in (math.exp(step), math.exp(-step)):
+                value = getattr(best, name) * factor
+                if name in ("prefetch_recall", "overlap_efficiency"):
+                    value = min(max(value, 0.0), 1.0)
+                trial = replace(best, **{name: value})
+                trial_loss = loss(trial)
+                if trial_loss < best_loss - 1e-12:
+                    best, best_loss, improved = trial, trial_loss, True
+        if not improved:
+            step /= 2
+            if step < 1e-3:
+                break
+    return best, best_loss
+
+
+MIXTRAL_8X7B_CONFIG = {
+    "num_hidden_layers": 32, "num_local_experts": 8, "num_experts_per_tok": 2,
+    "hidden_size": 4096, "intermediate_size": 14336, "vocab_size": 32000,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+}
+
+
+def paper_calibration() -> list[dict]:
+    """Measured runs the defaults were fitted to (2-bit experts, 4-bit attention).
+
+    H200 rows: the paper's released code, random weights and random routing (so the hit
+    rate is k/8), pinned 55 GB/s, HBM 4.8 TB/s (DESIGN.md). Table 2 rows: the paper, real
+    routing; cache sizes (4 on 16 GB cards and the A100, 2 on the 12 GB RTX 3060) and
+    link rates (PCIe 4: 20-25 GB/s, T4 on PCIe 3: 11 GB/s) are our assumptions.
+    """
+    m = ModelSizes.from_config(MIXTRAL_8X7B_CONFIG, 2, 4, name="Mixtral-8x7B 2-bit")
+    hw = lambda h2d, mem: {"gpu_name": "calibration", "h2d_bytes_per_s": h2d,  # noqa: E731
+                           "gpu_mem_bandwidth_bytes_per_s": mem}
+    rows = [dict(hw=hw(55e9, 4.8e12), model=m, cache_experts_per_layer=k, measured_hit_rate=k / 8,
+                 measured_tokens_per_s=t, source="paper code on H200")
+            for k, t in ((3, 4.23), (4, 4.83), (8, 7.86))]
+    rows += [dict(hw=hw(h2d, mem), model=m, cache_experts_per_layer=k, measured_tokens_per_s=t,
+                  source=f"paper Table 2, {gpu}")
+             for gpu, h2d, mem, k, t in (("A100", 25e9, 1.555e12, 4, 3.061),
+                                         ("RTX 3080 Mobile", 20e9, 448e9, 4, 2.655),
+                                         ("RTX 3060", 20e9, 360e9, 2, 2.278),
+                                         ("T4", 11e9, 320e9, 4, 2.092))]
+    return rows
