@@ -135,6 +135,15 @@ def resolve_store_path(arg: str | Path) -> Path:
 
 
 def open_store(arg: str | Path) -> Store:
+    path, manifest = read_manifest(arg)
+    try:
+        hf_config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        raise UserError(f"{path}/config.json is missing or damaged; run `moeferry verify {path}`.") from None
+    return Store(path, manifest, hf_config, ModelConfig.from_hf(hf_config))
+
+
+def read_manifest(arg: str | Path) -> tuple[Path, dict]:
     path = resolve_store_path(arg)
     mpath = path / "manifest.json"
     if not path.is_dir():
@@ -153,11 +162,7 @@ def open_store(arg: str | Path) -> Store:
     if manifest.get("version") != VERSION:
         raise UserError(f"{path} is a store of format version {manifest.get('version')}, but this "
                         f"MoE Ferry reads version {VERSION}; convert the model again or update MoE Ferry.")
-    try:
-        hf_config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        raise UserError(f"{path}/config.json is missing or damaged; run `moeferry verify {path}`.") from None
-    return Store(path, manifest, hf_config, ModelConfig.from_hf(hf_config))
+    return path, manifest
 
 
 def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
@@ -170,11 +175,11 @@ def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
 
 def verify_store(arg: str | Path, progress=None) -> list[str]:
     """Re-hash every file in the manifest; return a sentence for each bad or missing file."""
-    store = open_store(arg)
+    path, manifest = read_manifest(arg)
     bad = []
-    files = store.manifest["files"]
+    files = manifest["files"]
     for i, (name, want) in enumerate(sorted(files.items())):
-        p = store.path / name
+        p = path / name
         if progress:
             progress(i / len(files), f"checking {name}")
         if not p.is_file():

@@ -1,0 +1,78 @@
+"""The per-layer LRU expert cache on a scripted routing sequence (CPU: copies are memcpy)."""
+
+import torch
+
+from engine.expert_cache import ExpertCache
+
+L, E, B = 2, 6, 16
+
+
+def make_cache(k):
+    host = torch.arange(L * E, dtype=torch.uint8)[:, None].repeat(1, B).view(L, E, B)  # expert id in every byte
+    return ExpertCache(host, k, torch.device("cpu"), lambda buf: buf)
+
+
+def use(cache, layer, expert):
+    w, slot = cache.acquire(layer, expert)
+    assert int(w[0]) == layer * E + expert  # the slot really holds that expert's bytes
+    cache.release(layer, slot)
+
+
+def test_lru_order_hits_and_misses_on_a_scripted_sequence():
+    cache = make_cache(3)
+    # layer 0 sequence, with the LRU contents (oldest first) after each use worked out by hand:
+    # 0 -> [0] miss; 1 -> [0,1] miss; 2 -> [0,1,2] miss; 0 -> [1,2,0] hit; 3 -> evicts 1: [2,0,3] miss;
+    # 1 -> evicts 2: [0,3,1] miss; 0 -> [3,1,0] hit; 2 -> evicts 3: [1,0,2] miss
+    seq = [0, 1, 2, 0, 3, 1, 0, 2]
+    lru_after = [[0], [0, 1], [0, 1, 2], [1, 2, 0], [2, 0, 3], [0, 3, 1], [3, 1, 0], [1, 0, 2]]
+    for e, want in zip(seq, lru_after):
+        use(cache, 0, e)
+        assert list(cache.lru[0]) == want
+        assert len(cache.lru[0]) <= 3
+    assert (cache.stats.hits, cache.stats.misses) == (2, 6)
+    assert cache.stats.hits + cache.stats.misses == len(seq)
+    assert cache.stats.bytes_h2d == 6 * B
+    assert cache.resident(1) == ()  # layers are independent
+
+
+def test_never_more_than_k_resident_under_random_use():
+    gen = torch.Generator().manual_seed(0)
+    for k in range(1, E + 1):
+        cache = make_cache(k)
+        uses = 0
+        for _ in range(200):
+            layer = int(torch.randint(L, (1,), generator=gen))
+            use(cache, layer, int(torch.randint(E, (1,), generator=gen)))
+            uses += 1
+            assert all(len(cache.lru[l]) <= k for l in range(L))
+        assert cache.stats.hits + cache.stats.misses == uses
+
+
+def test_prefetch_loads_marks_mru_and_counts_used():
+    cache = make_cache(2)
+    use(cache, 1, 0)
+    use(cache, 1, 1)  # LRU: [0, 1]
+    cache.prefetch(1, [4])  # evicts 0
+    assert list(cache.lru[1]) == [1, 4] and cache.stats.prefetch_issued == 1
+    cache.prefetch(1, [1])  # already resident: becomes most recently used, nothing copied
+    assert list(cache.lru[1]) == [4, 1] and cache.stats.prefetch_issued == 1
+    use(cache, 1, 4)  # a hit thanks to the prefetch
+    assert cache.stats.prefetch_used == 1 and cache.stats.hits == 1
+    use(cache, 1, 4)  # used again: counted once
+    assert cache.stats.prefetch_used == 1
+
+
+def test_a_miss_keeps_experts_needed_in_the_same_step():
+    cache = make_cache(2)
+    use(cache, 0, 0)
+    use(cache, 0, 1)  # LRU: [0, 1]; the next step needs 1 and 5
+    w, slot = cache.acquire(0, 5, keep=[1, 5])
+    cache.release(0, slot)
+    assert 1 in cache.lru[0] and 0 not in cache.lru[0]
+
+
+def test_all_experts_resident_copies_once_and_never_misses():
+    cache = make_cache(E)
+    for e in range(E):
+        use(cache, 0, e)
+    assert cache.stats.misses == 0 and cache.stats.bytes_h2d == 0 and cache.host is None
