@@ -130,7 +130,7 @@ def fetch_repo(repo_id: str, dest, revision: str | None = None, endpoint: str | 
         partial.mkdir(parents=True, exist_ok=True)
         state = _load_state(partial, listing, files)
         _check_disk(partial, files, state, _hf_cache_repo(repo_id) if use_hf_cache else None)
-        tracker = _Tracker(files, state, progress)
+        tracker = _Tracker(files, state, progress, log)
         failed = []
         for rf in files:
             if rf.path in state["verified"]:
@@ -575,10 +575,11 @@ def _download(url: str, token: str | None, incomplete: Path, rf: RemoteFile, tra
                 continue
             if e.code not in RETRY_STATUS:
                 raise _http_error(e, rf, repo_id, token) from None
-            failures = _backoff(failures, got, max_retries, backoff_s, cancel, rf, f"HTTP {e.code}")
+            failures = _backoff(failures, got, max_retries, backoff_s, cancel, rf, f"HTTP {e.code}",
+                                tracker.log)
         except (_Dropped, OSError, http.client.HTTPException) as e:
-            failures = _backoff(failures, got, max_retries, backoff_s, cancel, rf,
-                                type(e).__name__.lstrip("_"))
+            why = "connection dropped" if isinstance(e, _Dropped) else type(e).__name__
+            failures = _backoff(failures, got, max_retries, backoff_s, cancel, rf, why, tracker.log)
     return hasher.hexdigest()
 
 
@@ -595,12 +596,15 @@ def _write(out, block: bytes, rf: RemoteFile) -> None:
                         "and run again to resume.", 1) from None
 
 
-def _backoff(failures: int, got: int, max_retries: int, backoff_s: float, cancel, rf, why) -> int:
+def _backoff(failures: int, got: int, max_retries: int, backoff_s: float, cancel, rf, why,
+             log) -> int:
     failures = 1 if got else failures + 1  # progress resets the count
     if failures > max_retries:
         raise UserError(f"Downloading {rf.path} failed {max_retries} times in a row ({why}): check "
                         "your network connection and run the same command again to resume.", 1)
-    if cancel.wait(min(backoff_s * 2 ** (failures - 1), BACKOFF_MAX_S)):
+    wait = min(backoff_s * 2 ** (failures - 1), BACKOFF_MAX_S)
+    log(f"{rf.path}: {why}; resuming in {wait:.0f} s (attempt {failures} of {max_retries}).")
+    if cancel.wait(wait):
         raise FetchCancelled()
     return failures
 
@@ -711,8 +715,9 @@ class _Tracker:
     WINDOW_S = 5.0
     EVERY_S = 0.1
 
-    def __init__(self, files: list[RemoteFile], state: dict, callback):
+    def __init__(self, files: list[RemoteFile], state: dict, callback, log=None):
         self.callback = callback
+        self.log = log or (lambda msg: None)
         self.total = sum(f.size for f in files)
         self.files_total = len(files)
         self.done = sum(f.size for f in files if f.path in state["verified"])

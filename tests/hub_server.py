@@ -3,7 +3,8 @@
 It speaks the parts of the hub API that engine/download.py uses, with the real paths and
 JSON field names:
 
-    GET /api/models/{repo}[/revision/{rev}]           model info: sha, siblings (+ blobs=1)
+    GET /api/models/{repo}[/revision/{rev}]           model info: sha, siblings (with sizes
+                                                      and lfs {sha256, size} when blobs=true)
     GET /api/models/{repo}/tree/{rev}[/{path}]        ?recursive=...: entries with oid, size,
                                                       lfs {oid (sha256), size, pointerSize}
     GET|HEAD /{repo}/resolve/{rev}/{file}             bytes, with Range; LFS files optionally
@@ -56,6 +57,8 @@ class HubServer:
     corrupt: set[str] = field(default_factory=set)
     throttle_bps: dict[str, int] = field(default_factory=dict)
     redirect_lfs: bool = False
+    tree_supported: bool = True  # False: /tree answers a bare 404, like a minimal mirror
+    ignore_range: bool = False  # True: always 200 with the whole file, like some proxies
     requests: list[Request] = field(default_factory=list)
     url: str = ""
     _server: ThreadingHTTPServer | None = None
@@ -133,6 +136,8 @@ class _Handler(BaseHTTPRequestHandler):
         if m:
             return self._info(m.group(1), m.group(2) or "main", query)
         m = re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/([^/]+)(?:/(.*))?", path)
+        if m and not hub.tree_supported:
+            return self._error(404, "", "Not Found")
         if m:
             return self._tree(m.group(1), m.group(2), m.group(3) or "", query)
         m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
@@ -226,7 +231,7 @@ class _Handler(BaseHTTPRequestHandler):
             data = bytes(b ^ 0x5A for b in data[:64]) + data[64:]
         size = len(data)
         start, end = 0, size - 1
-        rng = self.headers.get("Range")
+        rng = None if hub.ignore_range else self.headers.get("Range")
         if rng:
             m = re.fullmatch(r"bytes=(\d+)-(\d*)", rng.strip())
             if not m or int(m.group(1)) >= size:
@@ -280,7 +285,8 @@ class _Handler(BaseHTTPRequestHandler):
         raw = json.dumps({"error": message}).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
-        self.send_header("X-Error-Code", code)
+        if code:
+            self.send_header("X-Error-Code", code)
         self.send_header("X-Error-Message", message)
         self.send_header("Content-Length", str(len(raw)))
         self.end_headers()

@@ -108,6 +108,30 @@ def test_dropped_connection_resumes_with_range(hub, tmp_path):
     assert ranges == [None, "bytes=150000-", "bytes=150000-"]
 
 
+def test_retries_are_logged_and_bounded(hub, tmp_path):
+    hub.drop_after[SHARD1] = 0
+    hub.drop_times[SHARD1] = 99
+    logs = []
+    with pytest.raises(UserError, match=f"Downloading {SHARD1} failed 3 times in a row"):
+        fetch(hub, tmp_path / "out", max_retries=3, log=logs.append)
+    assert sum("connection dropped; resuming" in m for m in logs) == 3
+
+
+def test_server_ignoring_range_restarts_the_file(hub, tmp_path):
+    hub.drop_after[SHARD1] = 100_000
+    hub.ignore_range = True
+    fetch(hub, tmp_path / "out")
+    assert_same_files(tmp_path / "out", tiny_files())
+
+
+def test_hub_without_tree_api_falls_back_to_model_info(hub, tmp_path):
+    hub.tree_supported = False
+    hub.corrupt.add(SHARD1)
+    with pytest.raises(UserError, match=SHARD1):  # sizes and sha256 came from the siblings
+        fetch(hub, tmp_path / "out")
+    assert any("blobs=" in r.path for r in hub.requests)
+
+
 def test_redirected_lfs_files_resume_at_the_cdn(hub, tmp_path):
     hub.redirect_lfs = True
     hub.drop_after[SHARD2] = 70_000
