@@ -27,8 +27,14 @@ class CacheStats:
 
 class ExpertCache:
     def __init__(self, host: torch.Tensor, slots_per_layer: int, device: torch.device, make_views,
-                 progress=None):
-        """host: uint8 [layers, experts, stride]; make_views(byte range) -> expert weights."""
+                 progress=None, policy: str = "lru"):
+        """host: uint8 [layers, experts, stride]; make_views(byte range) -> expert weights.
+
+        policy "lru" is the engine's. The benchmark also uses "naive" (every use copies the
+        expert synchronously, no caching: the paper's baseline) and "no-copy" (expert e runs
+        on slot e % K and nothing moves: the resident compute time, the bound's other half).
+        """
+        self.policy = policy
         L, E, B = host.shape
         if not 1 <= slots_per_layer <= E:
             raise ValueError(f"slots_per_layer must be in 1..{E}")
@@ -45,7 +51,11 @@ class ExpertCache:
             self.copy_stream = torch.cuda.Stream(device)
             self.ready = [[torch.cuda.Event() for _ in range(self.K)] for _ in range(L)]
             self.free = [[torch.cuda.Event() for _ in range(self.K)] for _ in range(L)]
-        if self.K == E:  # everything fits: load once, never copy again
+        if policy == "no-copy":
+            for layer in range(L):
+                self.slots[layer].copy_(host[layer, :self.K])
+            self.host = None
+        elif self.K == E and policy == "lru":  # everything fits: load once, never copy again
             for layer in range(L):
                 self.slots[layer].copy_(host[layer])
                 self.lru[layer].update((e, e) for e in range(E))
@@ -66,6 +76,16 @@ class ExpertCache:
         keep: experts needed in the same step, which a miss does not evict while others can go.
         """
         lru = self.lru[layer]
+        if self.policy == "no-copy":
+            self.stats.hits += 1
+            return self.views[layer][expert % self.K], expert % self.K
+        if self.policy == "naive":
+            self.stats.misses += 1
+            lru.clear()  # nothing is kept: every use copies
+            slot = self._load(layer, expert, keep)
+            if self.cuda:
+                self.copy_stream.synchronize()
+            return self.views[layer][slot], slot
         if expert in lru:
             self.stats.hits += 1
             lru.move_to_end(expert)
@@ -86,6 +106,8 @@ class ExpertCache:
 
     def prefetch(self, layer: int, experts: list[int]) -> None:
         """Start copying predicted experts (best guess first); never more than K per layer."""
+        if self.policy != "lru":
+            return
         experts = experts[:self.K]
         lru = self.lru[layer]
         for e in reversed(experts):  # best guess last = most recently used

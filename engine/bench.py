@@ -1,0 +1,272 @@
+"""`moeferry bench`: the offloading benchmark on a synthetic full-size Mixtral-8x7B.
+
+Weights are generated directly in packed form (random codes, 8-bit scales/zeros in
+realistic ranges), so a run starts in seconds. In ONE run, on the same weights and prompt,
+it measures the paper's Table 2 ladder: naive (every expert copied on demand, synchronously,
+no cache), lru (cache, no prefetch), full (cache + prefetch), each with the reference kernels
+(dequantize then matmul) and the fused ones, under a VRAM budget that emulates a gaming GPU.
+
+The bound for each mode: max(bytes moved per token / pinned bandwidth measured in this run,
+resident compute time per token measured in this run with nothing moving).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from engine import quant, store as store_mod
+from engine.errors import UserError
+from engine.expert_cache import ExpertCache
+from engine.generate import fmt_bytes, parse_size, workspace_bytes
+from engine.model import KVCache, ModelConfig, OffloadedMixtral
+
+MIXTRAL = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+               num_kv_heads=8, head_dim=128, num_experts=8, top_k=2, rms_norm_eps=1e-5, rope_theta=1e6,
+               max_position_embeddings=32768, sliding_window=None, tie_word_embeddings=False)
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    kernels: str
+    cache_experts: int
+    prefetch: int
+    decode_tokens_per_s: float
+    first_token_s: float
+    hit_rate: float
+    prefetch_precision: float
+    prefetch_recall: float
+    gb_per_token: float
+    h2d_gb_per_s: float
+    bound_ms_per_token: float
+    achieved_ms_per_token: float
+    achieved_over_bound: float
+    peak_vram_bytes: int
+    under_budget: bool
+
+
+# ---------------------------------------------------------------------------------------------
+# Synthetic weights in packed form
+
+
+def random_qmatrix(rows: int, cols: int, spec: quant.QuantSpec, device, gen) -> quant.QMatrix:
+    """Random codes; scales about 0.004-0.009 and zeros about mid-range, as HQQ produces for
+    weights of standard deviation ~0.01 (Mixtral's are 0.01-0.02)."""
+    f = quant.field_shapes(rows, cols, spec)
+    t = {k: torch.randint(0, 256, shape, dtype=torch.uint8, device=device, generator=gen)
+         for k, (dtype, shape) in f.items() if dtype == torch.uint8}
+    levels = 2 ** spec.bits - 1
+    t["scale_meta"] = torch.tensor([[2e-5], [-200.0]], dtype=torch.float16, device=device).expand(f["scale_meta"][1]).contiguous()
+    t["zero_meta"] = torch.tensor([[levels / 255], [0.0]], dtype=torch.float16, device=device).expand(f["zero_meta"][1]).contiguous()
+    return quant.QMatrix.from_tensors({"rows": rows, "cols": cols, "bits": spec.bits,
+                                       "group_size": spec.group_size}, t)
+
+
+def synthetic_model(cfg: ModelConfig, expert_bits: int, attn_bits: int, device, seed: int = 0):
+    """(dense weights on device, host experts uint8 [L, E, stride] pinned, expert fields, quantization)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    es, as_ = quant.EXPERT_SPECS[expert_bits], quant.ATTN_SPECS[attn_bits]
+    eq = {"bits": expert_bits, "group_size": es.group_size, "meta_group": es.meta_group}
+    dtype = torch.bfloat16
+    dense = {"model.embed_tokens.weight": torch.randn(cfg.vocab_size, cfg.hidden_size, device=device,
+                                                      dtype=dtype, generator=gen) * 0.02,
+             "model.norm.weight": torch.ones(cfg.hidden_size, device=device, dtype=dtype),
+             "lm_head.weight": torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype,
+                                           generator=gen) * 0.02}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        dense[p + "input_layernorm.weight"] = torch.ones(cfg.hidden_size, device=device, dtype=dtype)
+        dense[p + "post_attention_layernorm.weight"] = torch.ones(cfg.hidden_size, device=device, dtype=dtype)
+        dense[p + "block_sparse_moe.gate.weight"] = torch.randn(cfg.num_experts, cfg.hidden_size, device=device,
+                                                                dtype=dtype, generator=gen) * 0.02
+        for m in store_mod.ATTN_MATRICES:
+            dense[p + f"self_attn.{m}.weight"] = random_qmatrix(*store_mod.attn_shape(cfg, m), as_, device, gen)
+    dense_bytes = sum(w.nbytes() if isinstance(w, quant.QMatrix) else w.numel() * w.element_size()
+                      for w in dense.values())
+    fields, stride = store_mod.expert_layout(cfg, eq)
+    host = torch.empty((cfg.num_layers, cfg.num_experts, stride), dtype=torch.uint8, pin_memory=True)
+    for layer in range(cfg.num_layers):
+        packed = []
+        for _ in range(cfg.num_experts):
+            tensors = {}
+            for m in store_mod.EXPERT_MATRICES:
+                qm = random_qmatrix(*store_mod.expert_shape(cfg, m), es, device, gen)
+                tensors.update({f"{m}.{k}": v for k, v in qm.tensors().items()})
+            packed.append(pack_on_device(tensors, fields, stride, device))
+        host[layer].copy_(torch.stack(packed))
+    return dense, dense_bytes, host, fields, eq
+
+
+def pack_on_device(tensors: dict, fields: list[dict], stride: int, device) -> torch.Tensor:
+    buf = torch.zeros(stride, dtype=torch.uint8, device=device)
+    for f in fields:
+        buf[f["offset"]:f["offset"] + f["nbytes"]] = tensors[f["name"]].contiguous().view(torch.uint8).reshape(-1)
+    return buf
+
+
+def pinned_bandwidth(device, nbytes: int = 1 << 30) -> float:
+    """Host->device bytes/s from pinned memory (median of 5 copies of 1 GiB)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(6):
+        torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t)
+    return nbytes / sorted(times[1:])[2]
+
+
+# ---------------------------------------------------------------------------------------------
+# Running one mode
+
+
+def cache_size_for(budget: int | None, cfg, dense_bytes, stride, context, device) -> int:
+    fixed = dense_bytes + KVCache.nbytes(cfg, context, torch.bfloat16) + workspace_bytes(cfg, torch.bfloat16, device)
+    if budget is None:
+        return cfg.num_experts
+    k = (budget - fixed) // (cfg.num_layers * stride)
+    if k < 1:
+        raise UserError(f"A VRAM budget of {fmt_bytes(budget)} cannot hold the resident weights "
+                        f"({fmt_bytes(fixed)}) and one expert per layer; raise --vram-budget.")
+    return int(min(k, cfg.num_experts))
+
+
+def run_mode(cfg, dense, host, fields, eq, device, policy, k, prefetch, kernels, prompt, new_tokens):
+    def views(buf):
+        return store_mod.view_expert(buf, fields, eq, cfg)
+
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    cache = ExpertCache(host, k, device, views, policy=policy)
+    model = OffloadedMixtral(cfg, dense, cache, device, torch.bfloat16, kernels)
+    model.prefetch_depth = prefetch
+    model.setup_kv(len(prompt) + new_tokens)
+    t0 = time.perf_counter()
+    logits = model.forward(torch.tensor(prompt, device=device), 0)
+    tok = int(logits[-1].argmax())
+    first = time.perf_counter() - t0
+    before = asdict(cache.stats)
+    t1 = time.perf_counter()
+    for n in range(new_tokens - 1):
+        logits = model.forward(torch.tensor([tok], device=device), len(prompt) + n)
+        tok = int(logits[-1].argmax())
+    torch.cuda.synchronize(device)
+    decode = time.perf_counter() - t1
+    after = asdict(cache.stats)
+    d = {key: after[key] - before[key] for key in after}
+    peak = torch.cuda.max_memory_allocated(device)
+    del model, cache
+    return first, decode, d, peak
+
+
+def run_bench(layers: int = 32, vram_budget: str | None = "12GiB", expert_bits: int = 2, attn_bits: int = 4,
+              prompt_len: int = 128, new_tokens: int = 64, modes=("naive", "lru", "full"),
+              kernels=("reference", "fused"), prefetch: int = 1, seed: int = 0, log=print) -> dict:
+    if not torch.cuda.is_available():
+        raise UserError("moeferry bench measures GPU offloading and needs a CUDA GPU; none is visible.")
+    device = torch.device("cuda")
+    cfg = ModelConfig(**{**MIXTRAL, "num_layers": layers})
+    budget = parse_size(vram_budget)
+    log(f"building a synthetic Mixtral-8x7B ({layers} layers, {expert_bits}-bit experts, {attn_bits}-bit attention)")
+    t = time.perf_counter()
+    dense, dense_bytes, host, fields, eq = synthetic_model(cfg, expert_bits, attn_bits, device, seed)
+    stride = host.shape[2]
+    log(f"  built in {time.perf_counter() - t:.1f} s; one expert = {stride / 1e6:.1f} MB, "
+        f"resident weights {fmt_bytes(dense_bytes)}")
+    bw = pinned_bandwidth(device)
+    log(f"  pinned host->device bandwidth: {bw / 1e9:.1f} GB/s")
+    context = prompt_len + new_tokens
+    k = cache_size_for(budget, cfg, dense_bytes, stride, context, device)
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=gen).tolist()
+    compute = {}
+    for kern in kernels:  # resident compute time per token: nothing moves
+        first, decode, _, _ = run_mode(cfg, dense, host, fields, eq, device, "no-copy", k, 0, kern, prompt,
+                                       min(new_tokens, 16))
+        compute[kern] = decode / (min(new_tokens, 16) - 1)
+        log(f"  resident compute per token ({kern}): {compute[kern] * 1e3:.2f} ms")
+    results = []
+    for mode in modes:
+        for kern in kernels:
+            policy = "naive" if mode == "naive" else "lru"
+            kk = cfg.top_k if mode == "naive" else k
+            depth = prefetch if mode == "full" else 0
+            first, decode, d, peak = run_mode(cfg, dense, host, fields, eq, device, policy, kk, depth, kern,
+                                              prompt, new_tokens)
+            steps = new_tokens - 1
+            per_tok = decode / steps
+            moved = d["bytes_h2d"] / steps
+            uses = d["hits"] + d["misses"]
+            bound = max(moved / bw, compute[kern])
+            r = ModeResult(
+                mode=mode, kernels=kern, cache_experts=kk, prefetch=depth,
+                decode_tokens_per_s=steps / decode, first_token_s=first,
+                hit_rate=d["hits"] / uses if uses else 0.0,
+                prefetch_precision=d["prefetch_used"] / d["prefetch_issued"] if d["prefetch_issued"] else 0.0,
+                prefetch_recall=(d["prefetch_used"] / (d["prefetch_used"] + d["misses"])
+                                 if d["prefetch_used"] + d["misses"] else 0.0),
+                gb_per_token=moved / 1e9, h2d_gb_per_s=d["bytes_h2d"] / decode / 1e9,
+                bound_ms_per_token=bound * 1e3, achieved_ms_per_token=per_tok * 1e3,
+                achieved_over_bound=per_tok / bound, peak_vram_bytes=peak,
+                under_budget=budget is None or peak <= budget)
+            results.append(r)
+            log(f"  {mode:5s} {kern:9s} {r.decode_tokens_per_s:7.2f} tok/s  first token {first:.2f} s  "
+                f"hits {r.hit_rate:.2f}  {r.gb_per_token:.2f} GB/token  peak {fmt_bytes(peak)}")
+    return {
+        "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(device),
+        "layers": layers, "vram_budget": vram_budget, "vram_budget_bytes": budget, "expert_bits": expert_bits,
+        "attn_bits": attn_bits, "prompt_len": prompt_len, "new_tokens": new_tokens,
+        "expert_bytes": stride, "resident_bytes": dense_bytes, "pinned_gb_per_s": bw / 1e9,
+        "cache_experts": k, "resident_compute_ms_per_token": {kk: v * 1e3 for kk, v in compute.items()},
+        "results": [asdict(r) for r in results],
+    }
+
+
+def markdown_table(report: dict) -> str:
+    lines = [f"Budget {report['vram_budget']}, {report['expert_bits']}-bit experts "
+             f"({report['expert_bytes'] / 1e6:.1f} MB each), {report['attn_bits']}-bit attention, "
+             f"{report['layers']} layers, P={report['prompt_len']}, T={report['new_tokens']}, "
+             f"{report['cache_experts']} experts cached per layer, pinned H2D {report['pinned_gb_per_s']:.1f} GB/s, "
+             f"{report['device']}, {report['date']}.", "",
+             "| mode | kernels | decode tok/s | first token s | hit rate | prefetch prec/recall | GB/token "
+             "| H2D GB/s | bound ms/tok | achieved ms/tok | achieved/bound | peak VRAM GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["results"]:
+        lines.append(
+            f"| {r['mode']} | {r['kernels']} | {r['decode_tokens_per_s']:.2f} | {r['first_token_s']:.2f} | "
+            f"{r['hit_rate']:.2f} | {r['prefetch_precision']:.2f}/{r['prefetch_recall']:.2f} | "
+            f"{r['gb_per_token']:.2f} | {r['h2d_gb_per_s']:.1f} | {r['bound_ms_per_token']:.1f} | "
+            f"{r['achieved_ms_per_token']:.1f} | {r['achieved_over_bound']:.2f} | "
+            f"{r['peak_vram_bytes'] / 2**30:.2f}{'' if r['under_budget'] else ' (over!)'} |")
+    return "\n".join(lines)
+
+
+def cli_bench(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="moeferry bench")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--vram-budget", default="12GiB", help="e.g. 12GiB (RTX 3060), 16GiB, none")
+    p.add_argument("--expert-bits", type=int, default=2, choices=(2, 3, 4))
+    p.add_argument("--attn-bits", type=int, default=4, choices=(4, 8))
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--modes", default="naive,lru,full")
+    p.add_argument("--kernels", default="reference,fused")
+    p.add_argument("--prefetch", type=int, default=1)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    if a.new_tokens < 2 or a.layers < 1:
+        raise UserError("--new-tokens must be 2 or more and --layers 1 or more.")
+    report = run_bench(a.layers, a.vram_budget, a.expert_bits, a.attn_bits, a.prompt_len, a.new_tokens,
+                       tuple(a.modes.split(",")), tuple(a.kernels.split(",")), a.prefetch,
+                       log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(json.dumps(report, indent=1) if a.json else markdown_table(report))
+    return 0
