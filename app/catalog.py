@@ -23,6 +23,9 @@ class CatalogEntry:
     disk_bytes: int | None = None
     quality: str = ""           # plain words, e.g. "WikiText2 perplexity 4.61 (fp16: 3.59)"
     description: str = ""
+    tokenizer_repo_id: str = ""  # where the tokenizer comes from when the checkpoint has none
+    gated: bool = False          # the hub asks to accept a licence and log in first
+    embedded: bool = False       # the demo model shipped with the app (no download)
     raw: dict | None = None     # the entry as read, for the planner
 
 
@@ -42,6 +45,7 @@ def entry_from_dict(d: dict) -> CatalogEntry:
         quality = quality.get("note") or ", ".join(f"{k} {v}" for k, v in quality.items())
     kind = str(_first(d, "kind", "format", default="")).lower()
     needs_convert = bool(_first(d, "needs_convert", "convert", default=kind in ("checkpoint", "hf", "huggingface")))
+    needs_convert = needs_convert or bool(d.get("import"))  # e.g. the paper's checkpoint is imported
     return CatalogEntry(
         id=str(_first(d, "id", "key", "name", default="model")),
         name=str(_first(d, "name", "title", "id", default="Model")),
@@ -54,6 +58,9 @@ def entry_from_dict(d: dict) -> CatalogEntry:
         disk_bytes=_first(d, "disk_bytes", "disk_needed_bytes", "store_bytes"),
         quality=str(quality),
         description=str(_first(d, "description", "notes", default="")),
+        tokenizer_repo_id=str(d.get("tokenizer_repo_id") or ""),
+        gated=bool(d.get("gated") or d.get("tokenizer_gated")),
+        embedded=kind == "embedded",
         raw=d,
     )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from PySide6.QtCore import QObject, QTimer, Signal
 
 from app.engine_backend import LoadOptions, Sampling
-from app.engine_worker import EngineHost, ReplyResult
+from app.engine_worker import EngineHost, LoadedInfo, ReplyResult
 from app.errors import ErrorInfo
 from app.history import History, title_from
 from app.history_db import Message
@@ -41,6 +41,7 @@ class ChatController(QObject):
     error = Signal(object)                # ErrorInfo
     model_state = Signal(str, float)      # words, fraction (-1 = no progress to show)
     model_ready = Signal(bool)
+    model_loaded = Signal(object)         # LoadedInfo
 
     def __init__(self, history: History, settings: Settings, host: EngineHost, parent: QObject | None = None):
         super().__init__(parent)
@@ -91,12 +92,13 @@ class ChatController(QObject):
     def _on_load_progress(self, fraction: float, message: str) -> None:
         self.model_state.emit(message or "Loading the model", fraction)
 
-    def _on_loaded(self, opts: LoadOptions) -> None:
-        self.loaded = opts
-        if self._loading == opts:
+    def _on_loaded(self, info: LoadedInfo) -> None:
+        self.loaded = info.options
+        if self._loading == info.options:
             self._loading = None
         self.model_state.emit("Model ready", -1.0)
         self.model_ready.emit(True)
+        self.model_loaded.emit(info)
 
     def _on_load_failed(self, info: ErrorInfo) -> None:
         self._loading = None

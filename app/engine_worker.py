@@ -28,6 +28,13 @@ class GenerateRequest:
     cancel: threading.Event = field(default_factory=threading.Event)
 
 
+@dataclass(frozen=True)
+class LoadedInfo:
+    options: LoadOptions
+    num_experts: int = 8
+    note: str = ""  # e.g. the engine fell back to pageable memory
+
+
 @dataclass
 class ReplyResult:
     id: int
@@ -44,7 +51,7 @@ NO_MODEL = ErrorInfo("No model loaded", "No model is loaded yet; set one up with
 
 class EngineWorker(QObject):
     load_progress = Signal(float, str)
-    loaded = Signal(object)        # LoadOptions
+    loaded = Signal(object)        # LoadedInfo
     load_failed = Signal(object)   # ErrorInfo
     pieces = Signal(int, str)      # request id, new text
     reply_done = Signal(object)    # ReplyResult (error set when it failed)
@@ -67,7 +74,9 @@ class EngineWorker(QObject):
             self.load_failed.emit(describe_error(exc))
             return
         self._options, self._prefetch, self._cache = opts, opts.prefetch, opts.cache_experts
-        self.loaded.emit(opts)
+        config = getattr(self._engine, "config", None)
+        self.loaded.emit(LoadedInfo(opts, getattr(config, "num_experts", 8) or 8,
+                                    str(getattr(self._engine, "note", "") or "")))
 
     @Slot(object)
     def generate(self, req: GenerateRequest) -> None:

@@ -26,6 +26,7 @@ class InstallRequest:
     needs_convert: bool = False
     expert_bits: int = 2
     attn_bits: int = 4
+    tokenizer_repo_id: str = ""  # fetched (tokenizer files only) when the checkpoint has no tokenizer
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -62,11 +63,20 @@ def download_progress(p: Any) -> InstallProgress:
     """Adapt the downloader's progress object (bytes done/total, rate, eta) to InstallProgress."""
     done = _attr(p, "bytes_done", "done_bytes", "downloaded", "done")
     total = _attr(p, "bytes_total", "total_bytes", "total")
-    rate = _attr(p, "rate", "bytes_per_s", "rate_bytes_per_s", "speed")
+    rate = _attr(p, "rate_bps", "rate", "bytes_per_s", "speed")
     eta = _attr(p, "eta", "eta_s", "eta_seconds")
     fraction = done / total if done is not None and total else None
     name = _attr(p, "file", "filename", "current_file") or ""
-    return InstallProgress("download", fraction, str(name), done, total, rate, eta)
+    phase = _attr(p, "phase") or "download"
+    message = {"verify": f"checking {name}", "reuse": f"found {name} in the Hugging Face cache"}.get(phase, name)
+    return InstallProgress("download", fraction, str(message), done, total, rate, eta)
+
+
+TOKENIZER_FILES = ["tokenizer*", "special_tokens_map.json", "generation_config.json"]
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return (folder / "tokenizer.json").is_file() or (folder / "tokenizer.model").is_file()
 
 
 def _step_callback(step: str, report: Callable[[InstallProgress], None]) -> Callable:
@@ -115,12 +125,26 @@ def run_install(req: InstallRequest, backend: SetupBackend, report: Callable[[In
             raise
         check()
 
-    if req.needs_convert:
+    if req.needs_convert and (Path(req.dest) / "manifest.json").is_file():
+        dest = Path(req.dest)  # converted before a restart; only the check is left
+    elif req.needs_convert:
         dest = Path(req.dest)
+        tokenizer = None
+        if req.tokenizer_repo_id and not _has_tokenizer(src):
+            report(InstallProgress("download", None, "Fetching the tokenizer"))
+            kwargs = {"progress": lambda p: report(download_progress(p)), "cancel": cancel,
+                      "allow_patterns": TOKENIZER_FILES}
+            if backend.endpoint:
+                kwargs["endpoint"] = backend.endpoint
+            try:
+                tokenizer = Path(backend.fetch(req.tokenizer_repo_id, Path(f"{src}-tokenizer"), **kwargs))
+            except Exception:
+                check()
+                raise
         report(InstallProgress("convert", 0.0, "Starting the conversion"))
         try:
-            backend.convert(src, dest, req.expert_bits, req.attn_bits, progress=_step_callback("convert", report),
-                            cancel=cancel)
+            backend.convert(src, dest, req.expert_bits, req.attn_bits, tokenizer=tokenizer,
+                            progress=_step_callback("convert", report), cancel=cancel)
         except Exception:
             check()
             raise

@@ -98,6 +98,7 @@ class MainWindow(QMainWindow):
         c.stats_ready.connect(self._stats_ready)
         c.error.connect(self.show_error)
         c.model_state.connect(self.status.set_model_state)
+        c.model_loaded.connect(self._model_loaded)
 
         self.settings_panel.load(self.settings)
         geometry = self.settings.get(Key.WINDOW_GEOMETRY)
@@ -210,6 +211,11 @@ class MainWindow(QMainWindow):
         self.wizard.installed.connect(self._model_installed)
         self.wizard.show()
         return self.wizard
+
+    def _model_loaded(self, info) -> None:
+        self.settings_panel.load(self.settings, info.num_experts)
+        if info.note:
+            self.chat.notice.show_notice(info.note)
 
     def _model_installed(self) -> None:
         self.settings_panel.load(self.settings)

@@ -26,10 +26,10 @@ class PlanSummary:
 class SetupBackend:
     probe: Callable[[], dict]
     catalog: Callable[[], list[CatalogEntry]]
-    plan: Callable[[dict, CatalogEntry | None, int | None], PlanSummary | None]
-    fetch: Callable[..., Path]          # fetch(repo_id, dest, revision=, endpoint=, progress=, cancel=)
+    plan: Callable[[dict, CatalogEntry | Path | None, int | None], PlanSummary | None]
+    fetch: Callable[..., Path]          # fetch(repo_id, dest, revision=, endpoint=, progress=, cancel=[, allow_patterns=])
     find_in_hf_cache: Callable[[str], Path | None]
-    convert: Callable[..., Any]         # convert(src, dest, expert_bits, attn_bits, progress=, cancel=)
+    convert: Callable[..., Any]         # convert(src, dest, expert_bits, attn_bits, tokenizer=, progress=, cancel=)
     verify: Callable[[Path], list[str]]
     demo_path: Callable[[], Path | None]
     endpoint: str | None = None         # hub address for fetch (None = the real hub)
@@ -72,13 +72,22 @@ def _get(obj: Any, *names: str) -> Any:
     return None
 
 
-def real_plan(hw: dict, entry: CatalogEntry | None, vram_budget: int | None) -> PlanSummary | None:
+def real_plan(hw: dict, model: CatalogEntry | Path | None, vram_budget: int | None) -> PlanSummary | None:
+    """The planner's cache size and speed for a catalog entry or an installed store; None if unknown."""
     try:
-        from engine.plan import make_plan
+        from engine.plan import ModelSizes, make_plan
     except ImportError:
         return None
-    sizes = (entry.raw or {}) if entry else {}
-    plan = make_plan(hw, sizes, vram_budget_bytes=vram_budget)
+    try:
+        if isinstance(model, CatalogEntry) and model.raw and ("sizes" in model.raw or "config" in model.raw):
+            sizes = ModelSizes.from_catalog(model.raw)
+        elif isinstance(model, Path) and (model / "manifest.json").is_file():
+            sizes = ModelSizes.from_store(model)
+        else:
+            return None
+        plan = make_plan(hw, sizes, vram_budget_bytes=vram_budget)
+    except (KeyError, ValueError, TypeError, OSError):
+        return None
     return PlanSummary(
         cache_experts_per_layer=_get(plan, "cache_experts_per_layer", "cache_experts"),
         predicted_tokens_per_s=_get(plan, "predicted_tokens_per_s", "tokens_per_s"),
@@ -100,10 +109,17 @@ def real_find_in_hf_cache(repo_id: str) -> Path | None:
     return find_in_hf_cache(repo_id)
 
 
-def real_convert(src: Path, dest: Path, expert_bits: int, attn_bits: int, **kwargs) -> Any:
-    from engine.convert import convert_checkpoint
+def real_convert(src: Path, dest: Path, expert_bits: int, attn_bits: int, tokenizer=None, progress=None,
+                 cancel=None) -> Any:
+    """A Hugging Face checkpoint is quantized; the paper's pre-quantized checkpoint is imported as is."""
+    from engine.convert import convert_checkpoint, detect_format
 
-    return convert_checkpoint(src, dest, expert_bits, attn_bits, **kwargs)
+    if detect_format(src) == "paper":
+        from engine.paper_format import import_paper_checkpoint
+
+        return import_paper_checkpoint(src, dest, tokenizer=tokenizer, progress=progress, cancel=cancel)
+    return convert_checkpoint(src, dest, expert_bits, attn_bits, device="auto", tokenizer=tokenizer,
+                              progress=progress, cancel=cancel)
 
 
 def real_verify(path: Path) -> list[str]:

@@ -66,7 +66,8 @@ class CachePage(QWizardPage):
         budget_gb = value * STEP_GB
         self.budget_label.setText(f"{budget_gb:.1f} GB")
         self.w.vram_budget_gb = budget_gb
-        plan = self.w.backend.plan(self.w.hw or {}, self.w.entry, int(budget_gb * GiB))
+        model = self.w.store_path or self.w.entry
+        plan = self.w.backend.plan(self.w.hw or {}, model, int(budget_gb * GiB))
         if plan and plan.cache_experts_per_layer and not self.user_edited:
             self.cache.blockSignals(True)
             self.cache.setValue(plan.cache_experts_per_layer)

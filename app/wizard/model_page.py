@@ -42,9 +42,12 @@ def catalog_option(entry: CatalogEntry, plan, cached: Path | None, disk_free: in
     if entry.quality:
         parts.append(f"quality: {entry.quality}")
     details = " · ".join(parts)
-    if entry.needs_convert:
-        details += "\nConverted on this computer after the download"
-        details += " (fast on a GPU, hours on a CPU)."
+    if entry.raw and entry.raw.get("import"):
+        details += "\nImported as it is after the download: nothing to re-quantize."
+    elif entry.needs_convert:
+        details += "\nConverted on this computer after the download (fast on a GPU, hours on a CPU)."
+    if entry.gated:
+        details += "\nGated on Hugging Face: accept its licence there and log in with `hf auth login` first."
     if entry.description:
         details += "\n" + entry.description
     if disk_free is not None and entry.disk_bytes and entry.disk_bytes > disk_free:
@@ -94,7 +97,8 @@ class ModelPage(QWizardPage):
         w = self.w
         hw = w.hw or {}
         disk_free = pick(hw, "disk_free_bytes", "disk_free")
-        self.options = [catalog_option(e, w.plans.get(e.id), w.hf_cache.get(e.id), disk_free) for e in w.catalog]
+        self.options = [catalog_option(e, w.plans.get(e.id), w.hf_cache.get(e.id), disk_free)
+                        for e in w.catalog if not e.embedded]
         self.options.append(Option(
             "demo", "Demo model (tiny, included)",
             "Runs on any computer in seconds and shows how the app and the expert map work; "
@@ -162,6 +166,7 @@ class ModelPage(QWizardPage):
         root = models_dir()
         if option.key == "demo":
             return InstallRequest(source="demo", name="Demo model")
+        tok = {"tokenizer_repo_id": option.entry.tokenizer_repo_id} if option.entry else {}
         if option.key == "folder":
             if self.folder_kind == "store":
                 return InstallRequest(source="folder", name=self.folder.name, src_path=str(self.folder))
@@ -174,11 +179,11 @@ class ModelPage(QWizardPage):
         if cached:
             return InstallRequest(source="hf_cache", name=entry.name, src_path=str(cached), needs_convert=True,
                                   expert_bits=entry.expert_bits, attn_bits=entry.attn_bits,
-                                  dest=str(root / f"{name}-{entry.expert_bits}bit"))
+                                  dest=str(root / f"{name}-{entry.expert_bits}bit"), **tok)
         if entry.needs_convert:
             return InstallRequest(source="catalog", name=entry.name, repo_id=entry.repo_id,
                                   revision=entry.revision, src_path=str(root / "downloads" / name),
                                   needs_convert=True, expert_bits=entry.expert_bits, attn_bits=entry.attn_bits,
-                                  dest=str(root / f"{name}-{entry.expert_bits}bit"))
+                                  dest=str(root / f"{name}-{entry.expert_bits}bit"), **tok)
         return InstallRequest(source="catalog", name=entry.name, repo_id=entry.repo_id, revision=entry.revision,
                               src_path=str(root / name), expert_bits=entry.expert_bits, attn_bits=entry.attn_bits)

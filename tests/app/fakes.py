@@ -155,11 +155,15 @@ def make_store(path: Path, expert_bits: int = 2, source: str = "tiny/mixtral") -
     return path
 
 
+RTX_3060 = {"gpu_name": "NVIDIA GeForce RTX 3060", "vram_total_bytes": 12 * 1024**3, "pcie_gen": 4,
+            "pcie_width": 16, "h2d_gb_per_s": 24.8, "ram_total_bytes": 32 * 1024**3,
+            "disk_free_bytes": 500 * 1024**3, "driver_version": "550.54", "cpu_name": "AMD Ryzen 5 5600X"}
+NO_GPU = {"gpu_name": None, "vram_total_bytes": None, "ram_total_bytes": 16 * 1024**3,
+          "disk_free_bytes": 200 * 1024**3, "cpu_name": "Intel Core i5-8250U"}
+
+
 def fake_setup_backend(tmp: Path, hw: dict | None = None, fetch=None, convert=None) -> SetupBackend:
-    hw = hw if hw is not None else {"gpu_name": "NVIDIA GeForce RTX 3060", "vram_bytes": 12 * 1024**3,
-                                    "pcie_gen": 4, "pcie_width": 16, "h2d_gb_per_s": 24.8,
-                                    "ram_bytes": 32 * 1024**3, "disk_free_bytes": 500 * 1024**3,
-                                    "driver": "550.54", "cpu": "AMD Ryzen 5 5600X"}
+    hw = hw if hw is not None else RTX_3060
     catalog = [
         CatalogEntry(id="mixtral-2bit", name="Mixtral-8x7B Instruct, 2-bit experts", repo_id="tiny/mixtral-store",
                      download_bytes=17_500_000_000, disk_bytes=17_500_000_000,
@@ -170,12 +174,12 @@ def fake_setup_backend(tmp: Path, hw: dict | None = None, fetch=None, convert=No
     ]
 
     def plan(hw_, entry, budget):
-        vram = budget or hw_.get("vram_bytes") or 0
+        vram = budget or hw_.get("vram_total_bytes") or 0
         return PlanSummary(cache_experts_per_layer=max(1, min(8, int(vram / 1024**3 / 4))),
                            predicted_tokens_per_s=2.3 if hw_.get("gpu_name") else None,
                            verdict="Fits: attention on the GPU, experts in RAM.")
 
-    def default_fetch(repo_id, dest, revision=None, endpoint=None, progress=None, cancel=None):
+    def default_fetch(repo_id, dest, revision=None, endpoint=None, progress=None, cancel=None, **_):
         dest = Path(dest)
         total = 4_000_000
         for i in range(1, 5):
