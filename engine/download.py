@@ -120,8 +120,11 @@ def fetch_repo(repo_id: str, dest, revision: str | None = None, endpoint: str | 
         log(f"{dest} already holds {repo_id} ({revision}), verified when it was downloaded.")
         return dest
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise UserError(f"{dest} already exists and is not an empty download of {repo_id} at "
-                        f"{revision}: choose another DEST or delete it.", 2)
+        if (dest / STATE_NAME).exists():
+            raise UserError(f"{dest} holds a download that is damaged or of another repository "
+                            f"or revision: delete it (or choose another DEST) and run again.", 2)
+        raise UserError(f"{dest} already exists and is not empty: choose another DEST or delete "
+                        "it.", 2)
 
     listing = list_repo_files(repo_id, revision, base, token)
     files = _select(listing.files, allow_patterns, skip_pickle_duplicates, log)
@@ -170,28 +173,39 @@ def cli_fetch(repo_id: str, dest: str, revision: str | None, endpoint: str | Non
 
 
 def list_repo_files(repo_id: str, revision: str, endpoint: str, token: str | None) -> RepoListing:
-    """Ask the hub for the repo's commit and its files with sizes and hashes."""
-    from huggingface_hub import HfApi
-    from huggingface_hub import errors as hf_errors
+    """Ask the hub for the repo's commit and its files with sizes and hashes.
 
-    api = HfApi(endpoint=endpoint, token=token or False)
+    The requests are the ones huggingface_hub's model_info / list_repo_tree make, through its
+    session and error mapping; the JSON is read here so that a hub answer without optional
+    fields (pointerSize, id, ...) is still understood.
+    """
+    from huggingface_hub import errors as hf_errors
+    from huggingface_hub.utils import validate_repo_id
+
+    rev = urllib.parse.quote(revision, safe="")
     try:
-        info = api.model_info(repo_id, revision=revision, timeout=30)
+        validate_repo_id(repo_id)
+        info = _get_json(f"{endpoint}/api/models/{repo_id}/revision/{rev}", token)
+        commit = info.get("sha") if isinstance(info, dict) else None
         try:
-            entries = [e for e in api.list_repo_tree(repo_id, revision=revision, recursive=True)
-                       if hasattr(e, "blob_id") and e.path]
-            files = [RemoteFile(e.path, int(e.size), e.lfs.sha256 if e.lfs else None, e.blob_id)
-                     for e in entries]
+            files = []
+            url, params = f"{endpoint}/api/models/{repo_id}/tree/{rev}", {"recursive": "true",
+                                                                          "expand": "false"}
+            while url:
+                page, url = _get_json(url, token, params, with_next=True)
+                params = None  # the next link carries them
+                files += [_from_tree(e) for e in page if e.get("type", "file") == "file"]
         except hf_errors.HfHubHTTPError as e:
             if _status(e) != 404 or isinstance(e, hf_errors.RepositoryNotFoundError):
                 raise
-            info = api.model_info(repo_id, revision=revision, files_metadata=True, timeout=30)
-            files = [_from_sibling(s, repo_id) for s in info.siblings or []]
+            info = _get_json(f"{endpoint}/api/models/{repo_id}/revision/{rev}", token,
+                             {"blobs": "true"})
+            files = [_from_sibling(s, repo_id) for s in info.get("siblings") or []]
     except Exception as e:  # noqa: BLE001 - every failure becomes one sentence below
         raise _api_error(e, repo_id, revision, endpoint, token) from None
     for rf in files:
         _safe_relpath(rf.path)
-    return RepoListing(repo_id, revision, getattr(info, "sha", None), files)
+    return RepoListing(repo_id, revision, commit, files)
 
 
 def hf_cache_dir() -> Path:
@@ -249,11 +263,38 @@ def _stored_token() -> str | None:
         return None
 
 
-def _from_sibling(s, repo_id: str) -> RemoteFile:
-    if s.size is None:
+def _get_json(url: str, token: str | None, params: dict | None = None, with_next: bool = False):
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+    headers = build_hf_headers(token=token or False, library_name="moeferry")
+    r = get_session().get(url, headers=headers, params=params, timeout=30)
+    hf_raise_for_status(r)
+    data = r.json()
+    if with_next:
+        return data, r.links.get("next", {}).get("url")
+    return data
+
+
+def _sha256(lfs: dict | None) -> str | None:
+    if not lfs:
+        return None
+    oid = lfs.get("oid") or lfs.get("sha256")
+    return oid.split(":", 1)[-1].lower() if oid else None
+
+
+def _from_tree(e: dict) -> RemoteFile:
+    lfs = e.get("lfs")
+    size = e.get("size") if e.get("size") is not None else (lfs or {}).get("size")
+    return RemoteFile(e["path"], int(size), _sha256(lfs), e.get("oid"))
+
+
+def _from_sibling(s: dict, repo_id: str) -> RemoteFile:
+    lfs = s.get("lfs")
+    size = s.get("size") if s.get("size") is not None else (lfs or {}).get("size")
+    if size is None:
         raise UserError(f"The hub did not report file sizes for {repo_id}: check --endpoint "
                         "points at a Hugging Face hub.", 1)
-    return RemoteFile(s.rfilename, int(s.size), s.lfs.sha256 if s.lfs else None, s.blob_id)
+    return RemoteFile(s["rfilename"], int(size), _sha256(lfs), s.get("blobId"))
 
 
 def _status(e: Exception) -> int | None:
@@ -307,6 +348,9 @@ def _api_error(e: Exception, repo_id: str, revision: str, endpoint: str,
     if isinstance(e, hf_errors.HfHubHTTPError):
         return UserError(f"The hub at {endpoint} answered HTTP {status} for {repo_id}: try again "
                          "later or check --endpoint.", 1)
+    if isinstance(e, (KeyError, TypeError, ValueError, AttributeError)):
+        return UserError(f"The hub at {endpoint} answered in a form this version does not "
+                         f"understand ({type(e).__name__}: {e}): check --endpoint.", 1)
     if isinstance(e, _transport_errors()):
         cached = find_in_hf_cache(repo_id, None if revision == "main" else revision)
         hint = (f"; a complete copy is already in your Hugging Face cache at {cached}, which can be "
@@ -546,7 +590,9 @@ def _download(url: str, token: str | None, incomplete: Path, rf: RemoteFile, tra
         try:
             resp = _open(url, token, have)
             with resp:
-                start = _range_start(resp)
+                start = _range_start(resp, have)
+                if start not in (have, 0):
+                    raise _Dropped()  # a range we did not ask for: ask again
                 if start != have:  # the server ignored Range: start again from zero
                     tracker.advance(rf, -have, transferred=False)
                     have, hasher = 0, hashlib.sha256()
@@ -609,11 +655,12 @@ def _backoff(failures: int, got: int, max_retries: int, backoff_s: float, cancel
     return failures
 
 
-def _range_start(resp) -> int:
+def _range_start(resp, asked: int) -> int:
+    """Where the body starts: 0 for a 200, else what Content-Range says (assume as asked)."""
     if resp.status != 206:
         return 0
     m = re.match(r"bytes (\d+)-", resp.headers.get("Content-Range", ""))
-    return int(m.group(1)) if m else 0
+    return int(m.group(1)) if m else asked
 
 
 def _http_error(e: urllib.error.HTTPError, rf: RemoteFile, repo_id: str, token) -> UserError:

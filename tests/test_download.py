@@ -368,3 +368,20 @@ def test_unreachable_hub_points_at_the_cache(clean_env, tmp_path):
     snap = make_hf_cache(clean_env / "hf_cache", REPO, tiny_files(), "c" * 40)
     with pytest.raises(UserError, match=re.escape(str(snap))):
         fetch_repo(REPO, tmp_path / "out", endpoint="http://127.0.0.1:9")
+
+
+def test_a_second_fetch_into_the_same_dest_is_refused_while_one_runs(hub, tmp_path):
+    dest = tmp_path / "out"
+    with download._Lock(tmp_path / "out.partial.lock", dest):
+        with pytest.raises(UserError, match="Another download into"):
+            fetch(hub, dest)
+    fetch(hub, dest)  # the lock is gone with its holder
+    assert_same_files(dest, tiny_files())
+
+
+def test_damaged_finished_download_is_not_taken_as_complete(hub, tmp_path):
+    dest = tmp_path / "out"
+    fetch(hub, dest)
+    (dest / SHARD1).write_bytes(b"short")
+    with pytest.raises(UserError, match="damaged"):
+        fetch(hub, dest)
