@@ -164,7 +164,8 @@ def cli_fetch(repo_id: str, dest: str, revision: str | None, endpoint: str | Non
         print("Download stopped; run the same command again to resume where it left off.",
               file=sys.stderr)
         return 130
-    bar.finish()
+    finally:
+        bar.finish()  # end the redrawn line before any message
     manifest = _read_json(path / STATE_NAME) or {}
     n = len(manifest.get("files", []))
     total = sum(f["size"] for f in manifest.get("files", []))

@@ -371,27 +371,13 @@ def load_catalog() -> list[dict]:
 
 
 def entry_sizes(entry: dict):
-    """ModelSizes for a catalog entry; the demo model's come from its store, if built."""
+    """ModelSizes for a catalog entry, None when unknown (the demo model not built)."""
     from engine.plan import ModelSizes
 
-    if entry.get("kind") == "embedded":
-        store = _demo_store()
-        if store is None:
-            return None
-        sizes = ModelSizes.from_store(store)
-        sizes.name = entry.get("name", "demo")
-        return sizes
-    return ModelSizes.from_catalog(entry)
-
-
-def _demo_store() -> Path | None:
     try:
-        from engine.demo import demo_store_path
-        path = demo_store_path()
-    except Exception:  # noqa: BLE001 - not built into this install
-        path = Path(__file__).resolve().parent.parent / "resources" / "demo"
-    path = Path(path) if path else None
-    return path if path and (path / "manifest.json").is_file() and (path / "config.json").is_file() else None
+        return ModelSizes.from_catalog(entry)
+    except (ValueError, KeyError, OSError):
+        return None
 
 
 def _duration(s: float) -> str:

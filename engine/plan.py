@@ -137,7 +137,13 @@ class ModelSizes:
 
     @classmethod
     def from_catalog(cls, entry: dict) -> "ModelSizes":
-        """From a resources/catalog.json entry (its "sizes", or its architecture + bits)."""
+        """From a resources/catalog.json entry (its "sizes", or its config + bits; the
+        embedded demo model's from its store). ValueError when the sizes cannot be known."""
+        if entry.get("kind") == "embedded":
+            store = demo_store_path()
+            if store is None:
+                raise ValueError("the demo model is not built into this install")
+            return replace(cls.from_store(store), name=entry.get("name", "demo"))
         if "sizes" in entry:
             known = {k: v for k, v in entry["sizes"].items() if k in cls.__dataclass_fields__}
             return cls(**known, expert_bits=entry.get("expert_bits"),
@@ -167,6 +173,18 @@ class ModelSizes:
         if dense:
             sizes.dense_bytes = int(sum(dense))
         return sizes
+
+
+def demo_store_path() -> Path | None:
+    """The embedded demo model's store folder, if this install has one."""
+    try:
+        from engine.demo import demo_store_path as find
+        path = find()
+    except Exception:  # noqa: BLE001 - no demo module or not built
+        path = Path(__file__).resolve().parent.parent / "resources" / "demo"
+    path = Path(path) if path else None
+    ok = path is not None and (path / "manifest.json").is_file() and (path / "config.json").is_file()
+    return path if ok else None
 
 
 def _matrix_bytes(rows: int, cols: int, bits: int, groups: dict, meta_group: int) -> int:

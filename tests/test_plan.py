@@ -196,3 +196,20 @@ def test_fit_coefficients_recovers_a_known_model():
     fitted, err = P.fit_coefficients(rows)
     assert err < 0.02
     assert P.fit_coefficients(rows, rounds=0)[1] > 0.2  # the defaults were far off
+
+
+def test_demo_entry_sizes_come_from_its_store(tmp_path, monkeypatch):
+    demo = {"id": "demo", "kind": "embedded", "name": "Demo"}
+    monkeypatch.setattr(P, "demo_store_path", lambda: None)
+    with pytest.raises(ValueError, match="demo model"):
+        ModelSizes.from_catalog(demo)
+    cfg = dict(MIXTRAL_8X7B_CONFIG, num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+               vocab_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "manifest.json").write_text(json.dumps({"quantization": {"experts": {"bits": 4},
+                                                                          "attention": {"bits": 16}}}))
+    monkeypatch.setattr(P, "demo_store_path", lambda: tmp_path)
+    m = ModelSizes.from_catalog(demo)
+    assert (m.num_layers, m.expert_bits, m.name) == (2, 4, "Demo")
+    p = make_plan(CPU_ONLY, demo)
+    assert p.device == "cpu" and p.predicted_tokens_per_s > 1 and "demo" not in p.verdict
