@@ -46,8 +46,11 @@ def models_dir() -> Path:
     """Where installed models go (the app's data folder; MOEFERRY_DATA_DIR overrides)."""
     root = os.environ.get("MOEFERRY_DATA_DIR")
     if not root:
-        import platformdirs
-        root = platformdirs.user_data_dir("moeferry", appauthor=False)
+        try:
+            import platformdirs
+            root = platformdirs.user_data_dir("moeferry", appauthor=False)
+        except ImportError:
+            root = os.path.join(os.path.expanduser("~"), ".local", "share", "moeferry")
     return Path(root) / "models"
 
 
