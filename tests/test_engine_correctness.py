@@ -35,6 +35,7 @@ def test_greedy_tokens_equal_transformers_for_every_cache_size_and_prefetch(tmp_
     convert_checkpoint(tmp_path / "ck", tmp_path / "st", 16, 16, "cpu")
     engine = load_engine(tmp_path / "st", device="cpu", dtype="float32", cache_experts=1)
     greedy = SamplingSettings(temperature=0, max_new_tokens=24)
+    engine.eos_ids = set()  # transformers' reference runs without stopping at </s>
     for k in range(1, cfg["num_local_experts"] + 1):
         engine.set_cache_experts(k)
         for depth in (0, 1, 2):
@@ -57,6 +58,7 @@ def test_quantized_store_logits_match_transformers_on_dequantized_weights(tmp_pa
     convert_checkpoint(tmp_path / "ck", tmp_path / "st", expert_bits, attn_bits, "cpu")
     ref = load_dequantized_hf_model(tmp_path / "st")
     engine = load_engine(tmp_path / "st", device="cpu", dtype="float32", cache_experts=2, prefetch=1)
+    engine.eos_ids = set()
     ids = torch.tensor(PROMPT)
     engine.model.setup_kv(64)
     got = engine.model.forward(ids, 0, last_only=False)
