@@ -84,6 +84,7 @@ def test_quantized_store_is_smaller_and_differs_from_source(tmp_path, tiny_check
 
 def test_kv_prefix_reuse_gives_the_same_tokens(tiny_store, tiny_checkpoint):
     engine = load_engine(tiny_store, device="cpu", cache_experts=2)
+    engine.eos_ids = set()
     greedy = SamplingSettings(temperature=0, max_new_tokens=6)
     first = list(engine.generate_ids(PROMPT, greedy))
     longer = PROMPT + first + [11, 12]
@@ -106,6 +107,7 @@ def test_sampling_is_reproducible_with_a_seed(tiny_store):
 def test_stream_yields_text_and_cancel_stops_it(tiny_store):
     import threading
     engine = load_engine(tiny_store, device="cpu")
+    engine.eos_ids = set()
     cancel = threading.Event()
     pieces = []
     for piece in engine.stream("hello", SamplingSettings(temperature=0, max_new_tokens=50), cancel):
@@ -129,6 +131,7 @@ def test_chat_template_is_applied(tiny_store):
 
 def test_expert_trace_records_routing_and_residency(tiny_store):
     engine = load_engine(tiny_store, device="cpu", cache_experts=2, prefetch=0)
+    engine.eos_ids = set()
     list(engine.generate_ids(PROMPT, SamplingSettings(temperature=0, max_new_tokens=5)))
     t = engine.last_trace
     assert len(t.selected) == 4  # the first token comes from prefill
