@@ -21,5 +21,5 @@ class NoticeBar(QFrame):
 
     def show_notice(self, text: str) -> None:
         existing = self.label.text()
-        self.label.setText(f"{existing}\n{text}" if existing and self.isVisible() else text)
+        self.label.setText(f"{existing}\n{text}" if existing and not self.isHidden() else text)
         self.show()

@@ -53,7 +53,9 @@ def launch(qapp, qtbot, data_dir, engine_backend, setup_backend):
     started = []
 
     def _launch(engine=None, setup=None):
-        parts = start(qapp, data_dir, (engine or engine_backend).as_backend(), setup or setup_backend)
+        engine = engine or engine_backend
+        engine = engine.as_backend() if hasattr(engine, "as_backend") else engine
+        parts = start(qapp, data_dir, engine, setup or setup_backend)
         started.append(parts)
         return parts
 
