@@ -6,10 +6,9 @@ training/data/tokens.npz and training/data/tokenizer/. Runs on CPU or CUDA (bf16
     python training/train_demo.py --device cuda --steps 6000 --out /tmp/demo_ckpt
     python training/train_demo.py --device cpu --threads 2 --minutes 40 --out /work/demo_ckpt
 
-Without --steps, the number of optimizer steps is fitted to --minutes after timing the
-first steps, and printed so that the run can be repeated exactly with --steps. The learning
-rate schedule (warm-up, cosine decay) depends only on the step count, the batches only on
---seed. Held-out loss is measured every --eval-every steps; the best model so far is saved
+With --steps the run is reproducible: the learning rate (warm-up, then cosine decay) depends
+only on the step, the batches only on --seed. Without it, training stops after --minutes and
+the decay follows the clock instead (a fallback for busy machines). Held-out loss is measured every --eval-every steps; the best model so far is saved
 (bf16 safetensors + config + tokenizer files + train_log.json) into --out.
 """
 
@@ -78,11 +77,18 @@ def batches(stream: torch.Tensor, batch_size: int, seq_len: int, seed: int):
             yield stream[idx]
 
 
-def lr_at(step: int, total: int, args: TrainArgs) -> float:
+def lr_at(step: int, progress: float, args: TrainArgs) -> float:
+    """Linear warm-up over args.warmup steps, then cosine decay to 10% as progress goes 0 -> 1."""
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
-    frac = min(1.0, (step - args.warmup) / max(1, total - args.warmup))
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def progress_of(step: int, elapsed: float, args: TrainArgs) -> float:
+    """Fraction of the run done: by steps with --steps (reproducible), else by time."""
+    if args.steps:
+        return (step - args.warmup) / max(1, args.steps - args.warmup)
+    return elapsed / (args.minutes * 60)
 
 
 def autocast(device: torch.device):
@@ -148,14 +154,9 @@ def train(args: TrainArgs) -> dict:
     start = time.time()
     step = 0
     while step < total:
-        if step == 20 and args.steps is None:  # fit the step count into the time budget
-            per_step = (time.time() - start) / 20
-            total = max(40, int(args.minutes * 60 * 0.93 / per_step))
-            print(f"{per_step:.3f} s/step: training {total} steps "
-                  f"(repeat exactly with --steps {total})", flush=True)
-            log["steps"] = total
+        lr = lr_at(step, progress_of(step, time.time() - start, args), args)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, total, args)
+            g["lr"] = lr
         x = next(data).to(device, non_blocking=True)
         with autocast(device):
             out = model(input_ids=x[:, :-1], output_router_logits=True)
@@ -172,12 +173,13 @@ def train(args: TrainArgs) -> dict:
             elapsed = time.time() - start
             aux = out.aux_loss.item()
             row = {"step": step, "loss": round(ce.item(), 4), "aux": round(aux, 4),
-                   "lr": lr_at(step - 1, total, args), "s": round(elapsed, 1)}
+                   "lr": lr, "s": round(elapsed, 1)}
             log["train"].append(row)
             tok_s = step * x.shape[0] * args.seq_len / elapsed
-            print(f"step {step}/{total} loss {row['loss']:.4f} aux {aux:.3f} "
+            print(f"step {step}{f'/{total}' if args.steps else ''} loss {row['loss']:.4f} aux {aux:.3f} "
                   f"lr {row['lr']:.2e} {tok_s:,.0f} tok/s {elapsed / 60:.1f} min", flush=True)
-        if step % args.eval_every == 0 or step == total:
+        out_of_time = args.steps is None and time.time() - start > args.minutes * 60
+        if step % args.eval_every == 0 or step == total or out_of_time:
             val = heldout_loss(model, tokens["heldout"], args.seq_len, args.eval_chunks, device)
             log["eval"].append({"step": step, "heldout_loss": round(val, 4),
                                 "s": round(time.time() - start, 1)})
@@ -187,7 +189,7 @@ def train(args: TrainArgs) -> dict:
                 best = val
                 log["best"] = {"step": step, "heldout_loss": val}
                 save(model, args, log)
-        if args.steps is None and time.time() - start > args.minutes * 60:
+        if out_of_time:
             print("time budget spent", flush=True)
             break
     log["seconds"] = round(time.time() - start, 1)
@@ -203,7 +205,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--minutes", type=float, default=8.0, help="time budget (without --steps)")
-    ap.add_argument("--steps", type=int, default=None, help="optimizer steps (overrides --minutes)")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps (then --minutes is unused)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=None, help="default: 64 on CUDA, 8 on CPU")
     ap.add_argument("--seq-len", type=int, default=512)
