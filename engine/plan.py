@@ -10,7 +10,8 @@ Decode cost model, per generated token (batch 1):
                + misses * per-miss overhead + per-token overhead
 
 `hidden` is the share of the misses that prefetching starts early enough to hide behind
-compute (the paper's prefetch recall times how well copies really overlap). Every coefficient lives in `Coefficients`, with where its default comes from, and
+compute (the paper's prefetch recall times how well copies really overlap). Every
+coefficient lives in `Coefficients`, with where its default comes from, and
 `fit_coefficients` refits them to measured benchmark runs. Without a usable NVIDIA GPU the
 plan is a CPU plan whose speed comes from the CPU's measured matrix-vector rate.
 """
@@ -70,7 +71,7 @@ class Coefficients:
     gpu_kernel_efficiency: float = 0.1  # share of GPU memory bandwidth low-bit GEMV reaches
     miss_overhead_s: float = 1.6e-3  # per expert copy: issue, events, cache bookkeeping
     token_overhead_s: float = 25e-3  # sampling, embedding, lm_head, per token
-    prefill_token_layer_s: float = 1e-5  # GPU prefill compute per prompt token per layer (H200 first token 0.79 s)
+    prefill_token_layer_s: float = 1e-5  # GPU prefill per prompt token per layer (H200: 0.79 s)
     pcie_efficiency: float = 0.8  # measured/theoretical PCIe rate when bandwidth is not measured
     default_gpu_mem_bytes_per_s: float = 300e9  # when the GPU's memory bandwidth is unknown
     # CPU cost per active weight / the probe's fp32 matvec cost. Measured on 2 cores for the
@@ -118,7 +119,8 @@ class ModelSizes:
         """Sizes of a store converted from a Hugging Face Mixtral config.json (analytic)."""
         L, E = config["num_hidden_layers"], config["num_local_experts"]
         H, F, V = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-        nh, nkv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+        nh = config["num_attention_heads"]
+        nkv = config.get("num_key_value_heads", nh)
         hd = config.get("head_dim") or H // nh
         expert_params = 3 * H * F
         attn_params = L * (2 * H * nh * hd + 2 * H * nkv * hd)
@@ -357,7 +359,8 @@ def make_plan(hw: dict, model, vram_budget_bytes: int | None = None, *,
              f"{context_tokens} tokens {gib(kv)}, workspace {gib(WORKSPACE_BYTES)})."]
     if not ram_ok:
         verdict = (f"Not enough RAM: the experts need {gib(host_needed)} of host memory with the "
-                   f"system's share, and this machine has {gib(ram_total)}; use fewer bits or the demo model.")
+                   f"system's share, and this machine has {gib(ram_total)}; use fewer bits or the "
+                   f"demo model.")
     elif k >= m.num_experts:
         verdict = (f"All experts fit on the GPU: about {p['tokens_per_s']:.1f} tokens/s, no "
                    f"offloading needed.")

@@ -360,7 +360,8 @@ def test_fetch_reuses_files_found_in_hf_cache(hub, clean_env, tmp_path):
     assert_same_files(tmp_path / "out", tiny_files())
     assert not any("/resolve/" in r.path for r in hub.requests)  # every byte came from the cache
     assert any(e.phase == "reuse" for e in events) or events[-1].phase == "done"
-    blob = clean_env / "hf_cache" / "models--org--tiny" / "blobs" / hashlib.sha256(tiny_files()[SHARD1]).hexdigest()
+    sha = hashlib.sha256(tiny_files()[SHARD1]).hexdigest()
+    blob = clean_env / "hf_cache" / "models--org--tiny" / "blobs" / sha
     assert os.path.samefile(blob, tmp_path / "out" / SHARD1)  # linked, not copied
 
 

@@ -213,7 +213,8 @@ def test_a_failing_bandwidth_test_is_a_note(monkeypatch):
 def gpu_machine(**over) -> dict:
     hw = hardware.probe(measure_bandwidth=False)
     hw.update(gpu_name="NVIDIA GeForce RTX 3060", torch_cuda_available=True, vram_total_bytes=12 * GiB,
-              vram_free_bytes=int(11.2 * GiB), h2d_bytes_per_s=24e9, h2d_gb_per_s=24.0, pcie_gen=4, pcie_width=16,
+              vram_free_bytes=int(11.2 * GiB), h2d_bytes_per_s=24e9, h2d_gb_per_s=24.0, pcie_gen=4,
+              pcie_width=16,
               gpu_mem_bandwidth_bytes_per_s=360e9, ram_total_bytes=32 * GiB, **over)
     return hw
 
