@@ -42,15 +42,18 @@ def make_palette(dark: bool) -> QPalette:
     return palette
 
 
+_styled: set[int] = set()  # apps whose style and sheet are set (not QObject.property: PySide 6.12 miscounts it)
+
+
 def apply_theme(app: QApplication, mode: str) -> bool:
     """Apply `mode` (system | light | dark); returns whether the dark palette is in use."""
-    if app.property("moeferry_dark") is None:  # first call: replacing a style later is costly and risky
+    if id(app) not in _styled:  # first call: replacing a style later is costly and risky
+        _styled.add(id(app))
         app.setStyle("Fusion")
         qss = resources_dir() / "styles" / "app.qss"
         app.setStyleSheet(qss.read_text(encoding="utf-8") if qss.exists() else "")
     dark = is_dark(mode)
     app.setPalette(make_palette(dark))
-    app.setProperty("moeferry_dark", dark)
     return dark
 
 

@@ -8,6 +8,7 @@ from PySide6.QtWidgets import QLabel, QProgressBar, QPushButton, QVBoxLayout, QW
 
 from app.hardware_words import describe_hardware
 from app.task_runner import TaskRunner
+from app.wizard.wizard import completion_flag
 
 LEVEL_COLORS = {"good": "#1a8f5c", "workable": "#b7791f", "poor": "#c53030", "none": "#b7791f"}
 
@@ -32,6 +33,7 @@ class HardwarePage(QWizardPage):
         self.w = wizard
         self.task: TaskRunner | None = None
         self.done = False
+        self._complete = completion_flag(self, "hardware_checked")
         self.setTitle("Your hardware")
         self.setSubTitle("What this computer can do with Mixtral.")
         self.busy = QProgressBar()
@@ -71,7 +73,7 @@ class HardwarePage(QWizardPage):
         self.task.finished.connect(self._finished)
         self.task.failed.connect(self._failed)
         self.task.start()
-        self.completeChanged.emit()
+        self._complete(False)
 
     def _finished(self, result: dict) -> None:
         w = self.w
@@ -90,7 +92,7 @@ class HardwarePage(QWizardPage):
             self.advice.setText("You can still go on: the demo model runs on any computer and shows how the "
                                 "app works, and the full model can run on the CPU, very slowly.")
         self.done = True
-        self.completeChanged.emit()
+        self._complete(True)
 
     def _failed(self, info) -> None:
         self.busy.hide()
@@ -99,10 +101,7 @@ class HardwarePage(QWizardPage):
         # Going on without the check is allowed: the next pages cope with unknown hardware.
         self.w.hw = self.w.hw or {}
         self.done = True
-        self.completeChanged.emit()
-
-    def isComplete(self) -> bool:
-        return self.done
+        self._complete(True)
 
     def stop_tasks(self) -> None:
         if self.task is not None:

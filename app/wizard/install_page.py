@@ -9,6 +9,7 @@ from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QPushButton, QV
 from app.install import STEP_TITLES, InstallProgress, InstallRequest, run_install
 from app.stats_format import fmt_bytes, fmt_duration
 from app.task_runner import TaskRunner
+from app.wizard.wizard import Page, completion_flag
 
 
 def steps_for(req: InstallRequest) -> list[str]:
@@ -41,6 +42,7 @@ class InstallPage(QWizardPage):
         self.done = False
         self.resuming = False
         self.last: InstallProgress | None = None
+        self._complete = completion_flag(self, "installed")
         self.setTitle("Getting the model")
         self.setSubTitle("Downloaded files are checked against the hub; a stopped download continues later.")
         self.what = QLabel()
@@ -69,6 +71,9 @@ class InstallPage(QWizardPage):
         layout.addStretch(1)
 
     def initializePage(self) -> None:
+        if not self.resuming and Page.MODEL in self.w.visitedIds():
+            self.w.request, self.w.entry = self.w.pages[Page.MODEL].build_request(), \
+                self.w.pages[Page.MODEL].current().entry
         req = self.w.request
         self.what.setText(("Resuming: " if self.resuming else "") + req.name)
         self.start()
@@ -93,7 +98,7 @@ class InstallPage(QWizardPage):
         self.task.failed.connect(self._failed)
         self.task.cancelled.connect(self._cancelled)
         self.task.start()
-        self.completeChanged.emit()
+        self._complete(False)
 
     def cancel(self) -> None:
         if self.task is not None and self.task.running:
@@ -129,7 +134,7 @@ class InstallPage(QWizardPage):
         self.detail.setText(f"Ready and verified: {path}")
         self.message.setText("Press Next to choose how much GPU memory it may use.")
         self.cancel_button.hide()
-        self.completeChanged.emit()
+        self._complete(True)
 
     def _failed(self, info) -> None:
         self.bar.setRange(0, 1000)
@@ -147,10 +152,7 @@ class InstallPage(QWizardPage):
         self.cancel_button.hide()
         self.resume_button.setText(label)
         self.resume_button.show()
-        self.completeChanged.emit()
-
-    def isComplete(self) -> bool:
-        return self.done
+        self._complete(False)
 
     def stop_tasks(self) -> None:
         if self.task is not None:

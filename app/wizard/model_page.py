@@ -14,6 +14,7 @@ from app.hardware_words import pick
 from app.install import InstallRequest
 from app.paths import models_dir
 from app.stats_format import fmt_bytes
+from app.wizard.wizard import completion_flag
 
 
 @dataclass
@@ -77,6 +78,7 @@ class ModelPage(QWizardPage):
         self.options: list[Option] = []
         self.folder: Path | None = None
         self.folder_kind: str | None = None
+        self._complete = completion_flag(self, "model_chosen")
         self.setTitle("Choose the model")
         self.setSubTitle("Sizes and speeds are for this computer; you can add other variants later.")
         self.list = QListWidget()
@@ -136,7 +138,7 @@ class ModelPage(QWizardPage):
         words = {"store": "a MoE Ferry store, ready to use",
                  "checkpoint": "a Hugging Face checkpoint; it will be converted to 2-bit experts"}
         self.folder_label.setText(f"{self.folder}: {words.get(self.folder_kind, 'not a model folder')}")
-        self.completeChanged.emit()
+        self._complete(self.ready())
 
     def _browse(self) -> None:
         path = QFileDialog.getExistingDirectory(self, "Choose a model folder", str(Path.home()))
@@ -148,18 +150,13 @@ class ModelPage(QWizardPage):
         is_folder = option is not None and option.key == "folder"
         self.browse.setVisible(is_folder)
         self.folder_label.setVisible(is_folder)
-        self.completeChanged.emit()
+        self._complete(self.ready())
 
-    def isComplete(self) -> bool:
+    def ready(self) -> bool:
         option = self.current()
         if option is None or not option.enabled:
             return False
         return option.key != "folder" or self.folder_kind is not None
-
-    def validatePage(self) -> bool:
-        self.w.request = self.build_request()
-        self.w.entry = self.current().entry
-        return True
 
     def build_request(self) -> InstallRequest:
         option = self.current()
