@@ -1,6 +1,7 @@
 """Download a Hugging Face repo: resumable, sha256-verified, installed atomically.
 
-The file list, sizes and LFS sha256 come from the hub API (huggingface_hub); the bytes are
+The file list, sizes and LFS sha256 come from the hub API (engine/hf_cache.py, through
+huggingface_hub), as do blobs already in the local Hugging Face cache; the bytes are
 fetched here with HTTP Range requests so that a download resumes after a dropped connection
 and after the process was killed (huggingface_hub restarts from zero across processes).
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import http.client
-import importlib
 import json
 import os
 import re
@@ -37,6 +37,11 @@ from pathlib import Path
 from typing import Callable
 
 from engine.errors import UserError
+# find_in_hf_cache, hf_cache_dir, list_repo_files, RemoteFile and RepoListing lived here once;
+# other modules still import them from engine.download.
+from engine.hf_cache import (RemoteFile, RepoListing, cache_blob, cache_repo_dir,  # noqa: F401
+                             find_in_hf_cache, gated_message, hf_cache_dir, list_repo_files,
+                             safe_relpath)
 
 STATE_NAME = ".moeferry-fetch.json"
 CHUNK = 1 << 20
@@ -48,22 +53,6 @@ DISK_MARGIN_BYTES = 64 << 20
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 USER_AGENT = "moeferry-fetch/0.1"
-
-
-@dataclass
-class RemoteFile:
-    path: str
-    size: int
-    sha256: str | None = None  # LFS files: the content's sha256
-    git_oid: str | None = None  # git blob sha1 (for non-LFS files, of the content)
-
-
-@dataclass
-class RepoListing:
-    repo_id: str
-    revision: str
-    commit: str | None
-    files: list[RemoteFile]
 
 
 @dataclass
@@ -132,7 +121,7 @@ def fetch_repo(repo_id: str, dest, revision: str | None = None, endpoint: str | 
     with _Lock(dest.with_name(dest.name + ".partial.lock"), dest):
         partial.mkdir(parents=True, exist_ok=True)
         state = _load_state(partial, listing, files)
-        _check_disk(partial, files, state, _hf_cache_repo(repo_id) if use_hf_cache else None)
+        _check_disk(partial, files, state, cache_repo_dir(repo_id) if use_hf_cache else None)
         tracker = _Tracker(files, state, progress, log)
         failed = []
         for rf in files:
@@ -173,82 +162,8 @@ def cli_fetch(repo_id: str, dest: str, revision: str | None, endpoint: str | Non
     return 0
 
 
-def list_repo_files(repo_id: str, revision: str, endpoint: str, token: str | None) -> RepoListing:
-    """Ask the hub for the repo's commit and its files with sizes and hashes.
-
-    The requests are the ones huggingface_hub's model_info / list_repo_tree make, through its
-    session and error mapping; the JSON is read here so that a hub answer without optional
-    fields (pointerSize, id, ...) is still understood.
-    """
-    from huggingface_hub import errors as hf_errors
-    from huggingface_hub.utils import validate_repo_id
-
-    rev = urllib.parse.quote(revision, safe="")
-    try:
-        validate_repo_id(repo_id)
-        info = _get_json(f"{endpoint}/api/models/{repo_id}/revision/{rev}", token)
-        commit = info.get("sha") if isinstance(info, dict) else None
-        try:
-            files = []
-            url, params = f"{endpoint}/api/models/{repo_id}/tree/{rev}", {"recursive": "true",
-                                                                          "expand": "false"}
-            while url:
-                page, url = _get_json(url, token, params, with_next=True)
-                params = None  # the next link carries them
-                files += [_from_tree(e) for e in page if e.get("type", "file") == "file"]
-        except hf_errors.HfHubHTTPError as e:
-            if _status(e) != 404 or isinstance(e, hf_errors.RepositoryNotFoundError):
-                raise
-            info = _get_json(f"{endpoint}/api/models/{repo_id}/revision/{rev}", token,
-                             {"blobs": "true"})
-            files = [_from_sibling(s, repo_id) for s in info.get("siblings") or []]
-    except Exception as e:  # noqa: BLE001 - every failure becomes one sentence below
-        raise _api_error(e, repo_id, revision, endpoint, token) from None
-    for rf in files:
-        _safe_relpath(rf.path)
-    return RepoListing(repo_id, revision, commit, files)
-
-
-def hf_cache_dir() -> Path:
-    """The Hugging Face hub cache, read from the environment now (not at import)."""
-    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        if os.environ.get(var):
-            return Path(os.path.expandvars(os.environ[var])).expanduser()
-    if os.environ.get("HF_HOME"):
-        return Path(os.path.expandvars(os.environ["HF_HOME"])).expanduser() / "hub"
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "huggingface" / "hub"
-
-
-def find_in_hf_cache(repo_id: str, revision: str | None = None) -> Path | None:
-    """An already-complete snapshot of `repo_id` in the user's HF cache, or None.
-
-    Complete means: config.json is there, and every weight file (those named by the
-    safetensors index, else every *.safetensors) exists and is as long as its header says.
-    Without a revision, refs/main is tried first, then the newest complete snapshot.
-    """
-    root = _hf_cache_repo(repo_id)
-    snapshots = root / "snapshots"
-    if not snapshots.is_dir():
-        return None
-    candidates = []
-    rev = revision or "main"
-    if re.fullmatch(r"[0-9a-f]{40}", rev):
-        candidates.append(snapshots / rev)
-    elif (root / "refs" / rev).is_file():
-        candidates.append(snapshots / (root / "refs" / rev).read_text().strip())
-    if revision is None:
-        others = sorted((p for p in snapshots.iterdir() if p.is_dir() and p not in candidates),
-                        key=lambda p: p.stat().st_mtime, reverse=True)
-        candidates += others
-    for snap in candidates:
-        if snap.is_dir() and _snapshot_complete(snap):
-            return snap
-    return None
-
-
 # ---------------------------------------------------------------------------------------------
-# Hub listing and errors
+# Hub settings and the file selection
 
 
 def _default_endpoint() -> str:
@@ -264,103 +179,6 @@ def _stored_token() -> str | None:
         return None
 
 
-def _get_json(url: str, token: str | None, params: dict | None = None, with_next: bool = False):
-    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
-
-    headers = build_hf_headers(token=token or False, library_name="moeferry")
-    r = get_session().get(url, headers=headers, params=params, timeout=30)
-    hf_raise_for_status(r)
-    data = r.json()
-    if with_next:
-        return data, r.links.get("next", {}).get("url")
-    return data
-
-
-def _sha256(lfs: dict | None) -> str | None:
-    if not lfs:
-        return None
-    oid = lfs.get("oid") or lfs.get("sha256")
-    return oid.split(":", 1)[-1].lower() if oid else None
-
-
-def _from_tree(e: dict) -> RemoteFile:
-    lfs = e.get("lfs")
-    size = e.get("size") if e.get("size") is not None else (lfs or {}).get("size")
-    return RemoteFile(e["path"], int(size), _sha256(lfs), e.get("oid"))
-
-
-def _from_sibling(s: dict, repo_id: str) -> RemoteFile:
-    lfs = s.get("lfs")
-    size = s.get("size") if s.get("size") is not None else (lfs or {}).get("size")
-    if size is None:
-        raise UserError(f"The hub did not report file sizes for {repo_id}: check --endpoint "
-                        "points at a Hugging Face hub.", 1)
-    return RemoteFile(s["rfilename"], int(size), _sha256(lfs), s.get("blobId"))
-
-
-def _status(e: Exception) -> int | None:
-    resp = getattr(e, "response", None)
-    return getattr(resp, "status_code", None)
-
-
-def _transport_errors() -> tuple[type, ...]:
-    errors: list[type] = [OSError]
-    for name in ("httpx2", "httpx"):
-        try:
-            errors.append(importlib.import_module(name).TransportError)
-        except (ImportError, AttributeError):
-            pass
-    return tuple(errors)
-
-
-def _gated_message(repo_id: str, token: str | None) -> str:
-    page = f"https://huggingface.co/{repo_id}"
-    if token:
-        return (f"{repo_id} is gated and your token has no access to it: accept its licence on "
-                f"{page} with the account the token belongs to, then run again.")
-    return (f"{repo_id} is gated: accept its licence on {page}, then log in with "
-            f"`hf auth login` (or set HF_TOKEN) and run again.")
-
-
-def _api_error(e: Exception, repo_id: str, revision: str, endpoint: str,
-               token: str | None) -> Exception:
-    from huggingface_hub import errors as hf_errors
-
-    if isinstance(e, UserError):
-        return e
-    status = _status(e)
-    if isinstance(e, hf_errors.GatedRepoError) or status == 403:
-        return UserError(_gated_message(repo_id, token), 2)
-    if isinstance(e, hf_errors.RevisionNotFoundError):
-        return UserError(f"Revision {revision} was not found in {repo_id}: check --revision.", 2)
-    if isinstance(e, hf_errors.RepositoryNotFoundError) and status == 401:
-        return UserError(
-            f"The hub refused access to {repo_id} (HTTP 401): if it is gated, accept its licence "
-            f"on https://huggingface.co/{repo_id} and log in with `hf auth login` (or set "
-            f"HF_TOKEN); otherwise check the repository name.", 2)
-    if isinstance(e, hf_errors.RepositoryNotFoundError) or status == 404:
-        return UserError(f"Repository {repo_id} was not found on {endpoint}: check its name "
-                         f"(ORG/NAME) and --endpoint.", 2)
-    if isinstance(e, hf_errors.HFValidationError):
-        return UserError(f"{repo_id!r} is not a valid repository id: use the form ORG/NAME.", 2)
-    if isinstance(e, hf_errors.OfflineModeIsEnabled):
-        return UserError("HF_HUB_OFFLINE is set, so nothing can be downloaded: unset it and run "
-                         "again.", 1)
-    if isinstance(e, hf_errors.HfHubHTTPError):
-        return UserError(f"The hub at {endpoint} answered HTTP {status} for {repo_id}: try again "
-                         "later or check --endpoint.", 1)
-    if isinstance(e, (KeyError, TypeError, ValueError, AttributeError)):
-        return UserError(f"The hub at {endpoint} answered in a form this version does not "
-                         f"understand ({type(e).__name__}: {e}): check --endpoint.", 1)
-    if isinstance(e, _transport_errors()):
-        cached = find_in_hf_cache(repo_id, None if revision == "main" else revision)
-        hint = (f"; a complete copy is already in your Hugging Face cache at {cached}, which can be "
-                "used directly" if cached else "")
-        return UserError(f"Cannot reach the hub at {endpoint} ({type(e).__name__}): check your "
-                         f"network connection or --endpoint{hint}.", 1)
-    return e
-
-
 def _select(files: list[RemoteFile], allow_patterns, skip_pickles: bool, log) -> list[RemoteFile]:
     if allow_patterns:
         files = [f for f in files if any(fnmatch.fnmatch(f.path, p) for p in allow_patterns)]
@@ -374,13 +192,6 @@ def _select(files: list[RemoteFile], allow_patterns, skip_pickles: bool, log) ->
         raise UserError("The repository has no files to download (after filtering): check the "
                         "repository name and revision.", 2)
     return files
-
-
-def _safe_relpath(path: str) -> Path:
-    parts = path.split("/")
-    if path.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in path:
-        raise UserError(f"The hub listed an unsafe file name {path!r}: check --endpoint.", 1)
-    return Path(*parts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,7 +211,7 @@ def _complete_download(dest: Path, repo_id: str) -> dict | None:
     if not state or not state.get("complete") or state.get("repo_id") != repo_id:
         return None
     for f in state.get("files", []):
-        p = dest / _safe_relpath(f["path"])
+        p = dest / safe_relpath(f["path"])
         if not p.is_file() or p.stat().st_size != f["size"]:
             return None
     return state
@@ -423,12 +234,12 @@ def _load_state(partial: Path, listing: RepoListing, files: list[RemoteFile]) ->
     for path, f in before.items():
         rf = now.get(path)
         if rf is None or (rf.size, rf.sha256, rf.git_oid) != (f["size"], f.get("sha256"), f.get("git_oid")):
-            local = partial / _safe_relpath(path)
+            local = partial / safe_relpath(path)
             for p in (local, _sibling(local, ".incomplete"), _sibling(local, ".corrupt")):
                 p.unlink(missing_ok=True)
     verified = {}
     for path, sha in old.get("verified", {}).items():
-        local = partial / _safe_relpath(path)
+        local = partial / safe_relpath(path)
         if path in now and path in before and local.is_file() and local.stat().st_size == now[path].size:
             verified[path] = sha
     state = {"format": "moeferry-fetch", "version": 1, "repo_id": listing.repo_id,
@@ -488,9 +299,9 @@ def _check_disk(partial: Path, files: list[RemoteFile], state: dict, cache_repo:
     for rf in files:
         if rf.path in state["verified"]:
             continue
-        local = partial / _safe_relpath(rf.path)
+        local = partial / safe_relpath(rf.path)
         have = _size(_sibling(local, ".incomplete"))
-        blob = _cache_blob(cache_repo, rf)
+        blob = cache_blob(cache_repo, rf)
         if blob is not None and blob.stat().st_dev == dev:
             continue  # will be hard-linked, costs no space
         needed += max(rf.size - have, 0)
@@ -516,14 +327,14 @@ def _fetch_one(rf: RemoteFile, partial: Path, state: dict, listing: RepoListing,
                token: str | None, tracker: "_Tracker", cancel: threading.Event,
                retry_corrupt: bool, use_hf_cache: bool, max_retries: int, backoff_s: float) -> bool:
     """Bring one file into `partial` and verify it; False if it failed its hash."""
-    local = partial / _safe_relpath(rf.path)
+    local = partial / safe_relpath(rf.path)
     incomplete, corrupt = _sibling(local, ".incomplete"), _sibling(local, ".corrupt")
     if corrupt.exists():
         if not retry_corrupt:
             return False
         corrupt.unlink()
     local.parent.mkdir(parents=True, exist_ok=True)
-    blob = _cache_blob(_hf_cache_repo(listing.repo_id), rf) if use_hf_cache else None
+    blob = cache_blob(cache_repo_dir(listing.repo_id), rf) if use_hf_cache else None
     if blob is not None and _size(incomplete) == 0:
         _link_or_copy(blob, incomplete)
         tracker.start_file(rf, 0)
@@ -667,7 +478,7 @@ def _range_start(resp, asked: int) -> int:
 def _http_error(e: urllib.error.HTTPError, rf: RemoteFile, repo_id: str, token) -> UserError:
     code = e.headers.get("X-Error-Code", "") if e.headers else ""
     if code == "GatedRepo" or e.code in (401, 403):
-        return UserError(_gated_message(repo_id, token), 2)
+        return UserError(gated_message(repo_id, token), 2)
     if e.code == 404:
         return UserError(f"{rf.path} was not found in {repo_id} on the hub although it was "
                          "listed: run again, or check the revision.", 1)
@@ -699,58 +510,11 @@ def _open(url: str, token: str | None, start: int):
     return _opener.open(req, timeout=READ_TIMEOUT_S)
 
 
-# ---------------------------------------------------------------------------------------------
-# Hugging Face cache
-
-
-def _hf_cache_repo(repo_id: str) -> Path:
-    return hf_cache_dir() / ("models--" + repo_id.replace("/", "--"))
-
-
-def _cache_blob(cache_repo: Path | None, rf: RemoteFile) -> Path | None:
-    """The cache stores LFS files as blobs/<sha256> and others as blobs/<git sha1>."""
-    if cache_repo is None:
-        return None
-    oid = rf.sha256 or rf.git_oid
-    if not oid or not re.fullmatch(r"[0-9a-fA-F]{40,64}", oid):
-        return None
-    blob = cache_repo / "blobs" / oid
-    return blob if blob.is_file() and blob.stat().st_size == rf.size else None
-
-
 def _link_or_copy(src: Path, dst: Path) -> None:
     try:
         os.link(src, dst)
     except OSError:
         shutil.copyfile(src, dst)
-
-
-def _safetensors_whole(path: Path) -> bool:
-    """True when the file is as long as its header says (catches truncated copies)."""
-    try:
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if n <= 0 or n > 100 << 20:
-                return False
-            header = json.loads(f.read(n))
-    except (OSError, ValueError):
-        return False
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    return path.stat().st_size == 8 + n + end
-
-
-def _snapshot_complete(snap: Path) -> bool:
-    if not (snap / "config.json").is_file():
-        return False
-    index = snap / "model.safetensors.index.json"
-    if index.exists():
-        data = _read_json(index)
-        if not data or "weight_map" not in data:
-            return False
-        names = sorted(set(data["weight_map"].values()))
-    else:
-        names = sorted(p.name for p in snap.glob("*.safetensors"))
-    return bool(names) and all(_safetensors_whole(snap / n) for n in names)
 
 
 # ---------------------------------------------------------------------------------------------
