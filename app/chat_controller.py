@@ -37,7 +37,7 @@ class ChatController(QObject):
     reply_text = Signal(str)              # the whole streaming text so far
     reply_finished = Signal(object)       # the finished Message
     busy_changed = Signal(bool)
-    stats_ready = Signal(object, object)  # stats, trace
+    stats_ready = Signal(object, object, str)  # stats, trace, the speed settings it ran with
     error = Signal(object)                # ErrorInfo
     model_state = Signal(str, float)      # words, fraction (-1 = no progress to show)
     model_ready = Signal(bool)
@@ -53,6 +53,7 @@ class ChatController(QObject):
         self._loading: LoadOptions | None = None
         self._reply: Message | None = None
         self._reply_conv = ""
+        self._reply_setup = ""
         self._request_id = 0
         self._save_timer = QTimer(self)
         self._save_timer.setInterval(SAVE_STREAM_MS)
@@ -204,8 +205,9 @@ class ChatController(QObject):
         self._reply = self.history.add_message(conv.id, "assistant", "", complete=False)
         self._reply_conv = conv.id
         cache = self.settings.get(Key.CACHE_EXPERTS)
-        req = self.host.generate(messages, sampling_from(self.settings), self.settings.get(Key.PREFETCH),
-                                 cache or None)
+        prefetch = self.settings.get(Key.PREFETCH)
+        self._reply_setup = f"{cache or 'auto'} cached per layer, prefetch {prefetch}"
+        req = self.host.generate(messages, sampling_from(self.settings), prefetch, cache or None)
         self._request_id = req.id
         self._save_timer.start()
         self.busy_changed.emit(True)
@@ -244,4 +246,4 @@ class ChatController(QObject):
         if result.error is not None:
             self.error.emit(result.error)
         elif result.stats is not None or result.trace is not None:
-            self.stats_ready.emit(result.stats, result.trace)
+            self.stats_ready.emit(result.stats, result.trace, self._reply_setup)

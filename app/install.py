@@ -27,6 +27,7 @@ class InstallRequest:
     expert_bits: int = 2
     attn_bits: int = 4
     tokenizer_repo_id: str = ""  # fetched (tokenizer files only) when the checkpoint has no tokenizer
+    importing: bool = False      # the "conversion" only imports a pre-quantized checkpoint
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -49,6 +50,10 @@ class InstallProgress:
 
 
 STEP_TITLES = {"download": "Downloading", "verify": "Verifying", "convert": "Converting", "done": "Done"}
+
+
+def step_title(step: str, req: InstallRequest) -> str:
+    return "Importing" if step == "convert" and req.importing else STEP_TITLES[step]
 
 
 def _attr(obj: Any, *names: str) -> Any:

@@ -152,9 +152,9 @@ class MainWindow(QMainWindow):
     def _reply_started(self, _msg_id: str) -> None:
         self._show_conversation(self.controller.current_id)
 
-    def _stats_ready(self, stats, trace) -> None:
+    def _stats_ready(self, stats, trace, setup: str) -> None:
         self.status.set_stats(stats)
-        self.expert_map.set_trace(trace)
+        self.expert_map.set_trace(trace, setup)
 
     def start_edit(self) -> None:
         text = self.controller.last_user_text()

@@ -20,13 +20,14 @@ class PlanSummary:
     cache_experts_per_layer: int | None
     predicted_tokens_per_s: float | None
     verdict: str = ""
+    hit_rate: float | None = None
 
 
 @dataclass
 class SetupBackend:
     probe: Callable[[], dict]
     catalog: Callable[[], list[CatalogEntry]]
-    plan: Callable[[dict, CatalogEntry | Path | None, int | None], PlanSummary | None]
+    plan: Callable[..., PlanSummary | None]  # plan(hw, entry or store path, vram budget[, cache_experts])
     fetch: Callable[..., Path]          # fetch(repo_id, dest, revision=, endpoint=, progress=, cancel=[, allow_patterns=])
     find_in_hf_cache: Callable[[str], Path | None]
     convert: Callable[..., Any]         # convert(src, dest, expert_bits, attn_bits, tokenizer=, progress=, cancel=)
@@ -72,7 +73,8 @@ def _get(obj: Any, *names: str) -> Any:
     return None
 
 
-def real_plan(hw: dict, model: CatalogEntry | Path | None, vram_budget: int | None) -> PlanSummary | None:
+def real_plan(hw: dict, model: CatalogEntry | Path | None, vram_budget: int | None,
+              cache_experts: int | None = None) -> PlanSummary | None:
     """The planner's cache size and speed for a catalog entry or an installed store; None if unknown."""
     try:
         from engine.plan import ModelSizes, make_plan
@@ -85,13 +87,14 @@ def real_plan(hw: dict, model: CatalogEntry | Path | None, vram_budget: int | No
             sizes = ModelSizes.from_store(model)
         else:
             return None
-        plan = make_plan(hw, sizes, vram_budget_bytes=vram_budget)
+        plan = make_plan(hw, sizes, vram_budget_bytes=vram_budget, cache_experts_per_layer=cache_experts)
     except (KeyError, ValueError, TypeError, OSError):
         return None
     return PlanSummary(
         cache_experts_per_layer=_get(plan, "cache_experts_per_layer", "cache_experts"),
         predicted_tokens_per_s=_get(plan, "predicted_tokens_per_s", "tokens_per_s"),
         verdict=str(_get(plan, "verdict") or ""),
+        hit_rate=_get(plan, "hit_rate"),
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtCore import QSignalBlocker, Signal
+from PySide6.QtCore import QSignalBlocker, Qt, Signal
 from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QFormLayout, QGroupBox, QHBoxLayout, QLabel,
                                QPushButton, QScrollArea, QSpinBox, QVBoxLayout, QWidget)
 
@@ -20,8 +20,7 @@ BIT_WIDTHS = (2, 3, 4)
 
 def variant_label(entry: dict) -> str:
     bits = entry.get("expert_bits")
-    name = entry.get("name") or Path(entry.get("path", "")).name
-    return f"{bits}-bit experts · {name}" if bits else name
+    return f"{bits}-bit experts" if bits else (entry.get("name") or Path(entry.get("path", "")).name)
 
 
 class SettingsPanel(QScrollArea):
@@ -139,6 +138,8 @@ class SettingsPanel(QScrollArea):
         current = settings.get(Key.STORE_PATH)
         for entry in installed:
             self.variant.addItem(variant_label(entry), entry.get("path"))
+            self.variant.setItemData(self.variant.count() - 1, f"{entry.get('name', '')}\n{entry.get('path')}",
+                                     Qt.ItemDataRole.ToolTipRole)
         if current and self.variant.findData(current) < 0:
             self.variant.addItem(Path(current).name, current)
         self.variant.setCurrentIndex(max(0, self.variant.findData(current)))

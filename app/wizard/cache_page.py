@@ -26,6 +26,7 @@ class CachePage(QWizardPage):
         self.budget_label.setMinimumWidth(90)
         self.cache = QSpinBox()
         self.cache.setRange(1, 8)
+        self.cache.setMaximumWidth(90)
         self.cache.valueChanged.connect(self._cache_edited)
         self.predicted = QLabel()
         self.predicted.setWordWrap(True)
@@ -66,16 +67,35 @@ class CachePage(QWizardPage):
         budget_gb = value * STEP_GB
         self.budget_label.setText(f"{budget_gb:.1f} GB")
         self.w.vram_budget_gb = budget_gb
-        model = self.w.store_path or self.w.entry
-        plan = self.w.backend.plan(self.w.hw or {}, model, int(budget_gb * GiB))
+        plan = None
+        for model in (self.w.store_path, self.w.entry):  # the installed store knows its sizes best
+            if model is not None and plan is None:
+                plan = self.w.backend.plan(self.w.hw or {}, model, int(budget_gb * GiB))
         if plan and plan.cache_experts_per_layer and not self.user_edited:
             self.cache.blockSignals(True)
             self.cache.setValue(plan.cache_experts_per_layer)
             self.cache.blockSignals(False)
         self.w.cache_experts = self.cache.value()
+        self._explain(plan)
+
+    def _explain(self, plan) -> None:
         speed = plan.predicted_tokens_per_s if plan else None
-        self.predicted.setText(f"Predicted speed: about {speed:.1f} tokens/s." if speed else "")
+        lines = []
+        if speed:
+            hits = f", about {plan.hit_rate:.0%} of expert look-ups already on the GPU" if plan.hit_rate else ""
+            lines.append(f"<b>Predicted: about {speed:.1f} tokens/s</b>{hits}.")
+        if plan and plan.verdict:
+            lines.append(plan.verdict)
+        lines.append("More cached experts mean fewer copies over PCIe; the expert map in the chat window "
+                     "shows the hits and misses of every reply.")
+        self.predicted.setText("<br><br>".join(lines))
 
     def _cache_edited(self, value: int) -> None:
         self.user_edited = True
         self.w.cache_experts = value
+        plan = None
+        for model in (self.w.store_path, self.w.entry):
+            if model is not None and plan is None:
+                plan = self.w.backend.plan(self.w.hw or {}, model, int(self.w.vram_budget_gb * GiB),
+                                           cache_experts=value)
+        self._explain(plan)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWizardPage
 
-from app.install import STEP_TITLES, InstallProgress, InstallRequest, run_install
+from app.install import InstallProgress, InstallRequest, run_install, step_title
 from app.stats_format import fmt_bytes, fmt_duration
 from app.task_runner import TaskRunner
 from app.wizard.wizard import Page, completion_flag
@@ -31,7 +31,8 @@ def progress_words(p: InstallProgress) -> str:
         parts.append(f"about {fmt_duration(p.eta_s)} left")
     if p.message and not p.bytes_total:
         parts.insert(0, p.message)
-    return " · ".join(parts)
+    text = " · ".join(parts)
+    return f"{text}\n{p.message}" if p.message and p.bytes_total else text
 
 
 class InstallPage(QWizardPage):
@@ -56,7 +57,7 @@ class InstallPage(QWizardPage):
         self.detail.setWordWrap(True)
         self.message = QLabel()
         self.message.setWordWrap(True)
-        self.cancel_button = QPushButton("Cancel")
+        self.cancel_button = QPushButton("Stop")
         self.cancel_button.clicked.connect(self.cancel)
         self.resume_button = QPushButton("Resume")
         self.resume_button.clicked.connect(self.start)
@@ -110,7 +111,7 @@ class InstallPage(QWizardPage):
         steps = steps_for(self.w.request)
         words = []
         for step in steps:
-            title = STEP_TITLES[step]
+            title = step_title(step, self.w.request)
             words.append(f"<b>{title}</b>" if step == current else title)
         self.steps.setText(" → ".join(words))
 

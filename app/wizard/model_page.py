@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from PySide6.QtCore import QSize, Qt
-from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QLabel, QListWidget, QListWidgetItem, QPushButton,
-                               QVBoxLayout, QWidget, QWizardPage)
+from PySide6.QtWidgets import (QButtonGroup, QFileDialog, QFrame, QHBoxLayout, QLabel, QPushButton, QRadioButton,
+                               QScrollArea, QVBoxLayout, QWidget, QWizardPage)
 
 from app.catalog import CatalogEntry, folder_kind
 from app.hardware_words import pick
@@ -21,9 +20,16 @@ from app.wizard.wizard import completion_flag
 class Option:
     key: str                          # catalog entry id | demo | folder
     title: str
-    details: str
+    facts: str                        # sizes, speed, quality on one line
+    notes: str = ""                   # what happens after the download, licence
     entry: CatalogEntry | None = None
     enabled: bool = True
+    recommended: bool = False
+    tooltip: str = ""
+
+    @property
+    def details(self) -> str:
+        return f"{self.facts}\n{self.notes}".strip()
 
 
 def _repo_name(repo_id: str) -> str:
@@ -33,7 +39,7 @@ def _repo_name(repo_id: str) -> str:
 def catalog_option(entry: CatalogEntry, plan, cached: Path | None, disk_free: int | None) -> Option:
     parts = []
     if cached:
-        parts.append("found in your Hugging Face cache, no download needed")
+        parts.append("in your Hugging Face cache: no download")
     elif entry.download_bytes:
         parts.append(f"download {fmt_bytes(entry.download_bytes)}")
     if entry.disk_bytes:
@@ -41,34 +47,66 @@ def catalog_option(entry: CatalogEntry, plan, cached: Path | None, disk_free: in
     speed = plan.predicted_tokens_per_s if plan else None
     parts.append(f"about {speed:.1f} tokens/s here" if speed else "speed here: unknown")
     if entry.quality:
-        parts.append(f"quality: {entry.quality}")
-    details = " · ".join(parts)
+        q = entry.quality
+        parts.append(q.replace("WikiText2 perplexity", "perplexity") if "perplexity" in q else f"quality: {q}")
+    notes = []
     if entry.raw and entry.raw.get("import"):
-        details += "\nImported as it is after the download: nothing to re-quantize."
+        notes.append("Ready-made: imported as it is, nothing to re-quantize.")
     elif entry.needs_convert:
-        details += "\nConverted on this computer after the download (fast on a GPU, hours on a CPU)."
+        notes.append("Converted on this computer after the download (fast on a GPU, hours on a CPU).")
     if entry.gated:
-        details += "\nGated on Hugging Face: accept its licence there and log in with `hf auth login` first."
-    if entry.description:
-        details += "\n" + entry.description
+        notes.append("Gated: accept its licence on Hugging Face and log in first.")
     if disk_free is not None and entry.disk_bytes and entry.disk_bytes > disk_free:
-        details += f"\nNot enough free disk space: {fmt_bytes(disk_free)} free."
-    return Option(entry.id, entry.name, details, entry)
+        notes.append(f"Not enough free disk space: {fmt_bytes(disk_free)} free.")
+    recommended = bool(entry.raw and entry.raw.get("recommended_route"))
+    return Option(entry.id, entry.name, " · ".join(parts), " ".join(notes), entry,
+                  recommended=recommended, tooltip=entry.description)
 
 
-class OptionCard(QWidget):
-    def __init__(self, option: Option):
+class OptionCard(QFrame):
+    """One choice: a radio button with the name, then the facts and notes; a click anywhere picks it."""
+
+    def __init__(self, option: Option, group: QButtonGroup):
         super().__init__()
+        self.setObjectName("optionCard")
+        self.option = option
         layout = QVBoxLayout(self)
         layout.setContentsMargins(10, 8, 10, 8)
         layout.setSpacing(2)
-        title = QLabel(f"<b>{option.title}</b>")
-        details = QLabel(option.details)
-        details.setObjectName("muted")
-        details.setWordWrap(True)
-        layout.addWidget(title)
-        layout.addWidget(details)
+        self.radio = QRadioButton(option.title)
+        font = self.radio.font()
+        font.setBold(True)
+        self.radio.setFont(font)
+        group.addButton(self.radio)
+        top = QHBoxLayout()
+        top.addWidget(self.radio)
+        if option.recommended:
+            badge = QLabel("Recommended")
+            badge.setObjectName("badge")
+            top.addWidget(badge)
+        top.addStretch(1)
+        layout.addLayout(top)
+        for text, muted in ((option.facts, False), (option.notes, True)):
+            if text:
+                label = QLabel(text)
+                label.setWordWrap(True)
+                label.setContentsMargins(24, 0, 0, 0)
+                if muted:
+                    label.setObjectName("muted")
+                layout.addWidget(label)
+        if option.tooltip:
+            self.setToolTip(option.tooltip)
         self.setEnabled(option.enabled)
+        self.radio.toggled.connect(self._restyle)
+
+    def mousePressEvent(self, event) -> None:
+        if self.isEnabled():
+            self.radio.setChecked(True)
+
+    def _restyle(self, checked: bool) -> None:
+        self.setProperty("selected", "yes" if checked else "no")
+        self.style().unpolish(self)
+        self.style().polish(self)
 
 
 class ModelPage(QWizardPage):
@@ -76,14 +114,25 @@ class ModelPage(QWizardPage):
         super().__init__()
         self.w = wizard
         self.options: list[Option] = []
+        self.cards: list[OptionCard] = []
         self.folder: Path | None = None
         self.folder_kind: str | None = None
         self._complete = completion_flag(self, "model_chosen")
         self.setTitle("Choose the model")
         self.setSubTitle("Sizes and speeds are for this computer; you can add other variants later.")
-        self.list = QListWidget()
-        self.list.setObjectName("modelOptions")
-        self.list.currentRowChanged.connect(self._changed)
+        self.group = QButtonGroup(self)
+        self.group.buttonToggled.connect(lambda _b, on: on and self._changed())
+        self.cards_box = QVBoxLayout()
+        self.cards_box.setSpacing(6)
+        body = QWidget()
+        outer = QVBoxLayout(body)
+        outer.setContentsMargins(0, 0, 4, 0)
+        outer.addLayout(self.cards_box)
+        outer.addStretch(1)
+        scroll = QScrollArea()
+        scroll.setWidgetResizable(True)
+        scroll.setFrameShape(QFrame.Shape.NoFrame)
+        scroll.setWidget(body)
         self.browse = QPushButton("Choose a folder…")
         self.browse.clicked.connect(self._browse)
         self.folder_label = QLabel()
@@ -92,7 +141,7 @@ class ModelPage(QWizardPage):
         row.addWidget(self.browse)
         row.addWidget(self.folder_label, 1)
         layout = QVBoxLayout(self)
-        layout.addWidget(self.list, 1)
+        layout.addWidget(scroll, 1)
         layout.addLayout(row)
 
     def initializePage(self) -> None:
@@ -103,34 +152,36 @@ class ModelPage(QWizardPage):
                         for e in w.catalog if not e.embedded]
         self.options.append(Option(
             "demo", "Demo model (tiny, included)",
-            "Runs on any computer in seconds and shows how the app and the expert map work; "
-            "its answers are not useful." if w.demo else "The demo model is not part of this installation.",
+            "no download · runs on any computer in seconds" if w.demo else
+            "not part of this installation",
+            "Shows how the app and the expert map work; its answers are not useful.",
             enabled=w.demo is not None))
         self.options.append(Option(
             "folder", "A folder on this computer",
-            "A MoE Ferry store, or a Mixtral checkpoint in Hugging Face format (safetensors) to convert."))
-        self.list.clear()
-        for option in self.options:
-            item = QListWidgetItem()
-            card = OptionCard(option)
-            item.setSizeHint(card.sizeHint().expandedTo(QSize(0, 56)))
-            if not option.enabled:
-                item.setFlags(item.flags() & ~Qt.ItemFlag.ItemIsEnabled & ~Qt.ItemFlag.ItemIsSelectable)
-            self.list.addItem(item)
-            self.list.setItemWidget(item, card)
+            "a MoE Ferry store, or a Mixtral checkpoint in Hugging Face format (safetensors) to convert"))
+        for card in self.cards:
+            self.group.removeButton(card.radio)
+            card.deleteLater()
+        self.cards = [OptionCard(option, self.group) for option in self.options]
+        for card in self.cards:
+            self.cards_box.addWidget(card)
         has_gpu = bool(w.verdict and w.verdict.has_gpu)
-        default = 0 if (has_gpu and w.catalog) or w.demo is None else len(self.options) - 2
-        self.list.setCurrentRow(default)
-        self._changed(self.list.currentRow())
+        recommended = next((o.key for o in self.options if o.recommended), None)
+        if has_gpu and w.catalog and recommended:
+            self.select(recommended)
+        elif has_gpu and w.catalog or w.demo is None:
+            self.select(self.options[0].key)
+        else:
+            self.select("demo")
+        self._changed()
 
     def current(self) -> Option | None:
-        row = self.list.currentRow()
-        return self.options[row] if 0 <= row < len(self.options) else None
+        return next((c.option for c in self.cards if c.radio.isChecked()), None)
 
     def select(self, key: str) -> None:
-        for i, option in enumerate(self.options):
-            if option.key == key:
-                self.list.setCurrentRow(i)
+        for card in self.cards:
+            if card.option.key == key and card.option.enabled:
+                card.radio.setChecked(True)
 
     def set_folder(self, path: Path) -> None:
         self.folder = Path(path)
@@ -145,7 +196,7 @@ class ModelPage(QWizardPage):
         if path:
             self.set_folder(Path(path))
 
-    def _changed(self, _row: int) -> None:
+    def _changed(self) -> None:
         option = self.current()
         is_folder = option is not None and option.key == "folder"
         self.browse.setVisible(is_folder)
@@ -163,7 +214,8 @@ class ModelPage(QWizardPage):
         root = models_dir()
         if option.key == "demo":
             return InstallRequest(source="demo", name="Demo model")
-        tok = {"tokenizer_repo_id": option.entry.tokenizer_repo_id} if option.entry else {}
+        tok = {"tokenizer_repo_id": option.entry.tokenizer_repo_id,
+               "importing": bool(option.entry.raw and option.entry.raw.get("import"))} if option.entry else {}
         if option.key == "folder":
             if self.folder_kind == "store":
                 return InstallRequest(source="folder", name=self.folder.name, src_path=str(self.folder))

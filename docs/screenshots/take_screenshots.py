@@ -192,8 +192,11 @@ def take(theme: str, no_gpu_only: bool = False) -> None:
     parts.controller.conversations_changed.emit()
     parts.controller.new_conversation()
     window.resize(1360, 860)
-    parts.settings.set(Key.SEED, 7)
+    window.settings_panel.cache.setValue(2)
     parts.controller.send("How do I reverse a list in Python?")
+    wait_until(app, lambda: not parts.controller.busy, 60)
+    window.settings_panel.cache.setValue(4)  # the map then compares the two replies
+    parts.controller.regenerate()
     wait_until(app, lambda: not parts.controller.busy, 60)
     settle(app, 0.5)
     save(window, "chat", theme)

@@ -173,9 +173,9 @@ def fake_setup_backend(tmp: Path, hw: dict | None = None, fetch=None, convert=No
                      disk_bytes=114_000_000_000, quality="WikiText2 perplexity 4.05"),
     ]
 
-    def plan(hw_, entry, budget):
+    def plan(hw_, entry, budget, cache_experts=None):
         vram = budget or hw_.get("vram_total_bytes") or 0
-        return PlanSummary(cache_experts_per_layer=max(1, min(8, int(vram / 1024**3 / 4))),
+        return PlanSummary(cache_experts_per_layer=cache_experts or max(1, min(8, int(vram / 1024**3 / 4))),
                            predicted_tokens_per_s=2.3 if hw_.get("gpu_name") else None,
                            verdict="Fits: attention on the GPU, experts in RAM.")
 

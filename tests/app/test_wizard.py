@@ -33,7 +33,7 @@ def test_whole_wizard_then_chat(launch, qtbot, data_dir, engine_backend):
     next_page(wizard, qtbot, Page.MODEL)
     model = wizard.pages[Page.MODEL]
     assert [o.key for o in model.options] == ["mixtral-2bit", "mixtral-src", "demo", "folder"]
-    assert "download 17.5 GB" in model.options[0].details and "2.3 tokens/s" in model.options[0].details
+    assert "download 17.5 GB" in model.options[0].facts and "2.3 tokens/s" in model.options[0].facts
     model.select("mixtral-src")  # download, then convert to 3-bit
     seen = []
     next_page(wizard, qtbot, Page.INSTALL)
