@@ -44,7 +44,10 @@ def fixture_dir(tmp: Path) -> tuple[Path, Path]:
         pytest.fail(f"The acceptance fixture {FIXTURE} is missing: these tests need the shared/ folder "
                     f"beside the repository (../shared/fixtures/paperfmt-a.tar.gz).")
     with tarfile.open(FIXTURE) as tar:
-        tar.extractall(tmp, filter="data")
+        try:
+            tar.extractall(tmp, filter="data")
+        except TypeError:  # Pythons before the extraction filters
+            tar.extractall(tmp)
     ck = next(p.parent for p in tmp.rglob("model.safetensors.index.json"))
     ref = next(tmp.rglob("reference.safetensors"))
     return ck, ref
