@@ -24,6 +24,16 @@ def load_options(settings: Settings) -> LoadOptions:
                        prefetch=settings.get(Key.PREFETCH))
 
 
+def engine_messages(system_prompt: str, messages: list[Message]) -> list[dict]:
+    """The chat as the engine takes it. Mixtral's chat template has no system role (it insists on
+    user/assistant turns), so the system prompt goes in front of the first user message."""
+    out = [{"role": m.role, "content": m.content} for m in messages]
+    system = system_prompt.strip()
+    if system and out and out[0]["role"] == "user":
+        out[0]["content"] = f"{system}\n\n{out[0]['content']}"
+    return out
+
+
 def sampling_from(settings: Settings) -> Sampling:
     seed = settings.get(Key.SEED)
     return Sampling(temperature=settings.get(Key.TEMPERATURE), top_p=settings.get(Key.TOP_P),
@@ -200,8 +210,7 @@ class ChatController(QObject):
 
     def _start_reply(self) -> None:
         conv = self.history.get(self.current_id)
-        messages = [{"role": "system", "content": conv.system_prompt}] if conv.system_prompt.strip() else []
-        messages += [{"role": m.role, "content": m.content} for m in conv.messages]
+        messages = engine_messages(conv.system_prompt, conv.messages)
         self._reply = self.history.add_message(conv.id, "assistant", "", complete=False)
         self._reply_conv = conv.id
         cache = self.settings.get(Key.CACHE_EXPERTS)

@@ -20,7 +20,7 @@ _DARK = {
     "Text": "#e4e7ee", "Button": "#2b303a", "ButtonText": "#e4e7ee", "Highlight": "#4a86f0",
     "HighlightedText": "#ffffff", "ToolTipBase": "#2b303a", "ToolTipText": "#e4e7ee",
     "PlaceholderText": "#8b93a4", "Link": "#7eaaf7", "Mid": "#3a404c", "Midlight": "#333844",
-    "Dark": "#101216", "Light": "#3d4350", "Shadow": "#000000",
+    "Dark": "#6b7385", "Light": "#3d4350", "Shadow": "#000000",
 }
 
 

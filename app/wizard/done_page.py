@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from PySide6.QtWidgets import QLabel, QVBoxLayout, QWizardPage
+
+
+def home_short(path: Path) -> str:
+    """The path with the home folder written as ~."""
+    try:
+        return "~/" + str(Path(path).relative_to(Path.home()))
+    except ValueError:
+        return str(path)
 
 
 class DonePage(QWizardPage):
@@ -21,7 +31,7 @@ class DonePage(QWizardPage):
         w = self.w
         lines = [f"<b>Model:</b> {w.request.name if w.request else 'unchanged'}"]
         if w.store_path:
-            lines.append(f"<b>Stored in:</b> {w.store_path}")
+            lines.append(f"<b>Stored in:</b> {home_short(w.store_path)}")
         if w.cache_experts:
             lines.append(f"<b>Experts cached per layer:</b> {w.cache_experts} "
                          f"(VRAM budget {w.vram_budget_gb:.1f} GB)")

@@ -76,6 +76,7 @@ class SetupWizard(QWizard):
         icon = resources_dir() / "icons" / "moeferry.svg"
         if icon.exists():
             self.setWindowIcon(QIcon(str(icon)))
+            self.setPixmap(QWizard.WizardPixmap.LogoPixmap, QIcon(str(icon)).pixmap(44, 44))
         self.setWizardStyle(QWizard.WizardStyle.ModernStyle)
         self.setOption(QWizard.WizardOption.NoBackButtonOnLastPage, True)
         self.setOption(QWizard.WizardOption.NoCancelButtonOnLastPage, True)

@@ -135,6 +135,7 @@ def add_history(history):
 
 
 def take(theme: str, no_gpu_only: bool = False) -> None:
+    from PySide6.QtCore import QRect
     from PySide6.QtWidgets import QApplication, QWizard
 
     from app.main import start
@@ -144,8 +145,9 @@ def take(theme: str, no_gpu_only: bool = False) -> None:
     app = QApplication.instance() or QApplication([sys.argv[0]])
     app.setApplicationName("MoE Ferry")
     tmp = Path(tempfile.mkdtemp(prefix="moeferry-shots-"))
-    data = tmp / "data"
-    data.mkdir()
+    os.environ["HOME"] = str(tmp)  # paths then read ~/.local/share/moeferry/..., as on a user's machine
+    data = tmp / ".local" / "share" / "moeferry"
+    data.mkdir(parents=True)
     os.environ["MOEFERRY_DATA_DIR"] = str(data)
     (data / "settings.json").write_text(json.dumps({"version": 1, "theme": theme}))
     gate = threading.Event()
@@ -200,7 +202,11 @@ def take(theme: str, no_gpu_only: bool = False) -> None:
     wait_until(app, lambda: not parts.controller.busy, 60)
     settle(app, 0.5)
     save(window, "chat", theme)
-    save(window.settings_panel, "settings", theme)
+    body = window.settings_panel.widget()
+    height = min(body.height(), body.layout().sizeHint().height())
+    path = OUT / f"settings-{theme}.png"
+    body.grab(QRect(0, 0, body.width(), height)).save(str(path))
+    print(f"{path.relative_to(ROOT)}  {path.stat().st_size // 1024} KB")
     window.side.setCurrentIndex(1)
     window.expert_map.set_layer(5)
     settle(app)

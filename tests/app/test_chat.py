@@ -97,8 +97,13 @@ def test_system_prompt_goes_first(ready, qtbot, engine_backend):
     ready.window.chat.system_prompt.setText("Answer like a pirate.")
     ready.window.chat.system_prompt.editingFinished.emit()
     send(ready, qtbot, "Hi")
+    send(ready, qtbot, "More")
     messages = engine_backend.engine.calls[-1][0]
-    assert messages[0] == {"role": "system", "content": "Answer like a pirate."}
+    # Mixtral's template has no system role: the prompt leads the first user turn
+    assert messages[0] == {"role": "user", "content": "Answer like a pirate.\n\nHi"}
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+    conv = ready.history.get(ready.controller.current_id)
+    assert conv.system_prompt == "Answer like a pirate." and conv.messages[0].content == "Hi"
 
 
 def test_switching_variant_reloads_in_the_worker(ready, qtbot, engine_backend, tmp_path, data_dir):
