@@ -139,7 +139,8 @@ def cache_size_for(budget: int | None, cfg, dense_bytes, stride, context, device
     return int(min(k, cfg.num_experts))
 
 
-def run_mode(cfg, dense, host, fields, eq, device, policy, k, prefetch, kernels, prompt, new_tokens):
+def run_mode(cfg, dense, host, fields, eq, device, policy, k, prefetch, kernels, prompt, new_tokens,
+             graphs=True):
     def views(buf):
         return store_mod.view_expert(buf, fields, eq, cfg)
 
@@ -150,6 +151,9 @@ def run_mode(cfg, dense, host, fields, eq, device, policy, k, prefetch, kernels,
     model = OffloadedMixtral(cfg, dense, cache, device, torch.bfloat16, kernels)
     model.prefetch_depth = prefetch
     model.setup_kv(len(prompt) + new_tokens)
+    model.use_cuda_graphs(graphs and kernels == "fused")  # the reference path stays eager, as HQQ's
+    if model.graphs is not None:
+        model.graphs.prepare(len(prompt) + new_tokens)  # captured before the clock starts
     t0 = time.perf_counter()
     logits = model.forward(torch.tensor(prompt, device=device), 0)
     tok = int(logits[-1].argmax())
@@ -253,6 +257,9 @@ def markdown_table(report: dict) -> str:
 
 
 def cli_bench(argv: list[str]) -> int:
+    if argv and argv[0] == "convert":
+        from engine.convert_bench import cli_bench_convert
+        return cli_bench_convert(argv[1:])
     p = argparse.ArgumentParser(prog="moeferry bench")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--vram-budget", default="12GiB", help="e.g. 12GiB (RTX 3060), 16GiB, none")

@@ -10,6 +10,7 @@ The host never waits for a copy. On the CPU "device" is host memory and copies a
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -25,6 +26,9 @@ class CacheStats:
     bytes_h2d: int = 0
 
 
+SERIALS = itertools.count()
+
+
 class ExpertCache:
     def __init__(self, host: torch.Tensor, slots_per_layer: int, device: torch.device, make_views,
                  progress=None, policy: str = "lru"):
@@ -35,6 +39,7 @@ class ExpertCache:
         on slot e % K and nothing moves: the resident compute time, the bound's other half).
         """
         self.policy = policy
+        self.serial = next(SERIALS)  # never reused, unlike id(): CUDA graphs key on it
         L, E, B = host.shape
         if not 1 <= slots_per_layer <= E:
             raise ValueError(f"slots_per_layer must be in 1..{E}")

@@ -333,7 +333,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = None,
                 cache_experts: int | None = None, vram_budget: int | str | None = None,
                 prefetch: int = 1, kernels: str = "auto", max_context: int | None = None,
-                progress=None) -> Engine:
+                progress=None, cuda_graphs: bool = True) -> Engine:
     """Open a store and put it on the device. progress(fraction, message)."""
     from transformers import AutoTokenizer
 
@@ -376,6 +376,10 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
     model = OffloadedMixtral(cfg, dense, cache, dev, dtype, kernels)
     model.dense_bytes = dense_b
     model.prefetch_depth = prefetch
+    model.setup_kv(context)  # allocated once, at full size: budgeted above and graph-friendly
+    model.use_cuda_graphs(cuda_graphs)
+    if model.graphs is not None:
+        model.graphs.prepare(min(context, 1024), lambda f, m: report(0.9 + 0.1 * f, m))
     note = "" if (cache.pinned or cache.host is None or dev.type != "cuda") else \
         "Pinned memory is unavailable, so expert copies use pageable memory and are slower."
     report(1.0, "ready")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.expert_cache import SERIALS
 from engine.kernels import qlinear
 
 
@@ -60,6 +61,7 @@ class KVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.capacity = capacity
+        self.serial = next(SERIALS)
 
     @staticmethod
     def nbytes(cfg: ModelConfig, capacity: int, dtype) -> int:
@@ -72,6 +74,7 @@ class OffloadedMixtral:
         self.prefetch_depth = 0
         self.kv: KVCache | None = None
         self.trace: list | None = None  # set to a list to record routing per decoded token
+        self.graphs = None  # engine/decode_graphs.py: CUDA-graph decode, set by use_cuda_graphs()
         self.embed = dense["model.embed_tokens.weight"]
         self.norm = dense["model.norm.weight"]
         self.lm_head = dense.get("lm_head.weight", self.embed)
@@ -87,6 +90,10 @@ class OffloadedMixtral:
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64)
                                          .to(device=device, dtype=torch.float32) / cfg.head_dim))
         self.inv_freq = inv
+
+    def use_cuda_graphs(self, on: bool = True) -> None:
+        from engine.decode_graphs import GraphedDecode
+        self.graphs = GraphedDecode(self) if on and self.device.type == "cuda" else None
 
     def setup_kv(self, capacity: int) -> None:
         """Allocate the KV cache; a no-op when the current one is big enough.
@@ -107,6 +114,8 @@ class OffloadedMixtral:
     def forward(self, tokens: torch.Tensor, start: int, last_only: bool = True) -> torch.Tensor:
         """tokens [T] at positions start..start+T-1 -> logits [T or 1, vocab] (float32)."""
         T = tokens.shape[0]
+        if T == 1 and self.graphs is not None:
+            return self.graphs.step(tokens, start)
         pos = torch.arange(start, start + T, device=self.device)
         cos, sin = rope_cos_sin(self.inv_freq, pos, self.dtype)
         x = F.embedding(tokens, self.embed)  # [T, H]
@@ -124,19 +133,31 @@ class OffloadedMixtral:
 
     # -- attention ------------------------------------------------------------------------------
 
-    def attention(self, i: int, layer: dict, h: torch.Tensor, cos, sin, start: int) -> torch.Tensor:
+    def attention(self, i: int, layer: dict, h: torch.Tensor, cos, sin, start: int,
+                  pos: torch.Tensor | None = None, span: int = 0) -> torch.Tensor:
+        """h [T, H] (normed) at positions start.. -> attention output [T, H].
+
+        With `pos` (a device tensor [1], used by CUDA graphs) the one token's position is read on
+        the device and attention spans the first `span` cached positions under a mask.
+        """
         cfg, T = self.cfg, h.shape[0]
         q = self.linear(h, layer["q_proj"]).view(T, cfg.num_heads, cfg.head_dim)
         k = self.linear(h, layer["k_proj"]).view(T, cfg.num_kv_heads, cfg.head_dim)
         v = self.linear(h, layer["v_proj"]).view(T, cfg.num_kv_heads, cfg.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        end = start + T
-        self.kv.k[i, start:end] = k
-        self.kv.v[i, start:end] = v
+        if pos is None:
+            end = start + T
+            self.kv.k[i, start:end] = k
+            self.kv.v[i, start:end] = v
+            qpos = torch.arange(start, end, device=h.device)[:, None]
+            need_mask = T > 1 or (cfg.sliding_window and end > cfg.sliding_window)
+        else:
+            end, qpos, need_mask = span, pos[:, None], True
+            self.kv.k[i].index_copy_(0, pos, k)
+            self.kv.v[i].index_copy_(0, pos, v)
         keys, values = self.kv.k[i, :end], self.kv.v[i, :end]  # [S, kvH, D]
         mask = None
-        if T > 1 or (cfg.sliding_window and end > cfg.sliding_window):
-            qpos = torch.arange(start, end, device=h.device)[:, None]
+        if need_mask:
             kpos = torch.arange(end, device=h.device)[None, :]
             mask = kpos <= qpos
             if cfg.sliding_window:
@@ -159,31 +180,44 @@ class OffloadedMixtral:
         h = rms_norm(x, layer["moe_norm"], self.cfg.rms_norm_eps)
         weights, ids = self.route(layer, h)
         guesses = self.guess_next_experts(i, x)
-        # The one host sync per layer: routing decides what to copy (guesses ride along).
-        ids_host, guesses_host = ids.tolist(), [g.tolist() for g in guesses]
-        needed = sorted({e for row in ids_host for e in row})
-        if step is not None:
-            step.append((tuple(ids_host[0]), self.cache.resident(i)))
         out = torch.zeros_like(h)
-        for e in needed:  # the host queues copies and compute without waiting for either
-            w, slot = self.cache.acquire(i, e, keep=needed)
-            if h.shape[0] == 1:  # decode: positions known on the host, no device sync
-                k = ids_host[0].index(e)
-                out += (self.expert(w, h) * weights[:, k:k + 1]).to(out.dtype)
+
+        def add_expert(w: dict, slot: int, e: int, k: int | None) -> None:
+            if k is not None:  # decode: e's place in the top-k is known on the host, no sync
+                out.add_((self.expert(w, h) * weights[:, k:k + 1]).to(out.dtype))
             else:
                 rows, pos = (ids == e).nonzero(as_tuple=True)  # tokens routed to e, and where
                 y = self.expert(w, h[rows])
                 out.index_add_(0, rows, (y * weights[rows, pos, None]).to(out.dtype))
+
+        self.dispatch(i, ids, guesses, step, add_expert)
+        return out
+
+    def dispatch(self, i: int, ids: torch.Tensor, guesses: torch.Tensor | None, step: list | None,
+                 add_expert) -> None:
+        """Fetch the routed experts through the cache and run them; then prefetch the guesses.
+
+        ids [T, k] device; guesses [D, k] device (layers i+1..i+D) or None. The one host sync
+        per layer happens here: routing decides what to copy (the guesses ride along).
+        """
+        ids_host = ids.tolist()
+        guesses_host = guesses.tolist() if guesses is not None else []
+        needed = sorted({e for row in ids_host for e in row})
+        if step is not None:
+            step.append((tuple(ids_host[0]), self.cache.resident(i)))
+        for e in needed:  # the host queues copies and compute without waiting for either
+            w, slot = self.cache.acquire(i, e, keep=needed)
+            add_expert(w, slot, e, ids_host[0].index(e) if len(ids_host) == 1 else None)
             self.cache.release(i, slot)
         for d, guess in enumerate(guesses_host, start=1):  # queued behind the demand copies
             self.cache.prefetch(i + d, guess)
-        return out
 
     def expert(self, w: dict, h: torch.Tensor) -> torch.Tensor:
         return self.linear(F.silu(self.linear(h, w["w1"])) * self.linear(h, w["w3"]), w["w2"])
 
-    def guess_next_experts(self, i: int, x: torch.Tensor) -> list[torch.Tensor]:
-        """Layers i+1..i+D's routers applied to the current residual stream (last token).
+    def guess_next_experts(self, i: int, x: torch.Tensor) -> torch.Tensor | None:
+        """Layers i+1..i+D's routers applied to the current residual stream (last token):
+        expert ids [D, k], or None when there is nothing to guess.
 
         The residual stream changes slowly, so these guess which experts to copy early.
         Only timing depends on them: a wrong guess costs a copy, never a different output.
@@ -192,8 +226,8 @@ class OffloadedMixtral:
         for j in range(i + 1, min(i + 1 + self.prefetch_depth, self.cfg.num_layers)):
             layer = self.layers[j]
             _, ids = self.route(layer, rms_norm(x[-1:], layer["moe_norm"], self.cfg.rms_norm_eps))
-            out.append(ids[0])
-        return out
+            out.append(ids)
+        return torch.cat(out) if out else None
 
     def linear(self, x: torch.Tensor, w) -> torch.Tensor:
         return qlinear(x, w, self.kernels)
