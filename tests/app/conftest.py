@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # plain `pytest` puts only the test folders on sys.path
+    sys.path.insert(0, str(ROOT))
 
 import pytest  # noqa: E402
 from PySide6.QtWidgets import QMessageBox  # noqa: E402
 
-from tests.app.fakes import FakeEngineBackend, fake_setup_backend, make_store  # noqa: E402
+from tests.app.fakes import FakeEngineBackend, fake_setup_backend, make_store, write_settings  # noqa: E402
 
 
 @pytest.fixture
@@ -39,10 +43,6 @@ def setup_backend(tmp_path):
 @pytest.fixture
 def store(tmp_path):
     return make_store(tmp_path / "store")
-
-
-def write_settings(folder, **values) -> None:
-    (folder / "settings.json").write_text(json.dumps({"version": 1, **values}))
 
 
 @pytest.fixture

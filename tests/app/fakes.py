@@ -146,6 +146,10 @@ class FakeEngineBackend:
         return EngineBackend(load=self.load, make_sampling=lambda s: s)
 
 
+def write_settings(folder: Path, **values) -> None:
+    (folder / "settings.json").write_text(json.dumps({"version": 1, **values}))
+
+
 def make_store(path: Path, expert_bits: int = 2, source: str = "tiny/mixtral") -> Path:
     """A folder that looks like a MoE Ferry store to the app (manifest only)."""
     path.mkdir(parents=True, exist_ok=True)

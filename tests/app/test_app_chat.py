@@ -186,7 +186,7 @@ def test_worker_error_shows_a_dialog_with_an_action(ready, qtbot, engine_backend
 
 
 def test_missing_model_offers_the_wizard(launch, data_dir, qtbot, engine_backend, tmp_path):
-    from tests.app.conftest import write_settings
+    from tests.app.fakes import write_settings
 
     write_settings(data_dir, wizard_done=True, store_path=str(tmp_path / "gone"))
     engine_backend.load_error = FileNotFoundError("no such folder")
@@ -235,3 +235,23 @@ def test_export_markdown(ready, qtbot, tmp_path, monkeypatch):
     qtbot.waitUntil(target.exists, timeout=3000)
     text = target.read_text()
     assert text.startswith("# Export me") and "## You" in text and "```python" in text
+
+
+def test_run_gui_opens_and_closes(qapp, data_dir, monkeypatch):
+    """The console script's entry: first run shows the wizard over the window; closing returns 0."""
+    from PySide6.QtCore import QTimer
+
+    from app.main import run_gui
+
+    seen = []
+
+    def close_all():
+        seen.extend(type(w).__name__ for w in qapp.topLevelWidgets() if w.isVisible())
+        for w in qapp.topLevelWidgets():
+            if type(w).__name__ == "MainWindow":
+                w.close()
+
+    QTimer.singleShot(300, close_all)
+    assert run_gui(["moeferry"]) == 0
+    assert "MainWindow" in seen and "SetupWizard" in seen
+    assert (data_dir / "settings.json").exists() and (data_dir / "conversations.sqlite3").exists()

@@ -41,6 +41,7 @@ def hub(tmp_path, monkeypatch):
     server.stop()
 
 
+@pytest.mark.slow
 def test_wizard_downloads_converts_and_the_chat_streams_from_the_real_engine(launch, qtbot, hub, data_dir):
     raw = {"id": "tiny", "name": "Tiny Mixtral", "repo_id": REPO, "needs_convert": True, "expert_bits": 2,
            "attn_bits": 4, "config": hub.config, "download_bytes": hub.download_bytes}
