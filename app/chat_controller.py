@@ -12,15 +12,16 @@ from app.history_db import Message
 from app.settings import Key, Settings
 from app.stats_format import stats_dict
 
-GB = 10**9
+GiB = 1024**3  # the VRAM budget is in GiB, as GPU memory is sold ("12 GB")
 SAVE_STREAM_MS = 1000  # how often a streaming reply is written (marked incomplete) to the database
+RELOAD_DELAY_MS = 600  # settings that need a reload wait for the user to stop clicking
 
 
 def load_options(settings: Settings) -> LoadOptions:
     cache = settings.get(Key.CACHE_EXPERTS)
     budget = settings.get(Key.VRAM_BUDGET_GB)
     return LoadOptions(store=settings.get(Key.STORE_PATH), device=settings.get(Key.DEVICE),
-                       cache_experts=cache or None, vram_budget=int(budget * GB) if budget else None,
+                       cache_experts=cache or None, vram_budget=int(budget * GiB) if budget else None,
                        prefetch=settings.get(Key.PREFETCH))
 
 
@@ -68,6 +69,10 @@ class ChatController(QObject):
         self._save_timer = QTimer(self)
         self._save_timer.setInterval(SAVE_STREAM_MS)
         self._save_timer.timeout.connect(self._save_stream)
+        self._reload_timer = QTimer(self)
+        self._reload_timer.setSingleShot(True)
+        self._reload_timer.setInterval(RELOAD_DELAY_MS)
+        self._reload_timer.timeout.connect(self.load_model)
         w = host.worker
         w.load_progress.connect(self._on_load_progress)
         w.loaded.connect(self._on_loaded)
@@ -81,6 +86,7 @@ class ChatController(QObject):
         return self._reply is not None
 
     def load_model(self) -> None:
+        self._reload_timer.stop()
         opts = load_options(self.settings)
         if not opts.store:
             self.model_state.emit("No model set up", -1.0)
@@ -97,7 +103,8 @@ class ChatController(QObject):
         current = self._loading or self.loaded
         if current is None or (want.store, want.device, want.vram_budget) != (
                 current.store, current.device, current.vram_budget):
-            self.load_model()
+            self.model_state.emit("Reloading the model with the new settings", -1.0)
+            self._reload_timer.start()
         # prefetch, cache size and sampling go with the next message
 
     def _on_load_progress(self, fraction: float, message: str) -> None:
@@ -200,6 +207,7 @@ class ChatController(QObject):
 
     def shutdown(self, timeout_ms: int = 5000) -> None:
         """Stop the reply and the worker thread (bounded); a stopped reply is kept, marked stopped."""
+        self._reload_timer.stop()
         self.host.shutdown(timeout_ms)
         self._save_timer.stop()
         if self._reply is not None:

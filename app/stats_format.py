@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 GB = 1e9
+GiB = 1024**3  # memory sizes (VRAM) are shown in GiB, written "GB" as GPU makers do
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -59,7 +60,7 @@ def stats_items(stats: Any) -> list[StatItem]:
     hit_rate, pf_rate = _ratio(hits, hits + misses), _ratio(used, issued)
     vram = dash
     if peak:
-        vram = f"{peak / GB:.1f} / {budget / GB:.1f} GB" if budget else f"{peak / GB:.1f} GB"
+        vram = f"{peak / GiB:.1f} / {budget / GiB:.1f} GB" if budget else f"{peak / GiB:.1f} GB"
     return [
         StatItem("tps", f"{tps:.1f} tok/s" if tps else f"{dash} tok/s", "Tokens generated per second"),
         StatItem("ttft", f"first token {ttft:.2f} s" if ttft is not None else f"first token {dash}",

@@ -34,8 +34,8 @@ def test_errors_become_one_sentence_and_an_action():
 
 def test_stats_items_words():
     stats = SimpleNamespace(tokens_per_s=2.31, first_token_s=0.8, cache_hits=60, cache_misses=40,
-                            prefetch_issued=50, prefetch_used=35, peak_vram_bytes=9.1e9,
-                            vram_budget_bytes=11e9, h2d_gb_per_s=21.44)
+                            prefetch_issued=50, prefetch_used=35, peak_vram_bytes=9.1 * 1024**3,
+                            vram_budget_bytes=11 * 1024**3, h2d_gb_per_s=21.44)
     words = [i.text for i in stats_items(stats)]
     assert words == ["2.3 tok/s", "first token 0.80 s", "cache hits 60%", "prefetch 70%",
                      "VRAM 9.1 / 11.0 GB", "H2D 21.4 GB/s"]
@@ -75,6 +75,14 @@ def test_the_real_catalog_reads():
     assert paper.quality.startswith("WikiText2") and paper.download_bytes > 1e10
     assert any(e.embedded for e in entries)
     assert entry_from_dict({"id": "x", "quality": 4.2}).quality == "WikiText2 perplexity 4.2"
+
+
+def test_the_demo_model_is_offered_when_shipped():
+    from app.setup_backend import real_demo_path
+
+    demo = real_demo_path()
+    if demo is not None:
+        assert (demo / "manifest.json").is_file()
 
 
 def test_download_progress_from_the_engines_fetch_progress():
