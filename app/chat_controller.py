@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from PySide6.QtCore import QObject, QTimer, Signal
 
 from app.engine_backend import LoadOptions, Sampling
@@ -114,7 +116,9 @@ class ChatController(QObject):
         self.loaded = info.options
         if self._loading == info.options:
             self._loading = None
-        self.model_state.emit("Model ready", -1.0)
+        name = next((e.get("name") for e in self.settings.get(Key.INSTALLED) if e.get("path") == info.options.store),
+                    None) or Path(info.options.store).name
+        self.model_state.emit(f"Ready: {name}", -1.0)
         self.model_ready.emit(True)
         self.model_loaded.emit(info)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from PySide6.QtGui import QIcon
-from PySide6.QtWidgets import QApplication
+from PySide6.QtWidgets import QApplication, QMessageBox
 
 from app.chat_controller import ChatController
 from app.engine_backend import EngineBackend, real_engine_backend
@@ -16,7 +16,7 @@ from app.engine_worker import EngineHost
 from app.history import History
 from app.history_db import DB_FILE
 from app.main_window import MainWindow
-from app.paths import data_dir, resources_dir
+from app.paths import DATA_DIR_ENV, data_dir, resources_dir
 from app.settings import Key, Settings, load_settings
 from app.setup_backend import SetupBackend, real_setup_backend
 from app.theme import apply_theme, follow_system
@@ -52,7 +52,10 @@ def start(app: QApplication, folder: Path, engine: EngineBackend, setup: SetupBa
 
 
 def _setup_logging(folder: Path) -> None:
-    handler = logging.FileHandler(folder / "moeferry.log", encoding="utf-8")
+    try:
+        handler = logging.FileHandler(folder / "moeferry.log", encoding="utf-8")
+    except OSError:
+        return  # no log file is no reason not to start
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.addHandler(handler)
@@ -69,9 +72,16 @@ def run_gui(argv: list[str] | None = None) -> int:
     icon = resources_dir() / "icons" / "moeferry.svg"
     if icon.exists():
         app.setWindowIcon(QIcon(str(icon)))
-    folder = data_dir()
-    _setup_logging(folder)
-    parts = start(app, folder, real_engine_backend(), real_setup_backend())
+    try:
+        folder = data_dir()
+        _setup_logging(folder)
+        parts = start(app, folder, real_engine_backend(), real_setup_backend())
+    except OSError as exc:
+        where = exc.filename or "the data folder"
+        QMessageBox.critical(None, "MoE Ferry cannot start",
+                             f"MoE Ferry cannot write to {where} ({exc.strerror or exc}); free some disk space "
+                             f"or set {DATA_DIR_ENV} to a folder you can write to.")
+        return 1
     code = app.exec()
     del parts
     return code

@@ -29,7 +29,8 @@ from app.widgets.status_strip import StatusStrip
 log = logging.getLogger(__name__)
 EMPTY_CHAT = ("<div style='margin-top:80px; text-align:center'><h2>Chat with Mixtral, offline</h2>"
               "<p>Type a message below. Replies stream in as they are generated; the expert map "
-              "on the right shows which experts each layer used.</p></div>")
+              "on the right shows which experts each layer used.</p>"
+              "<p>No model yet? <b>Model → Set up a model…</b></p></div>")
 
 
 class MainWindow(QMainWindow):

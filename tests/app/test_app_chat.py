@@ -255,3 +255,18 @@ def test_run_gui_opens_and_closes(qapp, data_dir, monkeypatch):
     assert run_gui(["moeferry"]) == 0
     assert "MainWindow" in seen and "SetupWizard" in seen
     assert (data_dir / "settings.json").exists() and (data_dir / "conversations.sqlite3").exists()
+
+
+def test_run_gui_explains_an_unwritable_data_folder(qapp, monkeypatch):
+    from PySide6.QtWidgets import QMessageBox
+
+    import app.main
+
+    def denied():
+        raise PermissionError(13, "Permission denied", "/nope/moeferry")
+
+    shown = []
+    monkeypatch.setattr(app.main, "data_dir", denied)
+    monkeypatch.setattr(QMessageBox, "critical", lambda parent, title, text: shown.append(text))
+    assert app.main.run_gui(["moeferry"]) == 1
+    assert shown and "/nope/moeferry" in shown[0] and "MOEFERRY_DATA_DIR" in shown[0]
