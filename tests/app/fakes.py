@@ -94,11 +94,13 @@ class FakeEngine:
                     else tuple(list(caches[layer])[-k:])
                 res.append(tuple(caches[layer]))
                 for e in chosen:
-                    if e in caches[layer]:
+                    if e in res[-1]:  # counted like the engine: resident when the token reached the layer
                         hits += 1
-                        caches[layer].move_to_end(e)
                     else:
                         misses += 1
+                    if e in caches[layer]:
+                        caches[layer].move_to_end(e)
+                    else:
                         caches[layer][e] = True
                         if len(caches[layer]) > self.cache_experts:
                             caches[layer].popitem(last=False)
