@@ -26,8 +26,7 @@ from app.setup_backend import PlanSummary, SetupBackend
 def completion_flag(page: QWizardPage, name: str) -> Callable[[bool], None]:
     """Enable Next through a hidden mandatory field rather than an isComplete() override.
 
-    Qt calls isComplete() very often, and PySide6 6.12 drops a reference to the bool that a
-    Python override returns (see app/pyside_guard.py); the C++ default has no such cost.
+    Qt calls isComplete() very often; a hidden field keeps that check in C++.
     """
     flag = QLineEdit(page)
     flag.hide()
