@@ -192,7 +192,8 @@ def markdown(rows: list[dict]) -> str:
         lines.append(
             f"| {r['device']} | {r['layers']} | {r['expert_bits']} | {_gib(r['budget'])} | "
             f"{r['cache_experts']} | {r['mode']}/{r['kernels']} | {r['measured_tokens_per_s']:.2f} | "
-            f"{r['predicted_tokens_per_s']:.2f} | {r['ratio']:.2f} | {'yes' if r['within_30pct'] else 'no'} | "
+            f"{r['predicted_tokens_per_s']:.2f} | {r['ratio']:.2f} | "
+            f"{'yes' if r['within_30pct'] else 'no'} | "
             f"{r['measured_hit_rate']:.2f}/{r['predicted_hit_rate']:.2f} | "
             f"{r['predicted_at_measured_hit_rate']:.2f} | {r['ratio_at_measured_hit_rate']:.2f} |")
     return "\n".join(lines)
