@@ -31,7 +31,7 @@ SERIALS = itertools.count()
 
 class ExpertCache:
     def __init__(self, host: torch.Tensor, slots_per_layer: int, device: torch.device, make_views,
-                 progress=None, policy: str = "lru"):
+                 progress=None, policy: str = "lru", decode=None):
         """host: uint8 [layers, experts, stride]; make_views(byte range) -> expert weights.
 
         policy "lru" is the engine's. The benchmark also uses "naive" (every use copies the
@@ -39,6 +39,10 @@ class ExpertCache:
         on slot e % K and nothing moves: the resident compute time, the bound's other half).
         """
         self.policy = policy
+        # decode(weights) -> compute-ready weights, applied once per load (the CPU dequantizes
+        # an expert when it arrives instead of at every product); None = use the views as they are
+        self.decode = decode
+        self.decoded: list[list] = [[None] * slots_per_layer for _ in range(host.shape[0])]
         self.serial = next(SERIALS)  # never reused, unlike id(): CUDA graphs key on it
         L, E, B = host.shape
         if not 1 <= slots_per_layer <= E:
@@ -59,11 +63,15 @@ class ExpertCache:
         if policy == "no-copy":
             for layer in range(L):
                 self.slots[layer].copy_(host[layer, :self.K])
+                for slot in range(self.K):
+                    self._decode(layer, slot)
             self.host = None
         elif self.K == E and policy == "lru":  # everything fits: load once, never copy again
             for layer in range(L):
                 self.slots[layer].copy_(host[layer])
                 self.lru[layer].update((e, e) for e in range(E))
+                for e in range(E):
+                    self._decode(layer, e)
                 if progress:
                     progress((layer + 1) / L, "loading experts onto the device")
             self.host = None
@@ -83,14 +91,14 @@ class ExpertCache:
         lru = self.lru[layer]
         if self.policy == "no-copy":
             self.stats.hits += 1
-            return self.views[layer][expert % self.K], expert % self.K
+            return self._weights(layer, expert % self.K), expert % self.K
         if self.policy == "naive":
             self.stats.misses += 1
             lru.clear()  # nothing is kept: every use copies
             slot = self._load(layer, expert, keep)
             if self.cuda:
                 self.copy_stream.synchronize()
-            return self.views[layer][slot], slot
+            return self._weights(layer, slot), slot
         if expert in lru:
             self.stats.hits += 1
             lru.move_to_end(expert)
@@ -103,7 +111,7 @@ class ExpertCache:
             slot = self._load(layer, expert, keep)
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(self.ready[layer][slot])
-        return self.views[layer][slot], slot
+        return self._weights(layer, slot), slot
 
     def release(self, layer: int, slot: int) -> None:
         if self.cuda:
@@ -143,8 +151,16 @@ class ExpertCache:
                 self.ready[layer][slot].record(self.copy_stream)
         else:
             dst.copy_(src)
+            self._decode(layer, slot)
         self.stats.bytes_h2d += self.B
         return slot
+
+    def _decode(self, layer: int, slot: int) -> None:
+        if self.decode is not None:
+            self.decoded[layer][slot] = self.decode(self.views[layer][slot])
+
+    def _weights(self, layer: int, slot: int):
+        return self.decoded[layer][slot] if self.decode is not None else self.views[layer][slot]
 
     def device_bytes(self) -> int:
         return self.slots.numel()

@@ -121,7 +121,7 @@ class Engine:
             check_budget(self.vram_budget, fixed, k, self.config.num_layers * self.store.expert_bytes)
             host = self.model.cache.host if self.model.cache.host is not None else store_mod.experts_array(self.store)
             self.model.cache = None
-            self.model.cache = make_cache(self.store, host, k, self.device)
+            self.model.cache = make_cache(self.store, host, k, self.device, self.dtype)
 
     # -- text in, text out -----------------------------------------------------------------------
 
@@ -294,19 +294,31 @@ def check_budget(budget: int | None, fixed: int, k: int, per_slot: int) -> None:
                         f"with 1); raise --vram-budget or lower --cache-experts.")
 
 
-def make_cache(store: store_mod.Store, host: torch.Tensor, k: int, device, progress=None) -> ExpertCache:
+def make_cache(store: store_mod.Store, host: torch.Tensor, k: int, device, dtype, progress=None) -> ExpertCache:
     cfg = store.config
 
     def views(buf):  # views into the slot's bytes: no copy, no allocation per token
         return store_mod.view_expert(buf, store.expert_fields, store.expert_quant, cfg)
 
-    return ExpertCache(host, k, device, views, progress)
+    def dequantized(weights):  # the CPU has no fused kernels: dequantize once per load
+        return {m: compute_ready(w, dtype) for m, w in weights.items()}
+
+    return ExpertCache(host, k, device, views, progress, decode=dequantized if device.type == "cpu" else None)
+
+
+def compute_ready(w, dtype):
+    """A weight as the CPU computes with it: dequantized (the same values the reference path
+    would produce at every product) in the compute dtype."""
+    return quant.dequantize(w, dtype) if isinstance(w, quant.QMatrix) else w.to(dtype)
 
 
 def move_dense(dense: dict, device, dtype) -> tuple[dict, int]:
     out, nbytes = {}, 0
     for name, w in dense.items():
-        if isinstance(w, quant.QMatrix):
+        if isinstance(w, quant.QMatrix) and device.type == "cpu":
+            out[name] = compute_ready(w, dtype)
+            nbytes += out[name].numel() * out[name].element_size()
+        elif isinstance(w, quant.QMatrix):
             t = {k: v.to(device) for k, v in w.tensors().items()}
             out[name] = quant.QMatrix.from_tensors(w.info(), t)
             nbytes += w.nbytes()
@@ -372,7 +384,7 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
     if k < 1 or (budget is not None):
         check_budget(limit, fixed, max(k, 1), per_slot)
     host = store_mod.experts_array(st)
-    cache = make_cache(st, host, k, dev, lambda f, m: report(0.1 + 0.9 * f, m))
+    cache = make_cache(st, host, k, dev, dtype, lambda f, m: report(0.1 + 0.9 * f, m))
     model = OffloadedMixtral(cfg, dense, cache, dev, dtype, kernels)
     model.dense_bytes = dense_b
     model.prefetch_depth = prefetch
