@@ -56,6 +56,9 @@ def clean_env(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf_cache"))
     monkeypatch.setattr(download, "_stored_token", lambda: os.environ.get("HF_TOKEN"))
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import (tests/conftest.py sets it for the others)
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     return tmp_path
 
 
