@@ -17,6 +17,7 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -172,33 +173,54 @@ def run_mode(cfg, dense, host, fields, eq, device, policy, k, prefetch, kernels,
     return first, decode, d, peak
 
 
-def run_bench(layers: int = 32, vram_budget: str | None = "12GiB", expert_bits: int = 2, attn_bits: int = 4,
-              prompt_len: int = 128, new_tokens: int = 64, modes=("naive", "lru", "full"),
-              kernels=("reference", "fused"), prefetch: int = 1, seed: int = 0, log=print) -> dict:
+@dataclass
+class Synthetic:
+    cfg: ModelConfig
+    dense: dict
+    dense_bytes: int
+    host: torch.Tensor
+    fields: list
+    eq: dict
+    device: torch.device
+    pinned_bytes_per_s: float
+    expert_bits: int
+    attn_bits: int
+
+
+def build(layers: int = 32, expert_bits: int = 2, attn_bits: int = 4, seed: int = 0, log=print) -> Synthetic:
     if not torch.cuda.is_available():
         raise UserError("moeferry bench measures GPU offloading and needs a CUDA GPU; none is visible.")
     device = torch.device("cuda")
     cfg = ModelConfig(**{**MIXTRAL, "num_layers": layers})
-    budget = parse_size(vram_budget)
     log(f"building a synthetic Mixtral-8x7B ({layers} layers, {expert_bits}-bit experts, {attn_bits}-bit attention)")
     t = time.perf_counter()
     dense, dense_bytes, host, fields, eq = synthetic_model(cfg, expert_bits, attn_bits, device, seed)
-    stride = host.shape[2]
-    log(f"  built in {time.perf_counter() - t:.1f} s; one expert = {stride / 1e6:.1f} MB, "
+    log(f"  built in {time.perf_counter() - t:.1f} s; one expert = {host.shape[2] / 1e6:.1f} MB, "
         f"resident weights {fmt_bytes(dense_bytes)}")
     bw = pinned_bandwidth(device)
     log(f"  pinned host->device bandwidth: {bw / 1e9:.1f} GB/s")
-    context = prompt_len + new_tokens
-    k = cache_size_for(budget, cfg, dense_bytes, stride, context, device)
+    return Synthetic(cfg, dense, dense_bytes, host, fields, eq, device, bw, expert_bits, attn_bits)
+
+
+def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 128, new_tokens: int = 64,
+            modes=("naive", "lru", "full"), kernels=("reference", "fused"), prefetch: int = 1, seed: int = 0,
+            log=print) -> dict:
+    """The ladder under one budget, on the weights of `s`; a report (see markdown_table)."""
+    cfg, device, bw = s.cfg, s.device, s.pinned_bytes_per_s
+    budget = parse_size(vram_budget)
+    stride = s.host.shape[2]
+    k = cache_size_for(budget, cfg, s.dense_bytes, stride, prompt_len + new_tokens, device)
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=gen).tolist()
+    common = (cfg, s.dense, s.host, s.fields, s.eq, device)
+    log(f"budget {vram_budget}: {k} experts cached per layer, prompt {prompt_len}, {new_tokens} new tokens")
     compute = {}
     for kern in kernels:  # compile (Triton) and warm caches before anything is timed
-        run_mode(cfg, dense, host, fields, eq, device, "no-copy", k, 0, kern, prompt, 4)
+        run_mode(*common, "no-copy", k, 0, kern, prompt, 4)
     for kern in kernels:  # resident compute time per token: nothing moves
-        first, decode, _, _ = run_mode(cfg, dense, host, fields, eq, device, "no-copy", k, 0, kern, prompt,
-                                       min(new_tokens, 16))
-        compute[kern] = decode / (min(new_tokens, 16) - 1)
+        steps = min(new_tokens, 16)
+        _, decode, _, _ = run_mode(*common, "no-copy", k, 0, kern, prompt, steps)
+        compute[kern] = decode / (steps - 1)
         log(f"  resident compute per token ({kern}): {compute[kern] * 1e3:.2f} ms")
     results = []
     for mode in modes:
@@ -206,8 +228,7 @@ def run_bench(layers: int = 32, vram_budget: str | None = "12GiB", expert_bits: 
             policy = "naive" if mode == "naive" else "lru"
             kk = cfg.top_k if mode == "naive" else k
             depth = prefetch if mode == "full" else 0
-            first, decode, d, peak = run_mode(cfg, dense, host, fields, eq, device, policy, kk, depth, kern,
-                                              prompt, new_tokens)
+            first, decode, d, peak = run_mode(*common, policy, kk, depth, kern, prompt, new_tokens)
             steps = new_tokens - 1
             per_tok = decode / steps
             moved = d["bytes_h2d"] / steps
@@ -229,12 +250,20 @@ def run_bench(layers: int = 32, vram_budget: str | None = "12GiB", expert_bits: 
                 f"hits {r.hit_rate:.2f}  {r.gb_per_token:.2f} GB/token  peak {fmt_bytes(peak)}")
     return {
         "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(device),
-        "layers": layers, "vram_budget": vram_budget, "vram_budget_bytes": budget, "expert_bits": expert_bits,
-        "attn_bits": attn_bits, "prompt_len": prompt_len, "new_tokens": new_tokens,
-        "expert_bytes": stride, "resident_bytes": dense_bytes, "pinned_gb_per_s": bw / 1e9,
-        "cache_experts": k, "resident_compute_ms_per_token": {kk: v * 1e3 for kk, v in compute.items()},
+        "layers": cfg.num_layers, "vram_budget": vram_budget, "vram_budget_bytes": budget,
+        "expert_bits": s.expert_bits, "attn_bits": s.attn_bits, "prompt_len": prompt_len,
+        "new_tokens": new_tokens, "expert_bytes": stride, "resident_bytes": s.dense_bytes,
+        "pinned_gb_per_s": bw / 1e9, "cache_experts": k,
+        "resident_compute_ms_per_token": {kk: v * 1e3 for kk, v in compute.items()},
         "results": [asdict(r) for r in results],
     }
+
+
+def run_bench(layers: int = 32, vram_budget: str | None = "12GiB", expert_bits: int = 2, attn_bits: int = 4,
+              prompt_len: int = 128, new_tokens: int = 64, modes=("naive", "lru", "full"),
+              kernels=("reference", "fused"), prefetch: int = 1, seed: int = 0, log=print) -> dict:
+    s = build(layers, expert_bits, attn_bits, seed, log)
+    return measure(s, vram_budget, prompt_len, new_tokens, modes, kernels, prefetch, seed, log)
 
 
 def markdown_table(report: dict) -> str:
@@ -262,20 +291,34 @@ def cli_bench(argv: list[str]) -> int:
         return cli_bench_convert(argv[1:])
     p = argparse.ArgumentParser(prog="moeferry bench")
     p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--vram-budget", default="12GiB", help="e.g. 12GiB (RTX 3060), 16GiB, none")
+    p.add_argument("--vram-budget", default="12GiB",
+                   help="e.g. 12GiB (RTX 3060), 16GiB, none; several, comma-separated, share one build")
     p.add_argument("--expert-bits", type=int, default=2, choices=(2, 3, 4))
     p.add_argument("--attn-bits", type=int, default=4, choices=(4, 8))
-    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--prompt-len", default="128", help="one or several, comma-separated")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--modes", default="naive,lru,full")
     p.add_argument("--kernels", default="reference,fused")
     p.add_argument("--prefetch", type=int, default=1)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the report(s) as JSON")
+    p.add_argument("--json-dir", help="also write one JSON report per budget and prompt length here")
     a = p.parse_args(argv)
     if a.new_tokens < 2 or a.layers < 1:
         raise UserError("--new-tokens must be 2 or more and --layers 1 or more.")
-    report = run_bench(a.layers, a.vram_budget, a.expert_bits, a.attn_bits, a.prompt_len, a.new_tokens,
-                       tuple(a.modes.split(",")), tuple(a.kernels.split(",")), a.prefetch,
-                       log=lambda m: print(m, file=sys.stderr, flush=True))
-    print(json.dumps(report, indent=1) if a.json else markdown_table(report))
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    s = build(a.layers, a.expert_bits, a.attn_bits, log=log)
+    reports = []
+    for budget in a.vram_budget.split(","):  # one set of weights, several budgets: one build
+        for plen in (int(x) for x in str(a.prompt_len).split(",")):
+            r = measure(s, budget, plen, a.new_tokens, tuple(a.modes.split(",")), tuple(a.kernels.split(",")),
+                        a.prefetch, log=log)
+            reports.append(r)
+            if a.json_dir:
+                Path(a.json_dir).mkdir(parents=True, exist_ok=True)
+                name = f"bench-{a.expert_bits}bit-{budget}-p{plen}.json"
+                (Path(a.json_dir) / name).write_text(json.dumps(r, indent=1))
+    if a.json:
+        print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=1))
+    else:
+        print("\n\n".join(markdown_table(r) for r in reports))
     return 0
