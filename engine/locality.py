@@ -237,6 +237,7 @@ def load_text_ids(tokenizer, text_file: str | None, max_tokens: int) -> torch.Te
     except UnicodeDecodeError:
         raise UserError(f"{path} is not UTF-8 text; give a UTF-8 text file with --text.") from None
     docs = [d for d in text.split("\n\n") if d.strip()]
+    tokenizer.model_max_length = 1 << 30  # we window the text ourselves
     ids: list[int] = []
     for d in docs:  # plain paragraphs, each opened by <s> like the training text
         ids += tokenizer(d + "\n\n")["input_ids"]
@@ -248,7 +249,7 @@ def load_text_ids(tokenizer, text_file: str | None, max_tokens: int) -> torch.Te
 
 
 def cli_locality(store: str, text_file: str | None, json_out: bool, plot: str | None,
-                 max_tokens: int = 65536) -> int:
+                 max_tokens: int = 131072) -> int:
     """`moeferry demo locality`: measure expert locality of a store's model on text."""
     from transformers import AutoTokenizer
 

@@ -126,7 +126,7 @@ def render(results: dict, report: locality.LocalityReport) -> str:
     lines += ["", "### Sample answers (shipped store, `moeferry generate demo --chat`, greedy, "
               "this 2-core CPU)", ""]
     for s in results["samples"]:
-        reply = s["reply"].strip().replace("\n", "\n> ")
+        reply = s["reply"].strip().replace("\n", "\n> ") or "(nothing but white space)"
         lines += [f"**{s['prompt']}** ({s['tokens']} tokens, {s['tokens_per_s']} tokens/s, "
                   f"first token {s['first_token_s']} s)", "", f"> {reply}", ""]
     lines += ["### Expert locality (the analogue of the paper's Figure 2)", "",
@@ -176,7 +176,7 @@ def main() -> None:
 
     samples = sample_answers(shipped)
     from transformers import AutoTokenizer
-    ids = locality.load_text_ids(AutoTokenizer.from_pretrained(str(shipped)), None, 65536)
+    ids = locality.load_text_ids(AutoTokenizer.from_pretrained(str(shipped)), None, 131072)
     report = locality.measure_locality(load_dequantized_hf_model(shipped), ids)
     locality.plot_report(report, ROOT / "docs" / "locality.png",
                          title=f"Expert locality of the demo model, {report.tokens} held-out tokens")

@@ -28,6 +28,7 @@ import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
 DATA = Path(__file__).resolve().parent / "data"
+SAMPLE_PROMPTS = ("What is a list in Python?", "What does `len` do?", "Hello")
 
 
 @dataclass
@@ -128,6 +129,22 @@ def save(model, args: TrainArgs, log: dict) -> None:
     (args.out / "train_log.json").write_text(json.dumps(log, indent=1, default=str))
 
 
+@torch.no_grad()
+def print_samples(folder: Path, device: torch.device, prompts=SAMPLE_PROMPTS) -> None:
+    """Greedy answers of the saved (best) model, as a first look at its quality."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    model = MixtralForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(device).eval()
+    for p in prompts:
+        text = tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                       add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
+        out = model.generate(ids, max_new_tokens=60, do_sample=False,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        print(f"Q: {p}\nA: {tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)}\n",
+              flush=True)
+
+
 def train(args: TrainArgs) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -197,6 +214,7 @@ def train(args: TrainArgs) -> dict:
     (args.out / "train_log.json").write_text(json.dumps(log, indent=1, default=str))
     print(f"done: {step} steps in {log['seconds'] / 60:.1f} min; best held-out loss "
           f"{best:.4f} (ppl {math.exp(best):.2f}) at step {log['best']['step']}; saved {args.out}")
+    print_samples(args.out, device)
     return log
 
 
