@@ -1,0 +1,531 @@
+"""Fused low-bit matrix kernels: y = x @ dequantize(w).T without materialising the weights.
+
+`qlinear(x, w)` is the one entry point the model calls. On a CUDA device with Triton it runs
+the fused kernels below; everywhere else (and with kernels="reference") it dequantizes with
+`quant.dequantize` and multiplies, which is also the ground truth the kernels are tested
+against. Measurements and the story of each version: docs/KERNELS.md.
+
+The weight format is `quant.QMatrix` (HQQ axis-0 groups, bit planes, 8-bit or plain
+scale/zero); see quant.py. What matters for the kernels:
+  * output row n belongs to group j = n % G (G = rows // g): rows j, j+G, ..., j+(g-1)G share
+    scale[j, k] and zero[j, k] for every column k;
+  * a plane of width w packs p = 8 // w codes per byte; byte row r of the plane holds rows
+    r + s * rows // p (s = 0..p-1), and since rows // p = (g // p) * G those rows are again in
+    group r % G.
+So a program takes BJ groups and the g rows of each (or 1/NQ of them): byte rows j + i' * G
+of every plane and scale/zero row j, decoded once for all those rows. A tile of codes is a
+tensor [p, byte rows, BJ, k...] whose first two axes flatten to the row index i of j + i * G.
+
+Decode (T == 1) is a GEMV, bound by instruction issue as much as by bandwidth, so the inner
+loop avoids every conversion instruction: a code is masked in place (byte & (mask << shift))
+and ORed into the mantissa of a power of two chosen so that one float subtraction leaves the
+exact code; x * scale is computed once per (group, column) and shared by the rows, and the
+zero point is subtracted once per group after the loop:
+  y[j + i G] = sum_k (x_k s_jk) c_(j+iG)k - sum_k x_k s_jk z_jk.
+When G alone gives too few programs the columns are split; the last program of a group block
+(an atomic counter) sums the partials in a fixed order, so one launch does it all and the
+result is deterministic.
+
+Prefill (T > 1): up to 16 tokens a Triton GEMM that dequantizes each [g*BJ, BK] tile in
+registers and feeds tl.dot; from 17 tokens the matrix is dequantized once into a reusable
+per-stream workspace and multiplied by cuBLAS (which wins from about 32 tokens on an H200).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+from .quant import PLANES, QMatrix, dequantize
+
+try:  # Triton is optional: CPU-only machines (CI) run the reference path.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the machine
+    triton = tl = None
+
+KERNEL_CHOICES = ("auto", "reference", "fused")
+
+
+def _interpreting() -> bool:
+    """TRITON_INTERPRET=1 runs the Triton kernels on the CPU (tests on machines without a GPU)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def fused_available(device: torch.device | str | None = None) -> bool:
+    """True when the fused kernels can run on `device` (CUDA and Triton importable)."""
+    if triton is None:
+        return False
+    if device is not None and torch.device(device).type != "cuda":
+        return _interpreting()
+    return torch.cuda.is_available() or _interpreting()
+
+
+def fused_supported(w: QMatrix) -> bool:
+    """Formats the fused kernels handle: a power-of-two group size that every plane's
+    codes-per-byte divides (true for all of quant.py's specs), rows a multiple of 8."""
+    g = w.group_size
+    return (w.bits in PLANES and g & (g - 1) == 0 and w.rows % 8 == 0
+            and all(g % (8 // width) == 0 for width in PLANES[w.bits]))
+
+
+def qlinear(x: torch.Tensor, w: QMatrix | torch.Tensor, kernels: str = "auto",
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W.T for x [..., cols]; returns y [..., rows] in x.dtype.
+
+    w: a QMatrix (dequantized on the fly) or a plain weight tensor [rows, cols] (F.linear).
+    kernels: "reference" = quant.dequantize (in x.dtype) then matmul, the CPU path and the
+    ground truth; "fused" = the Triton kernels (CUDA); "auto" = fused where available.
+    out: optional preallocated contiguous y (fused decode then allocates nothing).
+    """
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, not {kernels!r}")
+    if not isinstance(w, QMatrix):
+        y = F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype))
+        return y if out is None else out.copy_(y)
+    if x.shape[-1] != w.cols:
+        raise ValueError(f"x has {x.shape[-1]} columns but the matrix is {w.rows}x{w.cols}")
+    fused = kernels == "fused" or (kernels == "auto" and fused_available(x.device)
+                                   and fused_supported(w))
+    if not fused:
+        y = F.linear(x, dequantize(w, x.dtype))
+        return y if out is None else out.copy_(y)
+    if not fused_available(x.device):
+        raise RuntimeError("kernels='fused' needs Triton and a CUDA tensor; use kernels='reference'")
+    if not fused_supported(w):
+        raise ValueError(f"the fused kernels do not handle {w.bits}-bit groups of {w.group_size} "
+                         f"rows; use kernels='reference'")
+    x2 = x.reshape(-1, w.cols)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    T = x2.shape[0]
+    if out is None:
+        y = torch.empty((T, w.rows), device=x.device, dtype=x.dtype)
+    else:
+        if out.dtype != x.dtype or out.numel() != T * w.rows or not out.is_contiguous():
+            raise ValueError("out must be a contiguous tensor of x.dtype with x.shape[:-1] + (rows,)")
+        y = out.view(T, w.rows)
+    if T == 0:
+        pass
+    elif T == 1:
+        gemv(x2, w, y)
+    elif T < DEQUANT_CUBLAS_FROM_T:
+        gemm(x2, w, y)
+    else:
+        torch.matmul(x2, dequantize_fused(w, x.dtype).T, out=y)
+    return y.view(*x.shape[:-1], w.rows) if out is None else out
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: launch parameters and per-stream scratch
+
+# Prefill: the fused GEMM below this many tokens, dequantize + cuBLAS from it (measured on an
+# H200: fused 55-78 us vs 82-93 at T = 8, 100-145 vs 84-95 at T = 32; docs/KERNELS.md).
+DEQUANT_CUBLAS_FROM_T = 17
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: any small number
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _meta_mode(meta: torch.Tensor | None, cols: int, bk: int) -> int:
+    """How the kernel finds value f's meta pair f % M: 0 no meta (float scale/zero),
+    1 contiguous within a tile (M and cols multiples of the tile width), 2 wraps at most
+    once per tile (any M), 3 a single pair (M == 1)."""
+    if meta is None:
+        return 0
+    m = meta.shape[1]
+    if m == 1:
+        return 3
+    return 1 if (m % bk == 0 and cols % bk == 0 and bk % 8 == 0) else 2
+
+
+def _plane_widths(bits: int) -> tuple[int, int]:
+    """Widths of the first and the second plane (0: none)."""
+    widths = PLANES[bits]
+    return widths[0], (widths[1] if len(widths) > 1 else 0)
+
+
+def _common_args(w: QMatrix):
+    """The matrix's tensors in kernel order; an absent plane or meta is replaced by a tensor
+    the kernel never reads."""
+    p0 = w.planes[0]
+    p1 = w.planes[1] if len(w.planes) > 1 else p0
+    sm = w.scale_meta if w.scale_meta is not None else w.scale
+    zm = w.zero_meta if w.zero_meta is not None else w.zero
+    for t in (p0, p1, w.scale, w.zero, sm, zm):
+        if not t.is_contiguous():
+            raise ValueError("the fused kernels need contiguous QMatrix tensors")
+    return p0, p1, w.scale, w.zero, sm, zm
+
+
+def _meta_len(meta: torch.Tensor | None) -> int:
+    return 1 if meta is None else meta.shape[1]
+
+
+class _Scratch:
+    """Per (device, stream) buffers: split-K partials, tile counters (zero between launches:
+    the last program of a tile resets its counter), the dequantized-weight workspace.
+    Keyed by stream so that kernels running on two streams never share a counter. Grown, never
+    shrunk; allocate before capturing a CUDA graph (run the shapes once)."""
+
+    def __init__(self):
+        self.bufs: dict[tuple, torch.Tensor] = {}
+
+    def get(self, kind: str, numel: int, dtype: torch.dtype, device: torch.device,
+            zero: bool = False) -> torch.Tensor:
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        key = (kind, dtype, device.type, device.index, stream)
+        buf = self.bufs.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = (torch.zeros if zero else torch.empty)(max(numel, 1), dtype=dtype, device=device)
+            self.bufs[key] = buf
+        return buf
+
+
+_scratch = _Scratch()
+
+
+def _split(cols: int, bk: int, n_tiles: int, target_programs: int, max_split: int = 64):
+    """Columns per split (a multiple of bk) and the number of splits, so that
+    n_tiles * splits is about target_programs."""
+    want = max(1, min(max_split, -(-target_programs // n_tiles), -(-cols // bk)))
+    k_per_split = -(-cols // (want * bk)) * bk
+    return k_per_split, -(-cols // k_per_split)
+
+
+def gemv_config(rows: int, cols: int, bits: int, group_size: int, sms: int = 132) -> dict:
+    """Launch parameters for one T == 1 matrix (tuned on an H200: docs/KERNELS.md).
+    BKO = 32 * num_warps: each thread owns one KV-wide column strip of every row of its group."""
+    warps = 4
+    kv = 8 if cols % 8 == 0 else 4
+    # ~16 rows per thread (fewer registers, more warps); 8-bit decodes its 8-bit scales for
+    # only 1 code per byte, so splitting rows (decoding NQ times) costs it more than it gains.
+    nq = 1 if bits == 8 else min(_max_nq(bits, group_size), max(1, group_size // 16))
+    return dict(BJ=1, BKO=32 * warps, KV=kv, NQ=nq, programs=4 * sms, num_warps=warps)
+
+
+def _max_nq(bits: int, group_size: int) -> int:
+    """Row parts must split the byte rows of the plane with the most codes per byte."""
+    return group_size // (8 // PLANES[bits][-1])
+
+
+@functools.lru_cache(maxsize=4096)
+def _gemv_launch(rows, cols, bits, group_size, sms, cfg_items):
+    cfg = dict(cfg_items) if cfg_items else gemv_config(rows, cols, bits, group_size, sms)
+    G = rows // group_size
+    nq = min(cfg.get("NQ", 1), _max_nq(bits, group_size))
+    n_j = -(-G // cfg["BJ"]) * nq  # programs per column split
+    bk = cfg["BKO"] * cfg["KV"]
+    k_per_split, split = _split(cols, bk, n_j, cfg.get("programs", 4 * sms))
+    consts = dict(BJ=cfg["BJ"], BKO=cfg["BKO"], KV=cfg["KV"], NQ=nq, num_warps=cfg.get("num_warps", 4),
+                  num_stages=cfg.get("num_stages", 1))
+    return n_j, split, k_per_split, bk, consts
+
+
+def gemv(x: torch.Tensor, w: QMatrix, out: torch.Tensor, cfg: dict | None = None) -> torch.Tensor:
+    """out [1, rows] = x [1, cols] @ dequantize(w).T, one launch (the fused GEMV)."""
+    n_j, split, k_per_split, bk, consts = _gemv_launch(
+        w.rows, w.cols, w.bits, w.group_size, _sm_count(x.device),
+        tuple(sorted(cfg.items())) if cfg else None)
+    if split > 1:
+        ws = _scratch.get("partials", split * w.rows, torch.float32, x.device)
+        cnt = _scratch.get("counters", n_j, torch.int32, x.device, zero=True)
+    else:
+        ws, cnt = out, out  # not read
+    w0, w1 = _plane_widths(w.bits)
+    _gemv_kernel[(n_j, split)](
+        x, out, *_common_args(w), ws, cnt,
+        w.groups, w.rows, w.cols, _meta_len(w.scale_meta), _meta_len(w.zero_meta), k_per_split, split,
+        W0=w0, W1=w1, GS=w.group_size, SPLIT=split > 1,
+        SMODE=_meta_mode(w.scale_meta, w.cols, bk), ZMODE=_meta_mode(w.zero_meta, w.cols, bk),
+        **consts)
+    return out
+
+
+def gemm_config(T: int, rows: int, cols: int, bits: int, group_size: int, sms: int = 132) -> dict:
+    """Launch parameters of the fused GEMM. For T <= 16, where qlinear uses it, the fastest
+    tiles of the H200 sweep (docs/KERNELS.md, run 2): 128 output rows per program."""
+    bj = max(1, 128 // group_size)
+    if T <= 16:
+        if bits == 4 or bits == 8:
+            return dict(BT=16, BJ=bj, BK=128, programs=sms, num_warps=8, num_stages=3)
+        return dict(BT=16, BJ=bj, BK=128 if bits == 2 else 64, programs=2 * sms, num_warps=4,
+                    num_stages=2)
+    return dict(BT=32 if T <= 32 else 64, BJ=max(1, 64 // group_size), BK=64, programs=sms,
+                num_warps=8, num_stages=3)
+
+
+def gemm(x: torch.Tensor, w: QMatrix, out: torch.Tensor, cfg: dict | None = None) -> torch.Tensor:
+    """out [T, rows] = x [T, cols] @ dequantize(w).T with the fused (tl.dot) GEMM."""
+    T = x.shape[0]
+    sms = _sm_count(x.device)
+    cfg = cfg or gemm_config(T, w.rows, w.cols, w.bits, w.group_size, sms)
+    try:
+        _launch_gemm(x, w, out, cfg, sms)
+    except triton.runtime.errors.OutOfResources:
+        # a smaller GPU (e.g. 64 KB of shared memory on a T4): 2 stages of 64 columns
+        _launch_gemm(x, w, out, dict(cfg, BK=64, num_warps=4, num_stages=2), sms)
+    return out
+
+
+def _launch_gemm(x, w, out, cfg, sms):
+    T = x.shape[0]
+    n_j, n_t = -(-w.groups // cfg["BJ"]), -(-T // cfg["BT"])
+    bk = cfg["BK"]
+    k_per_split, split = _split(w.cols, bk, n_j * n_t, cfg.get("programs", 2 * sms),
+                                max_split=max(1, w.cols // (4 * bk)))
+    if split > 1:
+        ws = _scratch.get("partials", split * T * w.rows, torch.float32, x.device)
+        cnt = _scratch.get("counters", n_j * n_t, torch.int32, x.device, zero=True)
+    else:
+        ws, cnt = out, out
+    w0, w1 = _plane_widths(w.bits)
+    _gemm_kernel[(n_j, n_t, split)](
+        x, out, *_common_args(w), ws, cnt,
+        T, w.groups, w.rows, w.cols, x.stride(0), out.stride(0),
+        _meta_len(w.scale_meta), _meta_len(w.zero_meta), k_per_split, split,
+        W0=w0, W1=w1, GS=w.group_size, SPLIT=split > 1,
+        SMODE=_meta_mode(w.scale_meta, w.cols, bk), ZMODE=_meta_mode(w.zero_meta, w.cols, bk),
+        BT=cfg["BT"], BJ=cfg["BJ"], BK=bk, num_warps=cfg.get("num_warps", 4),
+        num_stages=cfg.get("num_stages", 2))
+
+
+def dequantize_fused(w: QMatrix, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """dequantize(w, dtype) on the GPU, into `out` or a per-stream reusable workspace."""
+    if out is None:
+        buf = _scratch.get("weights", w.rows * w.cols, dtype, w.planes[0].device)
+        out = buf[: w.rows * w.cols].view(w.rows, w.cols)
+    bj, bk = max(1, 64 // w.group_size), 128
+    w0, w1 = _plane_widths(w.bits)
+    grid = (-(-w.groups // bj), -(-w.cols // bk))
+    _dequant_kernel[grid](
+        out, *_common_args(w), w.groups, w.cols, _meta_len(w.scale_meta), _meta_len(w.zero_meta),
+        W0=w0, W1=w1, GS=w.group_size,
+        SMODE=_meta_mode(w.scale_meta, w.cols, bk), ZMODE=_meta_mode(w.zero_meta, w.cols, bk),
+        BJ=bj, BK=bk, num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels
+
+if triton is not None:
+    @triton.jit
+    def _as_float(v):
+        """int32 v in [0, 2**23) -> float32 v, without a conversion instruction."""
+        return (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+    @triton.jit
+    def _scale_or_zero(q_ptr, meta_ptr, off, row_base, kk, mask, M, MODE: tl.constexpr):
+        """Scale or zero as float32, shaped like `off` (offsets into [G, cols]).
+        row_base = (j * cols + k0) % M per group row, kk = k - k0 (for MODE 2: kk % M);
+        value f = j * cols + k has meta pair f % M = row_base + kk (wrapped once for MODE 2)."""
+        if MODE == 0:  # plain float tensor
+            return tl.load(q_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        q = _as_float(tl.load(q_ptr + off, mask=mask, other=0).to(tl.int32))
+        if MODE == 3:
+            m0 = tl.load(meta_ptr).to(tl.float32)
+            m1 = tl.load(meta_ptr + 1).to(tl.float32)
+        else:
+            if MODE == 1:  # row_base is a multiple of the tile width: contiguous, aligned
+                row_base = row_base // 8 * 8  # (tells the compiler; a no-op here)
+            idx = row_base + kk
+            if MODE == 2:
+                idx = tl.where(idx >= M, idx - M, idx)
+            m0 = tl.load(meta_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+            m1 = tl.load(meta_ptr + M + idx, mask=mask, other=0.0).to(tl.float32)
+        return (q - m1) * m0
+
+    @triton.jit
+    def _finish(y, offs_out, offs_ws, mask, out_ptr, ws_ptr, ws_slice, cnt_ptr, pid_k, n_split,
+                SPLIT: tl.constexpr):
+        """Write a tile result; with split-K the last program of the tile sums all partials
+        (fixed order) and resets the tile's counter for the next launch on this stream."""
+        if not SPLIT:
+            tl.store(out_ptr + offs_out, y.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(ws_ptr + pid_k * ws_slice + offs_ws, y, mask=mask)
+            tl.debug_barrier()  # every thread's partial is stored before the counter moves
+            done = tl.atomic_add(cnt_ptr, 1)  # acq_rel, gpu scope
+            if done == n_split - 1:
+                tot = tl.load(ws_ptr + offs_ws, mask=mask, other=0.0, cache_modifier=".cg")
+                for s in range(1, n_split):
+                    tot += tl.load(ws_ptr + s * ws_slice + offs_ws, mask=mask, other=0.0,
+                                   cache_modifier=".cg")
+                tl.store(out_ptr + offs_out, tot.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(cnt_ptr, 0)
+
+    @triton.jit
+    def _plane_rows(q, G, cols, j, GS: tl.constexpr, W: tl.constexpr, NBB: tl.constexpr,
+                    NQ: tl.constexpr):
+        """Element offsets [BJ, 1, 1, g/p/NQ] of the byte rows that program part q of NQ reads
+        from a plane of width W: byte rows j + i'*G with i' = t*NBB + q*NBB/NQ + a (t < g/p/NBB,
+        a < NBB/NQ), NBB = byte rows per group of the plane with the most codes per byte. So
+        all planes of one program hold the same output rows (see _gemv_rows)."""
+        NBQ: tl.constexpr = GS // (8 // W) // NQ
+        r = tl.arange(0, NBQ)
+        i = (r // (NBB // NQ)) * NBB + q * (NBB // NQ) + r % (NBB // NQ)
+        return ((i[None, :] * G + j[:, None]) * cols)[:, None, None, :]
+
+    @triton.jit
+    def _gemv_plane(acc, plane_ptr, row_off, k, mask, xs, opaque_zero, HIGH: tl.constexpr,
+                    W: tl.constexpr):
+        """acc [p, R, BJ, BKO] += sum over the KV axis of (code << HIGH) * xs, R byte rows.
+        row_off [BJ, 1, 1, R] byte-row offsets, k [KV, BKO], xs [BJ, KV, BKO]."""
+        P: tl.constexpr = 8 // W
+        # Loaded as [BJ, KV, BKO, R] so that Triton's coalescing gives each thread a KV-byte
+        # vector and spreads the threads over BKO (it breaks ties between strided axes by
+        # axis order), then permuted for free to [R, BJ, KV, BKO].
+        b = tl.load(plane_ptr + row_off + k[None, :, :, None], mask=mask[:, :, :, None], other=0)
+        b = tl.permute(b.to(tl.int32), (3, 0, 1, 2))[None]  # [1, R, BJ, KV, BKO]
+        shift = (8 - W * (tl.arange(0, P) + 1))[:, None, None, None, None]  # code s: bits shift..
+        # OR the masked bits into the mantissa of 2**(23 + HIGH - shift), whose mantissa LSB
+        # weighs 2**(HIGH - shift): the float is 2**(23+HIGH-shift) + code * 2**HIGH, exactly.
+        # (opaque_zero is 0 at run time but not to the compiler: the magic then lives in a
+        # register and ptxas fuses the AND and the OR into one LOP3.)
+        magic = ((127 + 23 + HIGH - shift) << 23) + opaque_zero
+        big = (b & (((1 << W) - 1) << shift) | magic).to(tl.float32, bitcast=True)
+        code = big - magic.to(tl.float32, bitcast=True)  # [p, R, BJ, KV, BKO]
+        return acc + tl.sum(code * xs[None, None], axis=3)
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, out_ptr, p0_ptr, p1_ptr, s_ptr, z_ptr, sm_ptr, zm_ptr, ws_ptr, cnt_ptr,
+                     G, rows, cols, Ms, Mz, k_per_split, n_split,
+                     W0: tl.constexpr, W1: tl.constexpr, GS: tl.constexpr, SPLIT: tl.constexpr,
+                     SMODE: tl.constexpr, ZMODE: tl.constexpr,
+                     BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr, NQ: tl.constexpr):
+        """One program: groups j in [pid*BJ, +BJ), 1/NQ of the GS rows of each (part q), the
+        columns of split pid_k.
+        A k tile is [KV, BKO] with k = k0 + ko*KV + kv: Triton's default layout puts BKO on the
+        threads (choose BKO = 32 * num_warps) and KV in each thread's registers, which is both a
+        KV-byte vector load per thread and an in-thread reduction over KV (no shuffles). Every
+        thread accumulates all GS/NQ rows of its columns: NQ > 1 trades decoding each scale and
+        zero NQ times (by NQ programs) for fewer registers, hence more warps in flight."""
+        pid_j = tl.program_id(0) // NQ
+        q = tl.program_id(0) % NQ
+        pid_k = tl.program_id(1)
+        BK: tl.constexpr = BKO * KV
+        P0: tl.constexpr = 8 // W0
+        NBB: tl.constexpr = GS // (8 // W1) if W1 > 0 else GS // P0  # byte rows of the base plane
+        j = pid_j * BJ + tl.arange(0, BJ)  # [BJ]
+        j3 = j[:, None, None]  # [BJ, 1, 1]
+        kk = tl.arange(0, KV)[:, None] + tl.arange(0, BKO)[None, :] * KV  # [KV, BKO]
+        kks = kk % Ms if SMODE == 2 else kk
+        kkz = kk % Mz if ZMODE == 2 else kk
+        rows0 = _plane_rows(q, G, cols, j, GS, W0, NBB, NQ)
+        acc0 = tl.zeros((P0, GS // P0 // NQ, BJ, BKO), tl.float32)
+        if W1 > 0:
+            rows1 = _plane_rows(q, G, cols, j, GS, W1, NBB, NQ)
+            acc1 = tl.zeros((8 // W1, NBB // NQ, BJ, BKO), tl.float32)
+        zacc = tl.zeros((BJ, BKO), tl.float32)
+        opaque_zero = k_per_split >> 31  # 0: k_per_split > 0
+        k_lo = pid_k * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, cols)
+        for k0 in range(k_lo, k_hi, BK):
+            k = k0 + kk  # [KV, BKO]
+            mask = (j3 < G) & (k < cols)[None]  # [BJ, KV, BKO]
+            x = tl.load(x_ptr + k, mask=k < cols, other=0.0).to(tl.float32)
+            off = j3 * cols + k[None]  # into [G, cols]
+            scale = _scale_or_zero(s_ptr, sm_ptr, off, (j3 * cols + k0) % Ms, kks[None], mask, Ms, SMODE)
+            zero = _scale_or_zero(z_ptr, zm_ptr, off, (j3 * cols + k0) % Mz, kkz[None], mask, Mz, ZMODE)
+            xs = x[None] * scale  # [BJ, KV, BKO]
+            zacc += tl.sum(xs * zero, axis=1)
+            acc0 = _gemv_plane(acc0, p0_ptr, rows0, k, mask, xs, opaque_zero, W1, W0)  # high plane: << W1
+            if W1 > 0:
+                acc1 = _gemv_plane(acc1, p1_ptr, rows1, k, mask, xs, opaque_zero, 0, W1)
+        # Flattened (s, t, a) = u, every plane alike: output row j + i*G with
+        # i = (u // (NBB/NQ)) * NBB + q * NBB/NQ + u % (NBB/NQ).
+        y = tl.reshape(tl.sum(acc0, axis=3), (GS // NQ, BJ))
+        if W1 > 0:
+            y += tl.reshape(tl.sum(acc1, axis=3), (GS // NQ, BJ))
+        y -= tl.sum(zacc, axis=1)[None, :]
+        u = tl.arange(0, GS // NQ)
+        i = (u // (NBB // NQ)) * NBB + q * (NBB // NQ) + u % (NBB // NQ)
+        n = i[:, None] * G + j[None, :]  # [GS/NQ, BJ] output rows
+        _finish(y, n, n, (j < G)[None, :], out_ptr, ws_ptr, rows, cnt_ptr + tl.program_id(0), pid_k,
+                n_split, SPLIT)
+
+    @triton.jit
+    def _codes(plane_ptr, row_off, k, mask, W: tl.constexpr, GS: tl.constexpr, BJ: tl.constexpr,
+               BK: tl.constexpr):
+        """Exact codes of one plane as float32 [GS, BJ, BK]; row_off [g/p, BJ, 1], k [BK]."""
+        P: tl.constexpr = 8 // W
+        b = tl.load(plane_ptr + row_off + k[None, None, :], mask=mask[None], other=0)
+        shift = 8 - W * (tl.arange(0, P) + 1)
+        c = (b.to(tl.int32)[None] >> shift[:, None, None, None]) & ((1 << W) - 1)
+        return tl.reshape(_as_float(c), (GS, BJ, BK))  # row i = s * g/p + i'
+
+    @triton.jit
+    def _weight_tile(p0_ptr, p1_ptr, s_ptr, z_ptr, sm_ptr, zm_ptr, j, k0, k, cols, G, Ms, Mz,
+                     W0: tl.constexpr, W1: tl.constexpr, GS: tl.constexpr,
+                     SMODE: tl.constexpr, ZMODE: tl.constexpr, BJ: tl.constexpr, BK: tl.constexpr):
+        """Dequantized weights [GS, BJ, BK] fp32 of rows j + i*G, columns k (k0 = k[0])."""
+        j2 = j[:, None]
+        mask = (j2 < G) & (k < cols)[None, :]  # [BJ, BK]
+        off = j2 * cols + k[None, :]
+        kk = k - k0
+        kks = kk % Ms if SMODE == 2 else kk
+        kkz = kk % Mz if ZMODE == 2 else kk
+        scale = _scale_or_zero(s_ptr, sm_ptr, off, (j2 * cols + k0) % Ms, kks[None, :], mask, Ms, SMODE)
+        zero = _scale_or_zero(z_ptr, zm_ptr, off, (j2 * cols + k0) % Mz, kkz[None, :], mask, Mz, ZMODE)
+        NB0: tl.constexpr = GS // (8 // W0)
+        rows0 = ((tl.arange(0, NB0)[:, None] * G + j[None, :]) * cols)[:, :, None]
+        c = _codes(p0_ptr, rows0, k, mask, W0, GS, BJ, BK)
+        if W1 > 0:
+            NB1: tl.constexpr = GS // (8 // W1)
+            rows1 = ((tl.arange(0, NB1)[:, None] * G + j[None, :]) * cols)[:, :, None]
+            c = c * (1 << W1) + _codes(p1_ptr, rows1, k, mask, W1, GS, BJ, BK)
+        return (c - zero[None]) * scale[None]
+
+    @triton.jit
+    def _gemm_kernel(x_ptr, out_ptr, p0_ptr, p1_ptr, s_ptr, z_ptr, sm_ptr, zm_ptr, ws_ptr, cnt_ptr,
+                     T, G, rows, cols, stride_x, stride_out, Ms, Mz, k_per_split, n_split,
+                     W0: tl.constexpr, W1: tl.constexpr, GS: tl.constexpr, SPLIT: tl.constexpr,
+                     SMODE: tl.constexpr, ZMODE: tl.constexpr,
+                     BT: tl.constexpr, BJ: tl.constexpr, BK: tl.constexpr):
+        """One program: tokens [pid_t*BT, +BT) x groups [pid_j*BJ, +BJ) (GS*BJ rows), one split."""
+        pid_j = tl.program_id(0)
+        pid_t = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        j = pid_j * BJ + tl.arange(0, BJ)
+        t = pid_t * BT + tl.arange(0, BT)
+        acc = tl.zeros((BT, GS * BJ), tl.float32)
+        k_lo = pid_k * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, cols)
+        for k0 in range(k_lo, k_hi, BK):
+            k = k0 + tl.arange(0, BK)
+            xt = tl.load(x_ptr + t[:, None] * stride_x + k[None, :],
+                         mask=(t[:, None] < T) & (k[None, :] < cols), other=0.0)  # [BT, BK]
+            wt = _weight_tile(p0_ptr, p1_ptr, s_ptr, z_ptr, sm_ptr, zm_ptr, j, k0, k, cols, G, Ms, Mz,
+                              W0, W1, GS, SMODE, ZMODE, BJ, BK)
+            wt = tl.reshape(wt, (GS * BJ, BK)).to(xt.dtype)  # row i*BJ + jj <-> n = j + i*G
+            if xt.dtype == tl.float32:
+                acc = tl.dot(xt, tl.trans(wt), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xt, tl.trans(wt), acc)
+        n = tl.reshape(tl.arange(0, GS)[:, None] * G + j[None, :], (GS * BJ,))
+        nmask = tl.reshape((tl.arange(0, GS)[:, None] >= 0) & (j[None, :] < G), (GS * BJ,))
+        mask = (t[:, None] < T) & nmask[None, :]
+        tile = pid_t * tl.num_programs(0) + pid_j
+        _finish(acc, t[:, None] * stride_out + n[None, :], t[:, None] * rows + n[None, :], mask,
+                out_ptr, ws_ptr, T * rows, cnt_ptr + tile, pid_k, n_split, SPLIT)
+
+    @triton.jit
+    def _dequant_kernel(out_ptr, p0_ptr, p1_ptr, s_ptr, z_ptr, sm_ptr, zm_ptr, G, cols, Ms, Mz,
+                        W0: tl.constexpr, W1: tl.constexpr, GS: tl.constexpr,
+                        SMODE: tl.constexpr, ZMODE: tl.constexpr, BJ: tl.constexpr, BK: tl.constexpr):
+        j = tl.program_id(0) * BJ + tl.arange(0, BJ)
+        k0 = tl.program_id(1) * BK
+        k = k0 + tl.arange(0, BK)
+        wt = _weight_tile(p0_ptr, p1_ptr, s_ptr, z_ptr, sm_ptr, zm_ptr, j, k0, k, cols, G, Ms, Mz,
+                          W0, W1, GS, SMODE, ZMODE, BJ, BK)  # [GS, BJ, BK]
+        n = tl.arange(0, GS)[:, None, None] * G + j[None, :, None]
+        mask = (j[None, :, None] < G) & (k[None, None, :] < cols)
+        tl.store(out_ptr + n * cols + k[None, None, :], wt.to(out_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,177 @@
+"""engine.kernels: the reference path everywhere, the fused Triton kernels where CUDA is.
+
+The GPU tests (marked gpu) skip without CUDA; run them on the GPU machine with
+`pytest -m gpu tests/test_kernels.py`.
+"""
+
+import random
+
+import pytest
+import torch
+
+from engine import kernels as K
+from engine.kernel_bench import random_qmatrix, rel_err
+from engine.quant import QMatrix, dequantize
+
+FORMATS = [(2, 16), (3, 64), (4, 64), (8, 64), (2, 32), (3, 16), (4, 8)]  # (bits, group size)
+META = {"8bit": dict(meta8=True), "8bit-M1": dict(meta8=True, meta_group=1 << 40),
+        "fp16": dict(meta8=False)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference path (CPU)
+
+
+@pytest.mark.parametrize("bits,g", FORMATS)
+@pytest.mark.parametrize("meta", list(META))
+def test_reference_is_dequantize_then_matmul(bits, g, meta):
+    qm = random_qmatrix(128, 96, bits, g, seed=bits * 100 + g, **META[meta])
+    W = dequantize(qm)
+    for T in (1, 5):
+        x = torch.randn(T, 96)
+        torch.testing.assert_close(K.qlinear(x, qm, "reference"), x @ W.T)
+        # on a machine without CUDA "auto" is the reference path
+        if not torch.cuda.is_available():
+            torch.testing.assert_close(K.qlinear(x, qm, "auto"), x @ W.T)
+
+
+def test_reference_keeps_dtype_and_leading_dims():
+    qm = random_qmatrix(64, 32, 4, 16, seed=1)
+    x = torch.randn(2, 3, 32, dtype=torch.bfloat16)
+    y = K.qlinear(x, qm, "reference")
+    assert y.shape == (2, 3, 64) and y.dtype == torch.bfloat16
+    ref = x.float() @ dequantize(qm).T
+    assert rel_err(y, ref) < 1e-2
+
+
+def test_out_buffer_is_filled_and_returned():
+    qm = random_qmatrix(64, 32, 2, 16, seed=2)
+    x = torch.randn(1, 32)
+    out = torch.empty(1, 64)
+    assert K.qlinear(x, qm, "reference", out=out) is out
+    torch.testing.assert_close(out, x @ dequantize(qm).T)
+
+
+def test_plain_weight_is_f_linear():
+    w = torch.randn(48, 32)
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(K.qlinear(x, w), x @ w.T)
+
+
+def test_bad_arguments():
+    qm = random_qmatrix(64, 32, 2, 16, seed=3)
+    with pytest.raises(ValueError):
+        K.qlinear(torch.randn(1, 32), qm, "fast")
+    with pytest.raises(ValueError):
+        K.qlinear(torch.randn(1, 31), qm)
+
+
+@pytest.mark.skipif(K.fused_available("cpu"), reason="the Triton interpreter runs fused on the CPU")
+def test_fused_needs_cuda():
+    qm = random_qmatrix(64, 32, 2, 16, seed=4)
+    with pytest.raises(RuntimeError):
+        K.qlinear(torch.randn(1, 32), qm, "fused")
+
+
+def test_supported_formats():
+    assert all(K.fused_supported(random_qmatrix(64, 16, b, g, seed=5)) for b, g in FORMATS)
+    # 3-bit groups of 4: the 1-bit plane's 8 codes per byte would straddle groups
+    assert not K.fused_supported(random_qmatrix(64, 16, 3, 4, seed=6))
+    assert not K.fused_supported(random_qmatrix(48, 16, 4, 24, seed=7))  # not a power of two
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused kernels (GPU)
+
+
+def _check(qm: QMatrix, T: int, dtype=torch.bfloat16, tol=1e-2):
+    x = torch.randn(T, qm.cols, device="cuda").to(dtype)
+    y = torch.full((T, qm.rows), float("nan"), device="cuda", dtype=dtype)
+    K.qlinear(x, qm, "fused", out=y)
+    assert not torch.isnan(y).any(), "an output element was not written"
+    ref = K.qlinear(x, qm, "reference")
+    ref64 = x.double() @ dequantize(qm, torch.float64).T
+    e, e64 = rel_err(y, ref), rel_err(y, ref64)
+    assert e <= tol and e64 <= tol, (qm.rows, qm.cols, qm.bits, qm.group_size, T, e, e64)
+    return y
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("draw", range(24))
+def test_fused_matches_reference_random(draw):
+    rnd = random.Random()  # fresh shapes every run; printed on failure by _check's message
+    bits, g = rnd.choice(FORMATS)
+    rows = g * rnd.choice([1, 2, 3, 8, 24, 64]) * max(1, 8 // g)
+    cols = rnd.choice([8, 40, 96, 256, 1000, 1024, 4096])
+    meta = rnd.choice(list(META))
+    qm = random_qmatrix(rows, cols, bits, g, device="cuda", **META[meta])
+    for T in (1, rnd.choice([2, 3, 8]), rnd.choice([37, 128])):
+        _check(qm, T)
+
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows,cols,bits,g", [(14336, 4096, 2, 16), (4096, 14336, 3, 64),
+                                              (4096, 14336, 4, 64), (4096, 4096, 8, 64)])
+def test_fused_mixtral_shapes(rows, cols, bits, g):
+    for meta in ("8bit", "fp16"):
+        qm = random_qmatrix(rows, cols, bits, g, device="cuda", **META[meta])
+        _check(qm, 1)
+        _check(qm, 1, torch.float16)
+        _check(qm, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_split_k_is_deterministic_and_reusable():
+    """The split-K fixup resets its counters: repeated and interleaved launches agree bitwise."""
+    a = random_qmatrix(4096, 14336, 4, 64, device="cuda")
+    b = random_qmatrix(1024, 4096, 2, 16, device="cuda")
+    xa = torch.randn(1, 14336, device="cuda", dtype=torch.bfloat16)
+    xb = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    ya = K.qlinear(xa, a, "fused")
+    yb = K.qlinear(xb, b, "fused")
+    for _ in range(5):
+        assert torch.equal(K.qlinear(xa, a, "fused"), ya)
+        assert torch.equal(K.qlinear(xb, b, "fused"), yb)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_on_a_side_stream():
+    qm = random_qmatrix(4096, 14336, 2, 16, device="cuda")
+    x = torch.randn(1, 14336, device="cuda", dtype=torch.bfloat16)
+    ref = K.qlinear(x, qm, "fused")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        y = K.qlinear(x, qm, "fused")
+    torch.cuda.current_stream().wait_stream(s)
+    assert torch.equal(y, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("bits,g", FORMATS)
+def test_dequantize_fused_matches(bits, g):
+    """Equal up to float32 rounding: the compiled kernel evaluates (c - z) * s as
+    fma(c, s, -z * s) (LLVM's contraction), so it is not always bitwise equal."""
+    for meta in META:
+        qm = random_qmatrix(g * 24, 200, bits, g, device="cuda", **META[meta])
+        out = torch.full((qm.rows, qm.cols), float("nan"), device="cuda")
+        ref = dequantize(qm, torch.float32)
+        # c*s - z*s cancels: allow a few float32 ulps of the largest term
+        torch.testing.assert_close(K.dequantize_fused(qm, torch.float32, out=out), ref,
+                                   rtol=1e-5, atol=1e-6 * float(ref.abs().max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_falls_back_for_unsupported_groups():
+    qm = random_qmatrix(64, 32, 3, 4, device="cuda")
+    x = torch.randn(1, 32, device="cuda")
+    torch.testing.assert_close(K.qlinear(x, qm, "auto"), K.qlinear(x, qm, "reference"))
+    with pytest.raises(ValueError):
+        K.qlinear(x, qm, "fused")
