@@ -13,6 +13,7 @@ resident compute time per token measured in this run with nothing moving).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -146,6 +147,7 @@ def run_mode(cfg, dense, host, fields, eq, device, policy, k, prefetch, kernels,
         return store_mod.view_expert(buf, fields, eq, cfg)
 
     torch.cuda.synchronize(device)
+    gc.collect()  # the previous mode's cache and graphs
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     cache = ExpertCache(host, k, device, views, policy=policy)
@@ -169,6 +171,7 @@ def run_mode(cfg, dense, host, fields, eq, device, policy, k, prefetch, kernels,
     after = asdict(cache.stats)
     d = {key: after[key] - before[key] for key in after}
     peak = torch.cuda.max_memory_allocated(device)
+    model.graphs = None  # break the model <-> graphs cycle so the slots go now
     del model, cache
     return first, decode, d, peak
 

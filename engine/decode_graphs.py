@@ -45,15 +45,15 @@ class GraphedDecode:
     # -- one decode step --------------------------------------------------------------------------
 
     def check_keys(self) -> None:
-        """Drop graphs whose buffers changed: expert graphs bake the cache slots' addresses,
-        layer graphs the KV cache and the prefetch depth."""
+        """Drop every graph when a buffer it bakes in changed (the expert cache's slots, the KV
+        cache, the prefetch depth). A fresh memory pool goes with them: a pool whose graphs
+        were all freed must not be captured into again."""
         m = self.m
         key = (m.kv.serial, m.cache.serial, m.prefetch_depth)
-        if self.key is not None and key[1] != self.key[1]:
-            self.graphs = {k: g for k, g in self.graphs.items() if k[0] != "expert"}
-        if self.key is not None and (key[0], key[2]) != (self.key[0], self.key[2]):
-            self.graphs = {k: g for k, g in self.graphs.items() if k[0] == "expert"}
-        self.key = key
+        if key != self.key:
+            self.graphs = {}
+            self.pool = torch.cuda.graph_pool_handle()
+            self.key = key
 
     def prepare(self, max_position: int, progress=None) -> None:
         """Capture every graph decode can need up to max_position, before any generation.
