@@ -101,13 +101,15 @@ class GraphedDecode:
         if g is not None:
             g.replay()
             return
-        fn()  # this token's result, eagerly (and Triton compiles here, outside any capture)
         # Captured by hand: torch.cuda.graph() would also synchronize, collect garbage and empty
         # the allocator's cache for each of the hundreds of small graphs.
         g = torch.cuda.CUDAGraph()
         main = torch.cuda.current_stream()
         self.capture_stream.wait_stream(main)
         with torch.cuda.stream(self.capture_stream):
+            # This token's result, eagerly, on the capture stream: Triton compiles and per-stream
+            # workspaces (cuBLAS, split-K scratch) are made here, outside the graph's memory pool.
+            fn()
             g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
                 fn()  # recorded, not executed
