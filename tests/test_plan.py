@@ -176,16 +176,17 @@ def test_sizes_from_a_store(tmp_path):
 
 def test_defaults_reproduce_the_published_measurements():
     rows = P.paper_calibration()
-    errors = [math.log(P.predict_observation(r, P.DEFAULT) / r["measured_tokens_per_s"]) for r in rows]
+    errors = [math.log(P.predict_observation(r, P.PAPER_CODE) / r["measured_tokens_per_s"]) for r in rows]
     assert math.sqrt(sum(e * e for e in errors) / len(errors)) < 0.12
     assert max(abs(e) for e in errors) < 0.3
     # the paper's code, 3 cached experts per layer on the H200: first token 0.79 s measured
-    first = P.predict_gpu(rows[0]["hw"], rows[0]["model"], 3, measured_hit_rate=3 / 8)["first_token_s"]
+    first = P.predict_gpu(rows[0]["hw"], rows[0]["model"], 3, coeffs=P.PAPER_CODE,
+                          measured_hit_rate=3 / 8)["first_token_s"]
     assert first == pytest.approx(0.79, rel=0.2)
 
 
 def test_fit_coefficients_recovers_a_known_model():
-    truth = replace(P.DEFAULT, gpu_layer_overhead_s=1.0e-3, miss_overhead_s=0.4e-3,
+    truth = replace(P.PAPER_CODE, gpu_layer_overhead_s=1.0e-3, miss_overhead_s=0.4e-3,
                     gpu_kernel_efficiency=0.3)
     rows = []
     for vram, h2d, mem in ((12, 25e9, 360e9), (16, 12e9, 320e9), (24, 25e9, 1e12), (80, 55e9, 4.8e12)):
@@ -213,3 +214,13 @@ def test_demo_entry_sizes_come_from_its_store(tmp_path, monkeypatch):
     assert (m.num_layers, m.expert_bits, m.name) == (2, 4, "Demo")
     p = make_plan(CPU_ONLY, demo)
     assert p.device == "cpu" and p.predicted_tokens_per_s > 1 and "demo" not in p.verdict
+
+
+def test_defaults_predict_moeferrys_own_benchmarks_within_30_percent():
+    """The plan against `moeferry bench` on the GPU machine (docs/bench/, three budgets + none)."""
+    from engine.plan_check import compare
+    from tests.conftest import ROOT
+    reports = [json.loads(p.read_text()) for p in sorted((ROOT / "docs" / "bench").glob("bench-2bit-*-p128.json"))]
+    assert len(reports) >= 4
+    rows = compare(reports)
+    assert all(r["within_30pct"] for r in rows), rows

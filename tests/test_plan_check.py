@@ -90,7 +90,7 @@ def test_other_modes_and_a_missing_row():
 
 
 def test_refit_recovers_known_coefficients():
-    truth = replace(P.DEFAULT, gpu_layer_overhead_s=1.2e-3, miss_overhead_s=0.5e-3, token_overhead_s=10e-3)
+    truth = replace(P.PAPER_CODE, gpu_layer_overhead_s=1.2e-3, miss_overhead_s=0.5e-3, token_overhead_s=10e-3)
     reports = []
     for k, pinned in ((1, 55.0), (2, 55.0), (3, 25.0), (4, 55.0), (6, 12.0)):
         r = report(k=k, pinned=pinned)
