@@ -130,8 +130,9 @@ def pinned_bandwidth(device, nbytes: int = 1 << 30) -> float:
 # Running one mode
 
 
-def cache_size_for(budget: int | None, cfg, dense_bytes, stride, context, device) -> int:
-    fixed = dense_bytes + KVCache.nbytes(cfg, context, torch.bfloat16) + workspace_bytes(cfg, torch.bfloat16, device)
+def cache_size_for(budget: int | None, cfg, dense_bytes, stride, context, device, kernels="fused") -> int:
+    fixed = (dense_bytes + KVCache.nbytes(cfg, context, torch.bfloat16)
+             + workspace_bytes(cfg, torch.bfloat16, device, kernels))
     if budget is None:
         return cfg.num_experts
     k = (budget - fixed) // (cfg.num_layers * stride)
@@ -212,24 +213,27 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
     cfg, device, bw = s.cfg, s.device, s.pinned_bytes_per_s
     budget = parse_size(vram_budget)
     stride = s.host.shape[2]
-    k = cache_size_for(budget, cfg, s.dense_bytes, stride, prompt_len + new_tokens, device)
+    # each kernel path gets the cache its workspace leaves room for under the budget
+    ks = {kern: cache_size_for(budget, cfg, s.dense_bytes, stride, prompt_len + new_tokens, device, kern)
+          for kern in kernels}
+    k = max(ks.values())
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=gen).tolist()
     common = (cfg, s.dense, s.host, s.fields, s.eq, device)
-    log(f"budget {vram_budget}: {k} experts cached per layer, prompt {prompt_len}, {new_tokens} new tokens")
+    log(f"budget {vram_budget}: {ks} experts cached per layer, prompt {prompt_len}, {new_tokens} new tokens")
     compute = {}
     for kern in kernels:  # compile (Triton) and warm caches before anything is timed
-        run_mode(*common, "no-copy", k, 0, kern, prompt, 4)
+        run_mode(*common, "no-copy", ks[kern], 0, kern, prompt, 4)
     for kern in kernels:  # resident compute time per token: nothing moves
         steps = min(new_tokens, 16)
-        _, decode, _, _ = run_mode(*common, "no-copy", k, 0, kern, prompt, steps)
+        _, decode, _, _ = run_mode(*common, "no-copy", ks[kern], 0, kern, prompt, steps)
         compute[kern] = decode / (steps - 1)
         log(f"  resident compute per token ({kern}): {compute[kern] * 1e3:.2f} ms")
     results = []
     for mode in modes:
         for kern in kernels:
             policy = "naive" if mode == "naive" else "lru"
-            kk = cfg.top_k if mode == "naive" else k
+            kk = cfg.top_k if mode == "naive" else ks[kern]
             depth = prefetch if mode == "full" else 0
             first, decode, d, peak = run_mode(*common, policy, kk, depth, kern, prompt, new_tokens)
             steps = new_tokens - 1

@@ -264,17 +264,25 @@ def fmt_bytes(n: int) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / (1 << 20):.1f} MiB"
 
 
-def workspace_bytes(cfg: ModelConfig, dtype, device: torch.device) -> int:
-    """Room for activations and the reference path's dequantized matrices."""
+def workspace_bytes(cfg: ModelConfig, dtype, device: torch.device, kernels: str = "auto") -> int:
+    """Room for activations and transient matrices on the device.
+
+    The fused path dequantizes at most one expert matrix into a workspace for long prompts
+    (plus its inputs and outputs); the reference path builds float32 codes, scales and the
+    dequantized matrix at every product (measured: ~1 GB for Mixtral's 14336x4096 at once).
+    """
     if device.type != "cuda":
         return 0
-    return 3 * cfg.intermediate_size * cfg.hidden_size * dtype.itemsize + 256 * (1 << 20)
+    per_matrix = cfg.intermediate_size * cfg.hidden_size
+    if kernels == "reference":
+        return 14 * per_matrix + 256 * (1 << 20)
+    return 3 * per_matrix * dtype.itemsize + 256 * (1 << 20)
 
 
 def fixed_device_bytes(store: store_mod.Store, model: OffloadedMixtral, context: int) -> int:
     """Bytes on the device that do not depend on the expert cache size."""
     return (model.dense_bytes + KVCache.nbytes(store.config, context, model.dtype)
-            + workspace_bytes(store.config, model.dtype, model.device))
+            + workspace_bytes(store.config, model.dtype, model.device, model.kernels))
 
 
 def check_cache_size(k: int, cfg: ModelConfig) -> None:
@@ -371,7 +379,7 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
         raise UserError(f"Cannot load the tokenizer from {st.path} ({type(e).__name__}); "
                         f"run `moeferry verify {st.path}`.") from None
     dense, dense_b = move_dense(store_mod.read_dense(st), dev, dtype)
-    fixed = dense_b + KVCache.nbytes(cfg, context, dtype) + workspace_bytes(cfg, dtype, dev)
+    fixed = dense_b + KVCache.nbytes(cfg, context, dtype) + workspace_bytes(cfg, dtype, dev, kernels)
     per_slot = cfg.num_layers * st.expert_bytes
     if budget is None and dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
