@@ -1,0 +1,295 @@
+"""packaging/: the installer inputs agree with each other and with pyproject (nothing is built).
+
+Building the app takes PyInstaller and minutes; packaging/README.md says how, and what was
+checked by building. These tests keep the files that feed the build consistent.
+"""
+
+from __future__ import annotations
+
+import configparser
+import importlib.util
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "packaging"
+APP_ID = "io.github.moeferry.MoeFerry"
+DESKTOP = PKG / "linux" / "moeferry.desktop"
+METAINFO = PKG / "linux" / f"{APP_ID}.metainfo.xml"
+SPEC = PKG / "moeferry.spec"
+ISS = PKG / "windows" / "installer.iss"
+BUILD_PS1 = PKG / "windows" / "build.ps1"
+posix_only = pytest.mark.skipif(sys.platform == "win32" or shutil.which("bash") is None,
+                                reason="the Linux scripts need bash")
+
+
+def pyproject_version() -> str:
+    return re.search(r'^version\s*=\s*"([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+
+
+def console_script() -> str:
+    text = (ROOT / "pyproject.toml").read_text()
+    return re.search(r'^\[project\.scripts\]\s*\n(\S+)\s*=', text, re.M).group(1)
+
+
+def desktop_entry(path: Path = DESKTOP) -> configparser.SectionProxy:
+    parser = configparser.ConfigParser(interpolation=None, strict=True)
+    parser.optionxform = str  # keys are case-sensitive
+    parser.read(path, encoding="utf-8")
+    return parser["Desktop Entry"]
+
+
+def load_launcher():
+    spec = importlib.util.spec_from_file_location("moeferry_launcher", PKG / "launcher.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- Linux: .desktop and AppStream ------------------------------------------------------------
+
+def test_desktop_file_has_the_required_keys_and_names_the_command_and_icon():
+    entry = desktop_entry()
+    for key in ("Type", "Name", "Exec", "Icon", "Categories", "Terminal", "Comment"):
+        assert entry.get(key), key
+    assert entry["Type"] == "Application"
+    assert entry["Name"] == "MoE Ferry"
+    assert entry["Exec"].split()[0] == console_script() == "moeferry"
+    assert entry["TryExec"] == entry["Exec"].split()[0]
+    assert entry["Icon"] == (ROOT / "resources" / "icons" / "moeferry.svg").stem
+    assert entry["Terminal"] == "false"
+    assert entry["Categories"].endswith(";")
+    # Qt reports desktopFileName "moeferry" as the Wayland app id: it must name this file.
+    assert 'setDesktopFileName("moeferry")' in (ROOT / "app" / "main.py").read_text()
+    assert entry["StartupWMClass"] == DESKTOP.stem
+
+
+def test_metainfo_parses_and_names_the_same_app():
+    root = ET.parse(METAINFO).getroot()
+    assert root.tag == "component" and root.get("type") == "desktop-application"
+    assert root.findtext("id") == APP_ID == METAINFO.name.removesuffix(".metainfo.xml")
+    assert root.findtext("name") == desktop_entry()["Name"]
+    launchable = root.find("launchable")
+    assert launchable.get("type") == "desktop-id" and launchable.text == DESKTOP.name
+    assert root.findtext("provides/binary") == console_script()
+    assert root.findtext("metadata_license") and root.findtext("project_license") == "Apache-2.0"
+    assert root.findtext("summary") and root.find("description/p") is not None
+    versions = [r.get("version") for r in root.iter("release")]
+    assert versions and versions[0] == pyproject_version()
+
+
+@pytest.mark.skipif(shutil.which("desktop-file-validate") is None, reason="desktop-file-utils not installed")
+def test_desktop_file_validates():
+    out = subprocess.run(["desktop-file-validate", str(DESKTOP)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.skipif(shutil.which("appstreamcli") is None, reason="appstream not installed")
+def test_metainfo_validates():
+    out = subprocess.run(["appstreamcli", "validate", "--no-net", str(METAINFO)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+# --- PyInstaller spec and launcher ------------------------------------------------------------
+
+def test_spec_compiles_and_its_paths_exist():
+    text = SPEC.read_text(encoding="utf-8")
+    compile(text, str(SPEC), "exec")
+    # Every ROOT / "a" / "b" in the spec names something in the repository.
+    paths = [ROOT.joinpath(*re.findall(r'"([^"]+)"', m)) for m in re.findall(r'ROOT((?:\s*/\s*"[^"]+")+)', text)]
+    assert len(paths) >= 3
+    for path in paths:
+        assert path.exists(), path
+    assert (PKG / "launcher.py").name in text and "make_icons" in text
+    # One GUI executable; on Windows also the console one that installer.iss names.
+    assert '_exe("moeferry", ' in text and '_exe("moeferry-cli", ' in text
+    for excluded in ("tests", "training", "pytest"):
+        assert f'"{excluded}"' in text
+
+
+def test_launcher_help_and_demo_path_run():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, str(PKG / "launcher.py"), "--help"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for command in ("probe", "fetch", "convert", "verify", "generate", "bench", "demo"):
+        assert command in out.stdout
+    out = subprocess.run([sys.executable, str(PKG / "launcher.py"), "demo", "--path"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert (Path(out.stdout.strip()) / "manifest.json").is_file()
+
+
+def test_launcher_gives_a_windowed_app_somewhere_to_write(monkeypatch):
+    launcher = load_launcher()
+    monkeypatch.setattr(sys, "stdout", None)
+    monkeypatch.setattr(sys, "argv", ["moeferry"])
+    launcher._give_windowed_app_streams()
+    print("goes nowhere")  # would raise AttributeError on None
+    assert sys.stdout is not None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the guard is for Linux")
+def test_frozen_app_without_a_c_compiler_hides_triton(monkeypatch, tmp_path):
+    launcher = load_launcher()
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no gcc, no clang
+    had, before = "triton" in sys.modules, sys.modules.get("triton")
+    try:
+        launcher._hide_triton_without_compiler()  # not frozen: nothing happens
+        assert sys.modules.get("triton", "absent") is before if had else "triton" not in sys.modules
+        monkeypatch.setattr(sys, "frozen", True, raising=False)
+        launcher._hide_triton_without_compiler()
+        assert "triton" in sys.modules and sys.modules["triton"] is None
+        with pytest.raises(ImportError):
+            import triton  # noqa: F401
+        monkeypatch.setenv("CC", "cc")
+        sys.modules.pop("triton")
+        launcher._hide_triton_without_compiler()
+        assert "triton" not in sys.modules
+    finally:
+        sys.modules.pop("triton", None)
+        if had:
+            sys.modules["triton"] = before
+
+
+def test_icon_container_holds_every_size():
+    sys.path.insert(0, str(PKG))
+    try:
+        from make_icons import SIZES, ico_bytes
+    finally:
+        sys.path.remove(str(PKG))
+    fake = {s: b"\x89PNG\r\n\x1a\n" + bytes([s % 256]) * s for s in SIZES}
+    data = ico_bytes(fake)
+    reserved, kind, count = struct.unpack_from("<HHH", data, 0)
+    assert (reserved, kind, count) == (0, 1, len(SIZES))
+    for i, size in enumerate(sorted(SIZES)):
+        w, h, _, _, planes, bpp, length, offset = struct.unpack_from("<BBBBHHII", data, 6 + 16 * i)
+        assert (w or 256, h or 256, planes, bpp) == (size, size, 1, 32)
+        assert data[offset:offset + length] == fake[size]
+
+
+def test_icons_render_from_the_svg(tmp_path):
+    pytest.importorskip("PySide6.QtSvg")
+    sys.path.insert(0, str(PKG))
+    try:
+        from make_icons import SIZES
+    finally:
+        sys.path.remove(str(PKG))
+    # In a child process: this one may get a QApplication from pytest-qt later.
+    out = subprocess.run([sys.executable, str(PKG / "make_icons.py"), str(tmp_path)], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, QT_QPA_PLATFORM="offscreen"))
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "moeferry.ico").read_bytes()[:4] == b"\x00\x00\x01\x00"
+    for size in SIZES:
+        assert (tmp_path / f"moeferry-{size}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- Windows: Inno Setup and build.ps1 --------------------------------------------------------
+
+def iss_define(text: str, name: str) -> str:
+    return re.search(rf'#define {name} "([^"]*)"', text).group(1)
+
+
+def test_installer_script_agrees_with_pyproject_the_spec_and_the_app():
+    text = ISS.read_text(encoding="utf-8")
+    spec = SPEC.read_text(encoding="utf-8")
+    assert iss_define(text, "AppName") == "MoE Ferry"
+    assert iss_define(text, "AppVersion") == pyproject_version()
+    assert "AppVersion={#AppVersion}" in text
+    assert iss_define(text, "AppExeName") == "moeferry.exe"
+    assert iss_define(text, "AppCliName") == "moeferry-cli.exe"
+    assert re.search(r"^PrivilegesRequired=lowest$", text, re.M)
+    assert re.search(r"^DefaultDirName=\{autopf\}", text, re.M)
+    assert "{autoprograms}" in text and "desktopicon" in text
+    # The data folder the uninstaller offers to delete is the one the app writes to.
+    folder = iss_define(text, "DataFolderName")
+    assert f'user_data_dir("{folder}"' in (ROOT / "app" / "paths.py").read_text()
+    assert "{localappdata}\\{#DataFolderName}" in text
+    assert "Box.Checked := False" in text and "DeleteUserData := Result and Box.Checked" in text
+    # The icon is the one the spec renders into the bundle.
+    assert "SetupIconFile={#SourceDir}\\_internal\\resources\\icons\\moeferry.ico" in text
+    assert '"resources/icons"' in spec and 'contents_directory="_internal"' in spec
+    assert re.search(r'\{\{[0-9A-F]{8}-[0-9A-F]{4}-[0-9A-F]{4}-[0-9A-F]{4}-[0-9A-F]{12}\}', text)
+
+
+def test_build_ps1_reads_the_version_and_names_files_that_exist():
+    text = BUILD_PS1.read_text(encoding="utf-8")
+    pattern = re.search(r"-Pattern '([^']+)'", text).group(1)
+    match = re.search(pattern, (ROOT / "pyproject.toml").read_text(), re.M)
+    assert match and match.group(1) == pyproject_version()
+    for name in re.findall(r"packaging\\[\w\\.]*\w", text):
+        assert (ROOT / name.replace("\\", "/")).exists(), name
+    assert "/DAppVersion=" in text and "moeferry-cli.exe" in text
+
+
+# --- Linux: the tarball's install and uninstall scripts ---------------------------------------
+
+@posix_only
+def test_shell_scripts_parse():
+    for script in ("build_tarball.sh", "install.sh", "uninstall.sh"):
+        out = subprocess.run(["bash", "-n", str(PKG / "linux" / script)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        assert os.access(PKG / "linux" / script, os.X_OK), script
+
+
+def fake_tarball(root: Path) -> Path:
+    """The layout build_tarball.sh makes, with a shell script standing in for the app."""
+    stage = root / "moeferry-0-linux"
+    (stage / "moeferry").mkdir(parents=True)
+    exe = stage / "moeferry" / "moeferry"
+    exe.write_text("#!/bin/sh\necho frozen moeferry \"$@\"\n")
+    exe.chmod(0o755)
+    for rel, src in (("share/applications/moeferry.desktop", DESKTOP),
+                     (f"share/metainfo/{METAINFO.name}", METAINFO),
+                     ("share/icons/hicolor/scalable/apps/moeferry.svg", ROOT / "resources/icons/moeferry.svg")):
+        (stage / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src, stage / rel)
+    png = stage / "share/icons/hicolor/256x256/apps/moeferry.png"
+    png.parent.mkdir(parents=True)
+    png.write_bytes(b"\x89PNG\r\n\x1a\n")
+    for script in ("install.sh", "uninstall.sh"):
+        shutil.copy(PKG / "linux" / script, stage / script)
+    return stage
+
+
+@posix_only
+def test_install_and_uninstall_keep_user_data_unless_asked(tmp_path):
+    stage = fake_tarball(tmp_path / "tar")
+    prefix = tmp_path / "pre fix"  # a space, to check the quoting
+    data = tmp_path / "xdg" / "moeferry"
+    data.mkdir(parents=True)
+    (data / "chats.sqlite").write_text("mine")
+    env = dict(os.environ, XDG_DATA_HOME=str(tmp_path / "xdg"), HOME=str(tmp_path / "home"))
+    env.pop("MOEFERRY_DATA_DIR", None)
+
+    def run(*cmd):
+        out = subprocess.run([str(c) for c in cmd], env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return out.stdout
+
+    run("bash", stage / "install.sh", "--prefix", prefix)
+    app = prefix / "lib" / "moeferry"
+    assert "frozen moeferry demo" in run(prefix / "bin" / "moeferry", "demo")
+    installed = desktop_entry(prefix / "share/applications/moeferry.desktop")
+    assert installed["Exec"] == f'"{app / "moeferry"}"' and installed["TryExec"] == str(app / "moeferry")
+    assert (prefix / "share/metainfo" / METAINFO.name).is_file()
+    assert (prefix / "share/icons/hicolor/scalable/apps/moeferry.svg").is_file()
+    run("bash", stage / "install.sh", "--prefix", prefix)  # again, over itself
+
+    assert "Kept" in run(app / "uninstall.sh")
+    assert not app.exists() and not (prefix / "bin" / "moeferry").exists()
+    assert not (prefix / "share/applications/moeferry.desktop").exists()
+    assert (data / "chats.sqlite").read_text() == "mine"
+
+    run("bash", stage / "install.sh", "--prefix", prefix)
+    assert "Deleted" in run(app / "uninstall.sh", "--delete-user-data")
+    assert not data.exists()
