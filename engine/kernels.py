@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -55,9 +56,14 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# Set when the fused kernels failed at run time (for example Triton finds no C compiler to
+# build its launcher): "auto" then uses the reference path for the rest of the process.
+FUSED_FAILURE: str | None = None
+
+
 def fused_available(device: torch.device | str | None = None) -> bool:
     """True when the fused kernels can run on `device` (CUDA and Triton importable)."""
-    if triton is None:
+    if triton is None or FUSED_FAILURE is not None:
         return False
     if device is not None and torch.device(device).type != "cuda":
         return _interpreting()
@@ -98,6 +104,19 @@ def qlinear(x: torch.Tensor, w: QMatrix | torch.Tensor, kernels: str = "auto",
     if not fused_supported(w):
         raise ValueError(f"the fused kernels do not handle {w.bits}-bit groups of {w.group_size} "
                          f"rows; use kernels='reference'")
+    if kernels == "fused" or torch.cuda.is_current_stream_capturing():
+        return _fused(x, w, out)
+    try:
+        return _fused(x, w, out)
+    except Exception as e:  # noqa: BLE001 - any failure of the optional fast path
+        global FUSED_FAILURE
+        FUSED_FAILURE = f"{type(e).__name__}: {e}"
+        warnings.warn(f"fused kernels unavailable ({FUSED_FAILURE}); using the reference path")
+        y = F.linear(x, dequantize(w, x.dtype))
+        return y if out is None else out.copy_(y)
+
+
+def _fused(x: torch.Tensor, w: QMatrix, out: torch.Tensor | None) -> torch.Tensor:
     x2 = x.reshape(-1, w.cols)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
