@@ -104,7 +104,7 @@ def qlinear(x: torch.Tensor, w: QMatrix | torch.Tensor, kernels: str = "auto",
     if not fused_supported(w):
         raise ValueError(f"the fused kernels do not handle {w.bits}-bit groups of {w.group_size} "
                          f"rows; use kernels='reference'")
-    if kernels == "fused" or torch.cuda.is_current_stream_capturing():
+    if kernels == "fused" or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         return _fused(x, w, out)
     try:
         return _fused(x, w, out)

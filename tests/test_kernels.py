@@ -175,3 +175,26 @@ def test_auto_falls_back_for_unsupported_groups():
     torch.testing.assert_close(K.qlinear(x, qm, "auto"), K.qlinear(x, qm, "reference"))
     with pytest.raises(ValueError):
         K.qlinear(x, qm, "fused")
+
+
+def test_auto_falls_back_to_the_reference_path_when_the_fused_path_fails(monkeypatch):
+    """E.g. Triton cannot build its launcher (no C compiler): the answer stays right."""
+    import engine.kernels as K
+    from engine.quant import EXPERT_SPECS, dequantize, quantize_matrix
+
+    w = quantize_matrix(torch.randn(64, 32), EXPERT_SPECS[4], optimize=False)
+    x = torch.randn(1, 32)
+
+    def broken(*args):
+        raise RuntimeError("Failed to find C compiler")
+
+    monkeypatch.setattr(K, "FUSED_FAILURE", None)
+    monkeypatch.setattr(K, "fused_available", lambda device=None: K.FUSED_FAILURE is None)
+    monkeypatch.setattr(K, "fused_supported", lambda w: True)
+    monkeypatch.setattr(K, "_fused", broken)
+    with pytest.warns(UserWarning, match="fused kernels unavailable"):
+        y = K.qlinear(x, w, "auto")
+    torch.testing.assert_close(y, x @ dequantize(w).T)
+    assert "C compiler" in K.FUSED_FAILURE
+    with pytest.raises(RuntimeError):
+        K.qlinear(x, w, "fused")  # asked for explicitly: the error is not hidden
