@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
 import threading
 import time
 from dataclasses import asdict, dataclass, fields
@@ -9,6 +12,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from app.setup_backend import SetupBackend
+from app.stats_format import fmt_bytes
+
+log = logging.getLogger(__name__)
 
 
 class InstallCancelled(Exception):
@@ -28,6 +34,7 @@ class InstallRequest:
     attn_bits: int = 4
     tokenizer_repo_id: str = ""  # fetched (tokenizer files only) when the checkpoint has no tokenizer
     importing: bool = False      # the "conversion" only imports a pre-quantized checkpoint
+    delete_download: bool = False  # delete the app's own download once the store verifies
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -47,6 +54,8 @@ class InstallProgress:
     bytes_total: int | None = None
     rate: float | None = None   # bytes per second
     eta_s: float | None = None
+    freed_bytes: int | None = None  # done: disk given back by deleting the download
+    download_deleted: bool = False  # done: the downloaded checkpoint is gone
 
 
 STEP_TITLES = {"download": "Downloading", "verify": "Verifying", "convert": "Converting", "done": "Done"}
@@ -99,12 +108,132 @@ def _step_callback(step: str, report: Callable[[InstallProgress], None]) -> Call
     return cb
 
 
+def hf_cache_dir() -> Path:
+    """The Hugging Face hub cache, as the engine reads it (from the environment, now)."""
+    try:
+        from engine.hf_cache import hf_cache_dir as engine_hf_cache_dir
+
+        return Path(engine_hf_cache_dir())
+    except Exception:  # the engine may be missing; read the environment the same way
+        pass
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.path.expandvars(os.environ[var])).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.path.expandvars(os.environ["HF_HOME"])).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "huggingface" / "hub"
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def deletable_download(target: Path, downloads_root: Path, keep: list[Path]) -> str | None:
+    """Why `target` must not be deleted, or None when it may be.
+
+    Only a real folder strictly inside the app's downloads folder may go; never anything in
+    (or holding) the Hugging Face cache, and never a folder that is, holds or lies in one of
+    `keep` (the store).
+    """
+    target = Path(target)
+    if target.is_symlink():
+        return f"{target} is a link"
+    real = Path(os.path.realpath(target))
+    root = Path(os.path.realpath(downloads_root))
+    if real == root or root not in real.parents:
+        return f"{target} is not inside the app's downloads folder {downloads_root}"
+    cache = Path(os.path.realpath(hf_cache_dir()))
+    if _inside(real, cache) or _inside(cache, real):
+        return f"{target} is part of the Hugging Face cache"
+    for other in keep:
+        other = Path(os.path.realpath(other))
+        if _inside(real, other) or _inside(other, real):
+            return f"{target} holds or is part of the model {other}"
+    return None
+
+
+def _freed_bytes(folder: Path) -> int:
+    """Bytes that deleting `folder` gives back: files hard-linked from elsewhere (the HF cache) free nothing."""
+    inodes: dict[tuple[int, int], list[int]] = {}
+    for dirpath, _dirs, files in os.walk(folder):  # does not follow links
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            if not os.path.islink(os.path.join(dirpath, name)):
+                seen = inodes.setdefault((st.st_dev, st.st_ino), [st.st_size, 0, st.st_nlink])
+                seen[1] += 1
+    return sum(size for size, links_here, nlink in inodes.values() if links_here >= nlink)
+
+
+@dataclass(frozen=True)
+class Cleanup:
+    freed_bytes: int = 0
+    deleted: bool = False      # the download was there and is now gone
+    missing: bool = False      # there was nothing to delete (already gone)
+    notice: str = ""           # what was refused or failed, in one or two sentences
+
+    @property
+    def gone(self) -> bool:
+        return self.deleted or self.missing
+
+    def words(self) -> str:
+        if self.deleted and self.freed_bytes:
+            text = f"Ready · Freed {fmt_bytes(self.freed_bytes)}: the downloaded copy was deleted."
+        elif self.deleted:
+            text = ("Ready · the downloaded copy was deleted (its files were shared with the Hugging Face "
+                    "cache, so no space was freed).")
+        elif self.missing:
+            text = "Ready · the downloaded copy is already gone."
+        else:
+            text = "Ready."
+        return f"{text} {self.notice}".strip()
+
+
+def delete_download(req: InstallRequest, store: Path, downloads_root: Path) -> Cleanup:
+    """Delete the folder the app downloaded `req` into (and the tokenizer it fetched beside it).
+
+    Never raises: the model is ready whatever happens here, so a refusal or a failure
+    becomes the notice.
+    """
+    if req.source != "catalog" or not req.src_path:
+        return Cleanup(notice="Only a download made by MoE Ferry is deleted.")
+    src = Path(req.src_path)
+    if not src.exists() and not src.is_symlink():
+        return Cleanup(missing=True)
+    freed, deleted, notices = 0, False, []
+    for target in (src, Path(f"{src}-tokenizer")):
+        if target != src and not target.exists():
+            continue
+        why = deletable_download(target, downloads_root, [store])
+        if why is not None:
+            log.warning("not deleting %s: %s", target, why)
+            notices.append(f"{target} was kept: {why}.")
+            continue
+        size = _freed_bytes(target)
+        try:
+            shutil.rmtree(target)
+        except OSError as exc:
+            log.warning("deleting %s failed: %s", target, exc)
+            freed += size - (_freed_bytes(target) if target.exists() else 0)
+            notices.append(f"{target} could not be deleted ({exc.strerror or exc}); delete it yourself to "
+                           "give the disk space back.")
+            continue
+        freed += size
+        deleted = deleted or target == src
+    return Cleanup(freed_bytes=freed, deleted=deleted, notice=" ".join(notices))
+
+
 def run_install(req: InstallRequest, backend: SetupBackend, report: Callable[[InstallProgress], None],
-                cancel: threading.Event) -> Path:
+                cancel: threading.Event, downloads_root: Path | None = None) -> Path:
     """Bring the model of `req` to a verified store and return the store's path.
 
     The downloader resumes partial files, and a conversion writes to a temporary sibling,
-    so running this again after an interruption continues where it stopped.
+    so running this again after an interruption continues where it stopped. With
+    `req.delete_download`, the app's own download (inside `downloads_root`, by default the
+    data folder's models/downloads) is deleted once the store verifies.
     """
     def check() -> None:
         if cancel.is_set():
@@ -117,7 +246,8 @@ def run_install(req: InstallRequest, backend: SetupBackend, report: Callable[[In
         return Path(path)
 
     src = Path(req.src_path)
-    if req.source == "catalog":
+    converted = req.needs_convert and (Path(req.dest) / "manifest.json").is_file()
+    if req.source == "catalog" and not converted:  # a finished store needs no download (it may be deleted)
         report(InstallProgress("download", 0.0, "Connecting"))
         kwargs: dict = {"revision": req.revision, "progress": lambda p: report(download_progress(p)),
                         "cancel": cancel}
@@ -130,7 +260,7 @@ def run_install(req: InstallRequest, backend: SetupBackend, report: Callable[[In
             raise
         check()
 
-    if req.needs_convert and (Path(req.dest) / "manifest.json").is_file():
+    if converted:
         dest = Path(req.dest)  # converted before a restart; only the check is left
     elif req.needs_convert:
         dest = Path(req.dest)
@@ -163,5 +293,15 @@ def run_install(req: InstallRequest, backend: SetupBackend, report: Callable[[In
         from engine.errors import UserError
 
         raise UserError(f"The model at {dest} failed verification ({'; '.join(bad[:3])}); download it again.", 1)
+    if req.delete_download and req.source == "catalog" and req.needs_convert:
+        report(InstallProgress("done", None, "Deleting the downloaded copy"))
+        if downloads_root is None:
+            from app.paths import downloads_dir
+
+            downloads_root = downloads_dir()
+        cleanup = delete_download(req, dest, downloads_root)
+        report(InstallProgress("done", 1.0, cleanup.words(), freed_bytes=cleanup.freed_bytes,
+                               download_deleted=cleanup.gone))
+        return dest
     report(InstallProgress("done", 1.0, "Ready"))
     return dest

@@ -26,6 +26,11 @@ def models_dir(root: Path | None = None) -> Path:
     return (root or data_dir()) / "models"
 
 
+def downloads_dir(root: Path | None = None) -> Path:
+    """Where the wizard downloads checkpoints before converting or importing them."""
+    return models_dir(root) / "downloads"
+
+
 def move_aside(path: Path) -> Path:
     """Rename a damaged file to `<name>.corrupt-<timestamp>` so nothing is lost; returns the new path."""
     stamp = time.strftime("%Y%m%d-%H%M%S")

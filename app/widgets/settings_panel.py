@@ -51,6 +51,11 @@ class SettingsPanel(QScrollArea):
         convert_row.addWidget(self.convert_button)
         self.convert_label = QLabel("New variant")
         form.addRow(self.convert_label, convert_row)
+        self.source_gone = QLabel("Other bit-widths: the downloaded checkpoint was deleted after the install. "
+                                  "Set the model up again with the download kept to convert more.")
+        self.source_gone.setObjectName("muted")
+        self.source_gone.setWordWrap(True)
+        form.addRow(self.source_gone)
         setup = QPushButton("Set up another model…")
         setup.clicked.connect(self.setup_requested)
         form.addRow(setup)
@@ -153,6 +158,7 @@ class SettingsPanel(QScrollArea):
         can_convert = bool(sources) and self.convert_bits.count() > 0
         for w in (self.convert_bits, self.convert_button, self.convert_label):
             w.setVisible(can_convert)
+        self.source_gone.setVisible(not sources and any(e.get("source_deleted") for e in installed))
         del blockers
 
     def _variant_changed(self, _index: int) -> None:

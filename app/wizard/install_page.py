@@ -85,7 +85,9 @@ class InstallPage(QWizardPage):
     def start(self) -> None:
         req: InstallRequest = self.w.request
         self.done = False
+        self.last = None
         self.w.store_path = None
+        self.w.download_deleted = False
         self.message.clear()
         self.resume_button.hide()
         self.cancel_button.show()
@@ -127,13 +129,17 @@ class InstallPage(QWizardPage):
 
     def _finished(self, path) -> None:
         self.w.store_path = Path(path)
+        last = self.last if self.last is not None and self.last.step == "done" else None
+        self.w.download_deleted = bool(last and last.download_deleted)
         self.w.remember_pending(None)
         self.done = True
         self.bar.setRange(0, 1000)
         self.bar.setValue(1000)
         self._show_steps(None)
         self.detail.setText(f"Ready and verified: {path}")
-        self.message.setText("Press Next to choose how much GPU memory it may use.")
+        cleanup = last.message if last and last.freed_bytes is not None else ""
+        self.message.setText((cleanup + "\n" if cleanup else "") + "Press Next to choose how much GPU memory it "
+                             "may use.")
         self.cancel_button.hide()
         self._complete(True)
 

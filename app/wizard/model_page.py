@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from PySide6.QtWidgets import (QButtonGroup, QFileDialog, QFrame, QHBoxLayout, QLabel, QPushButton, QRadioButton,
-                               QScrollArea, QVBoxLayout, QWidget, QWizardPage)
+from PySide6.QtWidgets import (QButtonGroup, QCheckBox, QFileDialog, QFrame, QHBoxLayout, QLabel, QPushButton,
+                               QRadioButton, QScrollArea, QVBoxLayout, QWidget, QWizardPage)
 
 from app.catalog import CatalogEntry, folder_kind
 from app.hardware_words import pick
 from app.install import InstallRequest
-from app.paths import models_dir
+from app.paths import downloads_dir, models_dir
 from app.stats_format import fmt_bytes
 from app.wizard.wizard import completion_flag
 
@@ -61,6 +61,21 @@ def catalog_option(entry: CatalogEntry, plan, cached: Path | None, disk_free: in
     recommended = bool(entry.raw and entry.raw.get("recommended_route"))
     return Option(entry.id, entry.name, " · ".join(parts), " ".join(notes), entry,
                   recommended=recommended, tooltip=entry.description)
+
+
+def downloads_then_converts(option: Option | None, cached: Path | None) -> bool:
+    """The option downloads a checkpoint that is only a source: converted or imported into a store."""
+    return bool(option and option.entry and option.entry.needs_convert and not cached)
+
+
+def delete_download_hint(entry: CatalogEntry) -> str:
+    """What deleting the download costs, for the checkbox under the model choices."""
+    size = fmt_bytes(entry.download_bytes) if entry.download_bytes else "the download"
+    if entry.raw and entry.raw.get("import"):
+        return (f"The download ({size}) is only imported: nothing else can be made from it, so it is deleted "
+                "once the imported model checks out.")
+    return (f"Untick to keep the original weights ({size}) and convert other bit-widths later from "
+            "Settings; ticked, that disk space is given back once the converted model checks out.")
 
 
 class OptionCard(QFrame):
@@ -133,6 +148,12 @@ class ModelPage(QWizardPage):
         scroll.setWidgetResizable(True)
         scroll.setFrameShape(QFrame.Shape.NoFrame)
         scroll.setWidget(body)
+        self.delete_download = QCheckBox("Delete the downloaded copy once the model is ready")
+        self.delete_download.setChecked(True)
+        self.delete_hint = QLabel()
+        self.delete_hint.setObjectName("muted")
+        self.delete_hint.setWordWrap(True)
+        self.delete_hint.setContentsMargins(24, 0, 0, 0)
         self.browse = QPushButton("Choose a folder…")
         self.browse.clicked.connect(self._browse)
         self.folder_label = QLabel()
@@ -142,6 +163,8 @@ class ModelPage(QWizardPage):
         row.addWidget(self.folder_label, 1)
         layout = QVBoxLayout(self)
         layout.addWidget(scroll, 1)
+        layout.addWidget(self.delete_download)
+        layout.addWidget(self.delete_hint)
         layout.addLayout(row)
 
     def initializePage(self) -> None:
@@ -201,6 +224,13 @@ class ModelPage(QWizardPage):
         is_folder = option is not None and option.key == "folder"
         self.browse.setVisible(is_folder)
         self.folder_label.setVisible(is_folder)
+        # Ticked by default for both kinds of download (see docs/APP.md); reset on each choice.
+        offer = downloads_then_converts(option, self.w.hf_cache.get(option.key) if option else None)
+        self.delete_download.setVisible(offer)
+        self.delete_hint.setVisible(offer)
+        if offer:
+            self.delete_download.setChecked(True)
+            self.delete_hint.setText(delete_download_hint(option.entry))
         self._complete(self.ready())
 
     def ready(self) -> bool:
@@ -231,8 +261,9 @@ class ModelPage(QWizardPage):
                                   dest=str(root / f"{name}-{entry.expert_bits}bit"), **tok)
         if entry.needs_convert:
             return InstallRequest(source="catalog", name=entry.name, repo_id=entry.repo_id,
-                                  revision=entry.revision, src_path=str(root / "downloads" / name),
+                                  revision=entry.revision, src_path=str(downloads_dir() / name),
                                   needs_convert=True, expert_bits=entry.expert_bits, attn_bits=entry.attn_bits,
-                                  dest=str(root / f"{name}-{entry.expert_bits}bit"), **tok)
+                                  dest=str(root / f"{name}-{entry.expert_bits}bit"),
+                                  delete_download=self.delete_download.isChecked(), **tok)
         return InstallRequest(source="catalog", name=entry.name, repo_id=entry.repo_id, revision=entry.revision,
                               src_path=str(root / name), expert_bits=entry.expert_bits, attn_bits=entry.attn_bits)

@@ -68,6 +68,7 @@ class SetupWizard(QWizard):
         self.entry: CatalogEntry | None = None
         self.request: InstallRequest | None = None
         self.store_path: Path | None = None
+        self.download_deleted = False  # the install deleted its downloaded checkpoint
         self.cache_experts = 0
         self.vram_budget_gb = 0.0
 
@@ -112,11 +113,17 @@ class SetupWizard(QWizard):
             path = str(self.store_path)
             info = read_store_info(self.store_path)
             req = self.request
+            deleted = self.download_deleted and req is not None
             entry = {"path": path, "name": req.name if req else self.store_path.name,
                      "expert_bits": info.expert_bits if info else (req.expert_bits if req else None),
                      "attn_bits": info.attn_bits if info else (req.attn_bits if req else None),
-                     "source_path": req.src_path if req and req.needs_convert else ""}
+                     "source_path": req.src_path if req and req.needs_convert and not deleted else ""}
+            if deleted:
+                entry["source_deleted"] = True
             installed = [e for e in s.get(Key.INSTALLED) if e.get("path") != path]
+            if deleted:  # variants converted earlier from the same download lost their source too
+                installed = [e | {"source_path": "", "source_deleted": True}
+                             if e.get("source_path") == req.src_path else e for e in installed]
             s.set(Key.INSTALLED, installed + [entry])
             s.set(Key.STORE_PATH, path)
         s.set(Key.CACHE_EXPERTS, self.cache_experts)

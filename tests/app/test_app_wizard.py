@@ -35,6 +35,9 @@ def test_whole_wizard_then_chat(launch, qtbot, data_dir, engine_backend):
     assert [o.key for o in model.options] == ["mixtral-2bit", "mixtral-src", "demo", "folder"]
     assert "download 17.5 GB" in model.options[0].facts and "2.3 tokens/s" in model.options[0].facts
     model.select("mixtral-src")  # download, then convert to 3-bit
+    assert model.delete_download.isVisibleTo(model) and model.delete_download.isChecked()
+    assert "convert other bit-widths later" in model.delete_hint.text() and "93.0 GB" in model.delete_hint.text()
+    model.delete_download.setChecked(False)  # keep the original weights for the other bit-widths
     seen = []
     next_page(wizard, qtbot, Page.INSTALL)
     install = wizard.pages[Page.INSTALL]
@@ -42,6 +45,7 @@ def test_whole_wizard_then_chat(launch, qtbot, data_dir, engine_backend):
     qtbot.waitUntil(install.isComplete, timeout=5000)
     assert any("MB of 4.0 MB" in s and "MB/s" in s and "left" in s for s in seen), seen
     assert wizard.store_path == data_dir / "models" / "tiny--mixtral-3bit"
+    assert (data_dir / "models" / "downloads" / "tiny--mixtral" / "config.json").is_file(), "unticked: kept"
     next_page(wizard, qtbot, Page.CACHE)
     cache = wizard.pages[Page.CACHE]
     assert cache.form_widget.isVisibleTo(cache)
