@@ -252,13 +252,7 @@ def convert_checkpoint(src, dest, expert_bits: int, attn_bits: int, device: str 
         hashes["experts.safetensors"] = write_experts(tmp, cfg, load_expert, eq, dev, tick)
         write_manifest(tmp, cfg, hf, src, eq, aq, hashes)
         report(1.0, "verifying the new store")
-        bad = store.verify_store(tmp)
-        if bad:
-            raise UserError(f"The converted store failed verification ({bad[0]}); check the disk and run again.",
-                            exit_code=1)
-        if dest.is_dir():
-            dest.rmdir()  # empty, checked above
-        store.install_atomically(tmp, dest)
+        store.verify_and_install(tmp, dest, "converted")
     except Cancelled:
         store.remove_partial(tmp)
         raise UserError("Conversion cancelled; nothing was written.", exit_code=1) from None

@@ -428,13 +428,7 @@ def import_paper_checkpoint(src, dest, expert_bits: int | None = None, attn_bits
         manifest["source"]["format"] = "paper-offloading-checkpoint"
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
         report(1.0, "verifying the new store")
-        bad = store.verify_store(tmp)
-        if bad:
-            raise UserError(f"The imported store failed verification ({bad[0]}); check the disk and run again.",
-                            exit_code=1)
-        if dest.is_dir():
-            dest.rmdir()  # empty, checked above
-        store.install_atomically(tmp, dest)
+        store.verify_and_install(tmp, dest, "imported")
     except convert.Cancelled:
         store.remove_partial(tmp)
         raise UserError("Import cancelled; nothing was written.", exit_code=1) from None

@@ -279,10 +279,16 @@ def temp_sibling(dest: Path) -> Path:
     return dest.parent / f".{dest.name}.partial"
 
 
-def install_atomically(tmp: Path, dest: Path) -> None:
-    """Rename a completed, verified temporary folder into place."""
+def verify_and_install(tmp: Path, dest: Path, what: str = "converted") -> None:
+    """Re-hash the finished temporary store and rename it into place (dest absent or empty)."""
+    bad = verify_store(tmp)
+    if bad:
+        raise UserError(f"The {what} store failed verification ({bad[0]}); check the disk and run again.",
+                        exit_code=1)
+    if dest.is_dir():
+        dest.rmdir()  # empty: callers refuse a non-empty destination up front
     if dest.exists():
-        raise UserError(f"{dest} appeared while converting; move it away and run again.")
+        raise UserError(f"{dest} appeared while the store was being written; move it away and run again.")
     os.replace(tmp, dest)
 
 
