@@ -101,7 +101,8 @@ def training_summary(ckpt: Path) -> dict:
     return {"device": a.get("device"), "seed": a.get("seed"), "steps": log.get("steps_done"),
             "steps_arg": a.get("steps"), "minutes_arg": a.get("minutes"),
             "batch_tokens": (a.get("batch_size") or 0) * (a.get("seq_len") or 0),
-            "seconds": log.get("seconds"), "params": log.get("params"), "best": log.get("best")}
+            "seconds": log.get("seconds"), "params": log.get("params"), "best": log.get("best"),
+            "init": a.get("init")}
 
 
 def render(results: dict, report: locality.LocalityReport) -> str:
@@ -114,7 +115,9 @@ def render(results: dict, report: locality.LocalityReport) -> str:
                   f"for {t['steps']} steps of {t['batch_tokens']} tokens ({tokens / 1e6:.1f}M tokens, "
                   f"{tokens / 4.0e6:.1f} epochs) in {t['seconds'] / 60:.1f} min, seed {t['seed']}; "
                   f"best held-out loss {best.get('heldout_loss', float('nan')):.3f} at step "
-                  f"{best.get('step')}.", ""]
+                  f"{best.get('step')}."
+                  + (f" It continued from the weights of `{Path(t['init']).name}`." if t.get("init") else ""),
+                  ""]
     lines += ["### Held-out perplexity by expert bit-width (the analogue of the paper's Table 1)", "",
               f"{results['perplexity'][0]['tokens']} held-out tokens (5% of the sections of the "
               "Python docs, never trained on), 512-token windows.", "",

@@ -47,6 +47,7 @@ class TrainArgs:
     eval_chunks: int
     threads: int | None
     data: Path
+    init: Path | None = None
 
 
 def demo_config(vocab_size: int) -> MixtralConfig:
@@ -154,7 +155,11 @@ def train(args: TrainArgs) -> dict:
     tokens = load_tokens(args.data)
     vocab = json.loads((args.data / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"]
     config = demo_config(len(vocab))
-    model = MixtralForCausalLM(config).to(device)
+    if args.init:  # continue from a saved checkpoint's weights (fresh optimizer and schedule)
+        model = MixtralForCausalLM.from_pretrained(str(args.init), dtype=torch.float32).to(device)
+        config = model.config
+    else:
+        model = MixtralForCausalLM(config).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"device {device}, {n_params / 1e6:.2f}M parameters, "
           f"{len(tokens['train'])} training tokens", flush=True)
@@ -234,6 +239,7 @@ def main() -> None:
     ap.add_argument("--eval-chunks", type=int, default=None, help="held-out windows per eval")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--data", type=Path, default=DATA)
+    ap.add_argument("--init", type=Path, default=None, help="start from this checkpoint's weights")
     a = ap.parse_args()
     cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
     train(TrainArgs(
@@ -242,7 +248,7 @@ def main() -> None:
         warmup=a.warmup, weight_decay=a.weight_decay,
         eval_every=a.eval_every or (250 if cuda else 100),
         eval_chunks=a.eval_chunks if a.eval_chunks is not None else (0 if cuda else 48),
-        threads=a.threads, data=a.data))
+        threads=a.threads, data=a.data, init=a.init))
 
 
 if __name__ == "__main__":
