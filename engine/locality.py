@@ -255,6 +255,8 @@ def cli_locality(store: str, text_file: str | None, json_out: bool, plot: str | 
 
     from engine.store import load_dequantized_hf_model, resolve_store_path
 
+    if text_file and not Path(text_file).expanduser().is_file():  # before the slow part
+        raise UserError(f"{Path(text_file).expanduser()} is not a file; give a UTF-8 text file with --text.")
     path = resolve_store_path(store)
     model = load_dequantized_hf_model(store)
     try:
