@@ -155,6 +155,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    args.work = args.work / args.ckpt.resolve().name  # stores of another checkpoint are not reused
     args.work.mkdir(parents=True, exist_ok=True)
     shipped = demo_store_path()
     if not args.keep_store:
