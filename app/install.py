@@ -110,19 +110,9 @@ def _step_callback(step: str, report: Callable[[InstallProgress], None]) -> Call
 
 def hf_cache_dir() -> Path:
     """The Hugging Face hub cache, as the engine reads it (from the environment, now)."""
-    try:
-        from engine.hf_cache import hf_cache_dir as engine_hf_cache_dir
+    from engine.hf_cache import hf_cache_dir as engine_hf_cache_dir
 
-        return Path(engine_hf_cache_dir())
-    except Exception:  # the engine may be missing; read the environment the same way
-        pass
-    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        if os.environ.get(var):
-            return Path(os.path.expandvars(os.environ[var])).expanduser()
-    if os.environ.get("HF_HOME"):
-        return Path(os.path.expandvars(os.environ["HF_HOME"])).expanduser() / "hub"
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "huggingface" / "hub"
+    return Path(engine_hf_cache_dir())
 
 
 def _inside(path: Path, root: Path) -> bool:

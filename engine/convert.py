@@ -195,15 +195,6 @@ def copy_tokenizer(src: Path, tok_dir: Path | None, dest: Path) -> None:
             shutil.copy2(src / f, dest / f)
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for, but PyTorch sees no CUDA GPU; use --device cpu "
-                        "or install a CUDA build of PyTorch.")
-    return torch.device(device)
-
-
 # ---------------------------------------------------------------------------------------------
 # Converting
 
@@ -229,6 +220,7 @@ def convert_checkpoint(src, dest, expert_bits: int, attn_bits: int, device: str 
             store.matrix_fields(*store.attn_shape(cfg, m), aq)
     except ValueError as e:
         raise UserError(f"This model's shapes do not fit the chosen quantization: {e}.") from None
+    from engine.generate import resolve_device  # the engine's own device rule
     dev = resolve_device(device)
     check_destination(dest)
     tmp = store.temp_sibling(dest)

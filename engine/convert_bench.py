@@ -203,7 +203,8 @@ def measure_conversion(src: str, dest: str, expert_bits: int, attn_bits: int, de
     import torch
     from hqq.core.quantize import Quantizer  # noqa: F401 - slow import kept out of the timing
 
-    from engine.convert import convert_checkpoint, resolve_device
+    from engine.convert import convert_checkpoint
+    from engine.generate import resolve_device
 
     dev = resolve_device(device)
     if dev.type == "cuda":
@@ -280,7 +281,7 @@ def bench_convert(layers: int, workdir: Path, expert_bits: int = 2, attn_bits: i
         raise UserError("--layers must be 1 or more.")
     import torch
 
-    from engine.convert import resolve_device
+    from engine.generate import resolve_device
     from engine.store import verify_store
 
     dev = resolve_device(device)  # fail before writing gigabytes
