@@ -102,7 +102,9 @@ def training_summary(ckpt: Path) -> dict:
             "steps_arg": a.get("steps"), "minutes_arg": a.get("minutes"),
             "batch_tokens": (a.get("batch_size") or 0) * (a.get("seq_len") or 0),
             "seconds": log.get("seconds"), "params": log.get("params"), "best": log.get("best"),
-            "init": a.get("init")}
+            "init": a.get("init"),
+            "best_s": next((e.get("s") for e in log.get("eval", [])
+                            if e.get("step") == (log.get("best") or {}).get("step")), None)}
 
 
 def render(results: dict, report: locality.LocalityReport) -> str:
@@ -116,6 +118,11 @@ def render(results: dict, report: locality.LocalityReport) -> str:
                   f"{tokens / 4.0e6:.1f} epochs) in {t['seconds'] / 60:.1f} min, seed {t['seed']}; "
                   f"best held-out loss {best.get('heldout_loss', float('nan')):.3f} at step "
                   f"{best.get('step')}."
+                  + (f" The shipped weights are that step's ({best['step'] * t['batch_tokens'] / 1e6:.1f}M "
+                     f"tokens, {best['step'] * t['batch_tokens'] / 4.0e6:.1f} epochs, reached "
+                     f"{t['best_s'] / 60:.1f} min into the run); later evaluations were worse."
+                     if best.get("step") and t.get("steps") and best["step"] < t["steps"]
+                     and t.get("best_s") is not None else "")
                   + (f" It continued from the weights of `{Path(t['init']).name}`." if t.get("init") else ""),
                   ""]
     lines += ["### Held-out perplexity by expert bit-width (the analogue of the paper's Table 1)", "",
