@@ -2,10 +2,15 @@
 
 Eager decode launches ~60 small kernels per layer and the host must stay ahead of the GPU
 between the per-layer routing syncs; at a few microseconds per launch that alone caps decode
-near 100 tokens/s. Here each layer's attention + routing (+ the prefetch guesses) is one graph,
-and each expert is one graph per (layer, cache slot, top-k position), so a token costs about
-3 graph launches and 1 routing sync per layer. The host part (which experts to copy, LRU,
-prefetch) is the model's own `dispatch`.
+near 100 tokens/s. Here each layer's attention + routing (+ the prefetch guesses) is one graph.
+The routed experts run in one of three ways, fastest first:
+  * every expert resident (the cache holds all of them): nothing is ever copied, so the whole
+    token - all layers and the head - is ONE graph, with no host sync until the logits;
+  * quantized experts on the fused kernels: one graph per layer runs all routed experts
+    (kernels.moe_decode reads each expert's slot from the cache's device table), after the
+    host's routing sync has made sure they are in place;
+  * otherwise one graph per (layer, cache slot, top-k position) and expert.
+The host part (which experts to copy, LRU, prefetch) is the model's own `dispatch`.
 
 Graphs read and write fixed buffers (`x`, `h`, `out`, `weights`, `ids`, `guesses`, `logits`)
 and the token position from a device tensor, so they replay at any position. Each graph is
@@ -16,9 +21,13 @@ all graphs.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
+from engine import decode_kernels as dk
+from engine import kernels
 from engine.model import rms_norm, rope_cos_sin
 
 
@@ -30,11 +39,15 @@ class GraphedDecode:
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.x = torch.zeros(1, cfg.hidden_size, dtype=dt, device=dev)  # the residual stream
         self.h = torch.zeros_like(self.x)  # input of the experts (normed)
+        self.hn = torch.zeros_like(self.x)  # input of attention / of a guess's router (normed)
+        self.attn = torch.zeros(1, cfg.num_heads * cfg.head_dim, dtype=dt, device=dev)
+        self.guess_weights = torch.zeros(cfg.top_k, dtype=torch.float32, device=dev)
         self.out = torch.zeros_like(self.x)  # sum of the experts' outputs
         self.weights = torch.zeros(1, cfg.top_k, dtype=torch.float32, device=dev)
         self.ids = torch.zeros(1, cfg.top_k, dtype=torch.long, device=dev)
         self.guesses = torch.zeros(max(1, cfg.num_layers), cfg.top_k, dtype=torch.long, device=dev)
         self.logits = torch.zeros(1, cfg.vocab_size, dtype=torch.float32, device=dev)
+        self.routed = torch.zeros(cfg.num_layers, cfg.top_k, dtype=torch.long, device=dev)  # one-graph trace
         positions = torch.arange(cfg.max_position_embeddings, device=dev)
         self.cos, self.sin = rope_cos_sin(model.inv_freq, positions, dt)  # [P, 1, D] each
         self.pool = torch.cuda.graph_pool_handle()
@@ -54,6 +67,30 @@ class GraphedDecode:
             self.graphs = {}
             self.pool = torch.cuda.graph_pool_handle()
             self.key = key
+            # the fused small kernels (decode_kernels) wherever the fused GEMVs run
+            self.fast = m.kernels != "reference" and kernels.fused_available(m.device)
+            self.grouped = self.fast and self.can_group()
+            self.one_graph = self.grouped and m.cache.K == m.cfg.num_experts and m.cache.policy == "lru"
+
+    def can_group(self) -> bool:
+        """Whether kernels.moe_decode can run this model's experts (tried once under "auto":
+        a failure there falls back to the per-expert graphs)."""
+        m, cache = self.m, self.m.cache
+        if (cache.decode is not None or cache.K < m.cfg.top_k or not kernels.moe_supported(cache.views[0][0])):
+            return False
+        if m.kernels == "fused":
+            return True
+        try:  # slot 0 for every expert: a valid address whatever the slots hold
+            ids = torch.arange(m.cfg.top_k, device=m.device)
+            kernels.moe_decode(self.h, cache.views[0][0], cache.B, ids, self.weights[0],
+                               torch.zeros(m.cfg.num_experts, dtype=torch.int32, device=m.device),
+                               torch.empty_like(self.out))
+            torch.cuda.synchronize(m.device)
+            return True
+        except Exception as e:  # noqa: BLE001 - any failure of the optional fast path
+            warnings.warn(f"grouped expert kernels unavailable ({type(e).__name__}: {e}); "
+                          "running experts one at a time")
+            return False
 
     def prepare(self, max_position: int, progress=None) -> None:
         """Capture every graph decode can need up to max_position, before any generation.
@@ -65,11 +102,17 @@ class GraphedDecode:
         self.pos.zero_()
         spans = sorted({attention_span(p, m.kv.capacity) for p in range(0, max_position, 256)} |
                        {attention_span(max_position - 1, m.kv.capacity)})
-        jobs = [(("layer", i, s), lambda i=i, s=s: self.layer_segment(i, s))
-                for s in spans for i in range(m.cfg.num_layers)]
-        jobs += [(("expert", i, slot, k), lambda i=i, slot=slot, k=k: self.expert_segment(m.cache.views[i][slot], k))
-                 for i in range(m.cfg.num_layers) for slot in range(m.cache.K) for k in range(m.cfg.top_k)]
-        jobs.append((("head",), self.head_segment))
+        layers = range(m.cfg.num_layers)
+        if self.one_graph:
+            jobs = [(("token", s), lambda s=s: self.token_segment(s)) for s in spans]
+        else:
+            jobs = [(("layer", i, s), lambda i=i, s=s: self.layer_segment(i, s)) for s in spans for i in layers]
+            if self.grouped:
+                jobs += [(("moe", i), lambda i=i: self.moe_segment(i)) for i in layers]
+            else:
+                jobs += [(("expert", i, slot, k), lambda i=i, slot=slot, k=k: self.expert_segment(m.cache.views[i][slot], k))
+                         for i in layers for slot in range(m.cache.K) for k in range(m.cfg.top_k)]
+            jobs.append((("head",), self.head_segment))
         for n, (key, fn) in enumerate(jobs):
             self.run(key, fn)
             if progress and n % 32 == 0:
@@ -81,16 +124,27 @@ class GraphedDecode:
         self.tok.copy_(tokens.view(1))
         self.pos.fill_(start)
         span = attention_span(start, m.kv.capacity)
+        if self.one_graph:
+            for i in range(m.cfg.num_layers):
+                m.cache.sync_table(i)  # once: a fully resident cache never changes
+            self.run(("token", span), lambda: self.token_segment(span))
+            m.cache.stats.hits += m.cfg.num_layers * m.cfg.top_k
+            if m.trace is not None:
+                m.trace.append([(tuple(ids), m.cache.resident(i)) for i, ids in enumerate(self.routed.tolist())])
+            return self.logits.clone()
         step = [] if m.trace is not None else None
         for i in range(m.cfg.num_layers):
             self.run(("layer", i, span), lambda i=i: self.layer_segment(i, span))
             depth = min(m.prefetch_depth, m.cfg.num_layers - 1 - i)
             guesses = self.guesses[:depth] if depth else None
+            if self.grouped:
+                m.dispatch(i, self.ids, guesses, step,
+                           add_all=lambda i=i: self.run(("moe", i), lambda: self.moe_segment(i)))
+            else:
+                def add_expert(w, slot, e, k, i=i):
+                    self.run(("expert", i, slot, k), lambda: self.expert_segment(w, k))
 
-            def add_expert(w, slot, e, k, i=i):
-                self.run(("expert", i, slot, k), lambda: self.expert_segment(w, k))
-
-            m.dispatch(i, self.ids, guesses, step, add_expert)
+                m.dispatch(i, self.ids, guesses, step, add_expert)
         if step is not None:
             m.trace.append(step)
         self.run(("head",), self.head_segment)
@@ -120,7 +174,18 @@ class GraphedDecode:
 
     # -- the captured segments --------------------------------------------------------------------
 
-    def layer_segment(self, i: int, span: int) -> None:
+    def token_segment(self, span: int) -> None:
+        """Every layer and the head, for a cache that holds every expert (no copies, no guesses)."""
+        for i in range(self.m.cfg.num_layers):
+            self.layer_segment(i, span, ids_out=self.routed[i:i + 1])
+            self.moe_segment(i, ids=self.routed[i:i + 1])
+        self.head_segment()
+
+    def layer_segment(self, i: int, span: int, ids_out: torch.Tensor | None = None) -> None:
+        """Attention, routing (into `ids_out`, default self.ids) and, without `ids_out`, the
+        prefetch guesses of layer i."""
+        if self.fast:
+            return self.fused_layer_segment(i, self.ids if ids_out is None else ids_out, ids_out is None)
         m, layer = self.m, self.m.layers[i]
         eps = m.cfg.rms_norm_eps
         if i == 0:
@@ -133,17 +198,48 @@ class GraphedDecode:
         self.h.copy_(rms_norm(self.x, layer["moe_norm"], eps))
         weights, ids = m.route(layer, self.h)
         self.weights.copy_(weights)
-        self.ids.copy_(ids)
-        guesses = m.guess_next_experts(i, self.x)
+        (self.ids if ids_out is None else ids_out).copy_(ids)
+        guesses = m.guess_next_experts(i, self.x) if ids_out is None else None
         if guesses is not None:
             self.guesses[:guesses.shape[0]].copy_(guesses)
-        self.out.zero_()
+        if not self.grouped:  # moe_decode writes out whole; the per-expert graphs add to it
+            self.out.zero_()
+
+    def fused_layer_segment(self, i: int, ids: torch.Tensor, guess: bool) -> None:
+        """layer_segment with decode_kernels: ~10 launches instead of ~45."""
+        m, layer, cfg = self.m, self.m.layers[i], self.m.cfg
+        eps = cfg.rms_norm_eps
+        if i == 0:
+            self.x.copy_(F.embedding(self.tok, m.embed))
+        dk.add_rms_norm(self.x, self.out if i > 0 else None, layer["attn_norm"], eps, self.hn)
+        q = m.linear(self.hn, layer["q_proj"]).view(cfg.num_heads, cfg.head_dim)
+        k = m.linear(self.hn, layer["k_proj"]).view(cfg.num_kv_heads, cfg.head_dim)
+        v = m.linear(self.hn, layer["v_proj"]).view(cfg.num_kv_heads, cfg.head_dim)
+        dk.rope_kv(q, k, v, self.cos, self.sin, self.pos, m.kv.k[i], m.kv.v[i])
+        dk.decode_attention(q, m.kv.k[i], m.kv.v[i], self.pos, cfg.sliding_window, self.attn)
+        dk.add_rms_norm(self.x, m.linear(self.attn, layer["o_proj"]), layer["moe_norm"], eps, self.h)
+        dk.route_topk(self.h, layer["router"], cfg.top_k, self.weights[0], ids[0])
+        for d, j in enumerate(range(i + 1, min(i + 1 + m.prefetch_depth, cfg.num_layers)) if guess else ()):
+            dk.add_rms_norm(self.x, None, m.layers[j]["moe_norm"], eps, self.hn)
+            dk.route_topk(self.hn, m.layers[j]["router"], cfg.top_k, self.guess_weights, self.guesses[d])
+        if not self.grouped:  # moe_decode writes out whole; the per-expert graphs add to it
+            self.out.zero_()
+
+    def moe_segment(self, i: int, ids: torch.Tensor | None = None) -> None:
+        """All routed experts of layer i at once (out = their weighted sum)."""
+        cache = self.m.cache
+        kernels.moe_decode(self.h, cache.views[i][0], cache.B, (self.ids if ids is None else ids)[0],
+                           self.weights[0], cache.table[i], self.out)
 
     def expert_segment(self, w: dict, k: int) -> None:
         self.out.add_((self.m.expert(w, self.h) * self.weights[:, k:k + 1]).to(self.out.dtype))
 
     def head_segment(self) -> None:
         m = self.m
+        if self.fast:
+            dk.add_rms_norm(self.x, self.out, m.norm, m.cfg.rms_norm_eps, self.hn)
+            self.logits.copy_(F.linear(self.hn, m.lm_head))
+            return
         self.x.add_(self.out)
         self.logits.copy_(F.linear(rms_norm(self.x, m.norm, m.cfg.rms_norm_eps), m.lm_head).float())
 

@@ -54,6 +54,12 @@ class ExpertCache:
         self.slots = torch.empty((L, self.K, B), dtype=torch.uint8, device=device)
         self.views = [[make_views(self.slots[l, s]) for s in range(self.K)] for l in range(L)]
         self.lru: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(L)]  # expert -> slot
+        # The slot of each expert, on the device for kernels that pick their expert there
+        # (kernels.moe_decode); a host mirror takes the updates, sync_table() sends a layer's row.
+        # Entries of experts not resident are stale and never read.
+        self.table_host = torch.zeros((L, E), dtype=torch.int32, pin_memory=self.cuda)
+        self.table = torch.zeros((L, E), dtype=torch.int32, device=device)
+        self.table_dirty: set[int] = set()
         self.unused_prefetch: list[set[int]] = [set() for _ in range(L)]
         self.stats = CacheStats()
         if self.cuda:
@@ -61,6 +67,8 @@ class ExpertCache:
             self.ready = [[torch.cuda.Event() for _ in range(self.K)] for _ in range(L)]
             self.free = [[torch.cuda.Event() for _ in range(self.K)] for _ in range(L)]
         if policy == "no-copy":
+            self.table_host[:] = torch.arange(E, dtype=torch.int32) % self.K
+            self.table_dirty.update(range(L))
             for layer in range(L):
                 self.slots[layer].copy_(host[layer, :self.K])
                 for slot in range(self.K):
@@ -70,6 +78,8 @@ class ExpertCache:
             for layer in range(L):
                 self.slots[layer].copy_(host[layer])
                 self.lru[layer].update((e, e) for e in range(E))
+                self.table_host[layer] = torch.arange(E, dtype=torch.int32)
+                self.table_dirty.add(layer)
                 for e in range(E):
                     self._decode(layer, e)
                 if progress:
@@ -113,6 +123,14 @@ class ExpertCache:
             torch.cuda.current_stream(self.device).wait_event(self.ready[layer][slot])
         return self._weights(layer, slot), slot
 
+    def sync_table(self, layer: int) -> None:
+        """Send layer's expert -> slot row to the device, in the compute stream's order, if the
+        host changed it. The previous send of the row has run: the host syncs on routing in
+        between (and a fully resident cache never changes)."""
+        if layer in self.table_dirty:
+            self.table[layer].copy_(self.table_host[layer], non_blocking=self.cuda)
+            self.table_dirty.discard(layer)
+
     def release(self, layer: int, slot: int) -> None:
         if self.cuda:
             self.free[layer][slot].record(torch.cuda.current_stream(self.device))
@@ -143,6 +161,8 @@ class ExpertCache:
             slot = lru.pop(victim)
             self.unused_prefetch[layer].discard(victim)
         lru[expert] = slot
+        self.table_host[layer, expert] = slot
+        self.table_dirty.add(layer)
         src, dst = self.host[layer, expert], self.slots[layer, slot]
         if self.cuda:
             with torch.cuda.stream(self.copy_stream):

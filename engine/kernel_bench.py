@@ -24,7 +24,7 @@ import time
 import torch
 
 from . import kernels as K
-from .quant import QMatrix, dequantize, meta_groups, pack_codes
+from .quant import EXPERT_SPECS as QUANT_SPECS, QMatrix, dequantize, meta_groups, pack_codes
 
 # Mixtral-8x7B matrices: expert w1/w3 (and w2, the down projection), attention q/o and k/v.
 SHAPES = {"w1 14336x4096": (14336, 4096), "w2 4096x14336": (4096, 14336),
@@ -329,6 +329,52 @@ def variance(reps: int = 4, log=print) -> list[dict]:
     return out
 
 
+def moe_timing(log=print) -> list[dict]:
+    """One token through one Mixtral layer's 2 routed experts (6 matrices): kernels.moe_decode
+    (2 launches) against the same 6 matrices as single GEMVs (the per-expert path's kernels)."""
+    from triton.testing import do_bench
+
+    from engine import bench, store
+    out = []
+    for bits in (2, 3, 4):
+        cfg = bench.ModelConfig(**{**bench.MIXTRAL, "num_layers": 1})
+        es = QUANT_SPECS[bits]
+        eq = {"bits": bits, "group_size": es.group_size, "meta_group": es.meta_group}
+        gen = torch.Generator(device="cuda").manual_seed(bits)
+        fields, stride = store.expert_layout(cfg, eq)
+        slots = []
+        for _ in range(cfg.num_experts):
+            tensors = {}
+            for m in store.EXPERT_MATRICES:
+                qm = bench.random_qmatrix(*store.expert_shape(cfg, m), es, "cuda", gen)
+                tensors.update({f"{m}.{k}": v for k, v in qm.tensors().items()})
+            slots.append(bench.pack_on_device(tensors, fields, stride, "cuda"))
+        slots = torch.stack(slots)
+        views = [store.view_expert(slots[e], fields, eq, cfg) for e in range(cfg.num_experts)]
+        table = torch.arange(cfg.num_experts, dtype=torch.int32, device="cuda")
+        ids = torch.tensor([3, 6], device="cuda")
+        weights = torch.tensor([0.6, 0.4], device="cuda")
+        h = torch.randn(1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+        y = torch.empty_like(h)
+        grouped = do_bench(lambda: K.moe_decode(h, views[0], stride, ids, weights, table, y),
+                           warmup=20, rep=200, return_mode="median") * 1000
+        act = torch.randn(1, cfg.intermediate_size, device="cuda", dtype=torch.bfloat16)
+        y1 = torch.empty_like(act)
+        single = 0.0
+        for e in (3, 6):
+            for m, x, o in (("w1", h, y1), ("w3", h, y1), ("w2", act, y)):
+                single += do_bench(lambda: K.gemv(x, views[e][m], o), warmup=20, rep=100,
+                                   return_mode="median") * 1000
+        nbytes = 2 * sum(views[0][m].nbytes() for m in store.EXPERT_MATRICES)
+        r = dict(kind="moe", bits=bits, moe_decode_us=grouped, six_gemv_us=single, MB=nbytes / 1e6,
+                 GBps=nbytes / grouped / 1e3)
+        out.append(r)
+        log(f"moe layer {bits}-bit (2 experts, {nbytes / 1e6:.0f} MB): moe_decode {grouped:.1f} us "
+            f"({r['GBps']:.0f} GB/s); 6 single GEMVs {single:.1f} us")
+        del slots, views
+    return out
+
+
 def bench_gemlite(log=print) -> list[dict]:
     """gemlite 0.6 on the same shapes in its own format (groups along the input dimension;
     it has no 3-bit and no axis-0 grouping, so it cannot run our matrices at all)."""
@@ -417,12 +463,19 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write all results to this file")
     ap.add_argument("--profile", help="a bench JSON: launch its best GEMV configs once (for ncu)")
     ap.add_argument("--variance", action="store_true", help="time one kernel on fresh allocations")
+    ap.add_argument("--moe", action="store_true", help="time one layer's routed experts (moe_decode)")
     a = ap.parse_args(argv)
     if a.profile:
         profile(a.profile)
         return 0
     if a.variance:
         variance()
+        return 0
+    if a.moe:
+        res = moe_timing()
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
         return 0
     if not torch.cuda.is_available() or not K.fused_available("cuda"):
         print("kernel_bench needs CUDA and Triton", file=sys.stderr)

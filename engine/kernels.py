@@ -236,13 +236,15 @@ def _max_nq(bits: int, group_size: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def _gemv_launch(rows, cols, bits, group_size, sms, cfg_items):
+def _gemv_launch(rows, cols, bits, group_size, sms, cfg_items, matrices=1):
+    """Grid and constants of a GEMV over `matrices` same-shape matrices launched together
+    (the routed experts of a token): the programs target is shared among them."""
     cfg = dict(cfg_items) if cfg_items else gemv_config(rows, cols, bits, group_size, sms)
     G = rows // group_size
     nq = min(cfg.get("NQ", 1), _max_nq(bits, group_size))
     n_j = -(-G // cfg["BJ"]) * nq  # programs per column split
     bk = cfg["BKO"] * cfg["KV"]
-    k_per_split, split = _split(cols, bk, n_j, cfg.get("programs", 4 * sms))
+    k_per_split, split = _split(cols, bk, n_j, cfg.get("programs", 4 * sms) // matrices)
     consts = dict(BJ=cfg["BJ"], BKO=cfg["BKO"], KV=cfg["KV"], NQ=nq, num_warps=cfg.get("num_warps", 4),
                   num_stages=cfg.get("num_stages", 1))
     return n_j, split, k_per_split, bk, consts
@@ -265,6 +267,58 @@ def gemv(x: torch.Tensor, w: QMatrix, out: torch.Tensor, cfg: dict | None = None
         W0=w0, W1=w1, GS=w.group_size, SPLIT=split > 1,
         SMODE=_meta_mode(w.scale_meta, w.cols, bk), ZMODE=_meta_mode(w.zero_meta, w.cols, bk),
         **consts)
+    return out
+
+
+def moe_supported(experts: dict) -> bool:
+    """True when moe_decode can run these expert views (w1, w3, w2 of one slot)."""
+    w1, w3, w2 = experts["w1"], experts["w3"], experts["w2"]
+    return (all(isinstance(w, QMatrix) and fused_supported(w) for w in (w1, w3, w2))
+            and (w1.rows, w1.cols, w1.bits, w1.group_size) == (w3.rows, w3.cols, w3.bits, w3.group_size)
+            and _common_dtypes(w1) == _common_dtypes(w3))
+
+
+def _common_dtypes(w: QMatrix):
+    return tuple(t.dtype for t in _common_args(w)), _meta_len(w.scale_meta), _meta_len(w.zero_meta)
+
+
+def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tensor,
+               weights: torch.Tensor, table: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """One token through its routed experts in two launches, with no host sync:
+    out [1, H] = sum_k weights[k] * w2(silu(w1 h) * w3 h) of expert ids[k].
+
+    experts: the QMatrix views (w1, w3, w2) of cache slot 0 of a layer; the expert in slot s
+    lies s * slot_bytes bytes further. table [E] int32 (device): the slot of each expert, read
+    by the kernels with ids [k] (device), so a CUDA graph of this serves any routing. The
+    result equals the eager per-expert path's rounding step for step (see _moe_down_kernel).
+    """
+    w1, w3, w2 = experts["w1"], experts["w3"], experts["w2"]
+    topk = ids.numel()
+    sms = _sm_count(h.device)
+    x = h.reshape(-1)
+    act = _scratch.get("act", topk * w1.rows, h.dtype, h.device)
+    # up: silu(w1 x) * w3 x for every routed expert, into act [k, F]
+    n_j, split, k_per_split, bk, consts = _gemv_launch(
+        w1.rows, w1.cols, w1.bits, w1.group_size, sms, None, 2 * topk)
+    ws = _scratch.get("partials", topk * split * 2 * w1.rows, torch.float32, h.device)
+    cnt = _scratch.get("counters", topk * n_j, torch.int32, h.device, zero=True)
+    w0b, w1b = _plane_widths(w1.bits)
+    _moe_up_kernel[(n_j, split, topk)](
+        x, act, ids, table, slot_bytes, *_common_args(w1), *_common_args(w3), ws, cnt,
+        w1.groups, w1.rows, w1.cols, _meta_len(w1.scale_meta), _meta_len(w1.zero_meta), k_per_split, split,
+        W0=w0b, W1=w1b, GS=w1.group_size, SPLIT=split > 1,
+        SMODE=_meta_mode(w1.scale_meta, w1.cols, bk), ZMODE=_meta_mode(w1.zero_meta, w1.cols, bk), **consts)
+    # down: the weighted sum of w2 act[k]
+    n_j, split, k_per_split, bk, consts = _gemv_launch(
+        w2.rows, w2.cols, w2.bits, w2.group_size, sms, None, topk)
+    ws = _scratch.get("partials", topk * split * w2.rows, torch.float32, h.device)
+    cnt = _scratch.get("counters", n_j, torch.int32, h.device, zero=True)
+    w0b, w1b = _plane_widths(w2.bits)
+    _moe_down_kernel[(n_j, split, topk)](
+        act, out, ids, weights, table, slot_bytes, *_common_args(w2), ws, cnt,
+        w2.groups, w2.rows, w2.cols, _meta_len(w2.scale_meta), _meta_len(w2.zero_meta), k_per_split, split,
+        W0=w0b, W1=w1b, GS=w2.group_size, TOPK=topk,
+        SMODE=_meta_mode(w2.scale_meta, w2.cols, bk), ZMODE=_meta_mode(w2.zero_meta, w2.cols, bk), **consts)
     return out
 
 
@@ -415,21 +469,46 @@ if triton is not None:
         return acc + tl.sum(code * xs[None, None], axis=3)
 
     @triton.jit
-    def _gemv_kernel(x_ptr, out_ptr, p0_ptr, p1_ptr, s_ptr, z_ptr, sm_ptr, zm_ptr, ws_ptr, cnt_ptr,
-                     G, rows, cols, Ms, Mz, k_per_split, n_split,
-                     W0: tl.constexpr, W1: tl.constexpr, GS: tl.constexpr, SPLIT: tl.constexpr,
-                     SMODE: tl.constexpr, ZMODE: tl.constexpr,
-                     BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr, NQ: tl.constexpr):
-        """One program: groups j in [pid*BJ, +BJ), 1/NQ of the GS rows of each (part q), the
-        columns of split pid_k.
+    def _gemv_step(acc0, acc1, zacc, x, k, k0, mask, j3, kks, kkz, rows0, rows1, opaque_zero,
+                   p0_ptr, p1_ptr, s_ptr, z_ptr, sm_ptr, zm_ptr, cols, Ms, Mz,
+                   W0: tl.constexpr, W1: tl.constexpr, SMODE: tl.constexpr, ZMODE: tl.constexpr):
+        """One k tile of one matrix into its accumulators (see _gemv_tiles)."""
+        off = j3 * cols + k[None]  # into [G, cols]
+        scale = _scale_or_zero(s_ptr, sm_ptr, off, (j3 * cols + k0) % Ms, kks[None], mask, Ms, SMODE)
+        zero = _scale_or_zero(z_ptr, zm_ptr, off, (j3 * cols + k0) % Mz, kkz[None], mask, Mz, ZMODE)
+        xs = x[None] * scale  # [BJ, KV, BKO]
+        zacc += tl.sum(xs * zero, axis=1)
+        acc0 = _gemv_plane(acc0, p0_ptr, rows0, k, mask, xs, opaque_zero, W1, W0)  # high plane: << W1
+        if W1 > 0:
+            acc1 = _gemv_plane(acc1, p1_ptr, rows1, k, mask, xs, opaque_zero, 0, W1)
+        return acc0, acc1, zacc
+
+    @triton.jit
+    def _gemv_sum(acc0, acc1, zacc, W1: tl.constexpr, GS: tl.constexpr, NQ: tl.constexpr,
+                  BJ: tl.constexpr):
+        y = tl.reshape(tl.sum(acc0, axis=3), (GS // NQ, BJ))
+        if W1 > 0:
+            y += tl.reshape(tl.sum(acc1, axis=3), (GS // NQ, BJ))
+        return y - tl.sum(zacc, axis=1)[None, :]
+
+    @triton.jit
+    def _gemv_tiles(x_ptr, a0, a1, a_s, a_z, a_sm, a_zm, b0, b1, b_s, b_z, b_sm, b_zm,
+                    G, cols, Ms, Mz, k_per_split, part, pid_k,
+                    TWO: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, GS: tl.constexpr,
+                    SMODE: tl.constexpr, ZMODE: tl.constexpr,
+                    BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr, NQ: tl.constexpr):
+        """x [cols] times one matrix a (and with TWO a second matrix b of the same format, in
+        the same loop: twice the loads in flight) for one program's output rows: groups j in
+        [pid*BJ, +BJ), 1/NQ of the GS rows of each (row part q), the columns of split pid_k.
+        Returns (y_a, y_b, n, j): y [GS/NQ, BJ] float32 for output rows n [GS/NQ, BJ]
+        (y_b is y_a without TWO).
         A k tile is [KV, BKO] with k = k0 + ko*KV + kv: Triton's default layout puts BKO on the
         threads (choose BKO = 32 * num_warps) and KV in each thread's registers, which is both a
         KV-byte vector load per thread and an in-thread reduction over KV (no shuffles). Every
         thread accumulates all GS/NQ rows of its columns: NQ > 1 trades decoding each scale and
         zero NQ times (by NQ programs) for fewer registers, hence more warps in flight."""
-        pid_j = tl.program_id(0) // NQ
-        q = tl.program_id(0) % NQ
-        pid_k = tl.program_id(1)
+        pid_j = part // NQ
+        q = part % NQ
         BK: tl.constexpr = BKO * KV
         P0: tl.constexpr = 8 // W0
         NBB: tl.constexpr = GS // (8 // W1) if W1 > 0 else GS // P0  # byte rows of the base plane
@@ -439,11 +518,16 @@ if triton is not None:
         kks = kk % Ms if SMODE == 2 else kk
         kkz = kk % Mz if ZMODE == 2 else kk
         rows0 = _plane_rows(q, G, cols, j, GS, W0, NBB, NQ)
-        acc0 = tl.zeros((P0, GS // P0 // NQ, BJ, BKO), tl.float32)
+        acc_a0 = tl.zeros((P0, GS // P0 // NQ, BJ, BKO), tl.float32)
+        acc_b0 = acc_a0
+        rows1 = rows0
+        acc_a1 = tl.zeros((1, 1, 1, 1), tl.float32)  # no second plane
         if W1 > 0:
             rows1 = _plane_rows(q, G, cols, j, GS, W1, NBB, NQ)
-            acc1 = tl.zeros((8 // W1, NBB // NQ, BJ, BKO), tl.float32)
-        zacc = tl.zeros((BJ, BKO), tl.float32)
+            acc_a1 = tl.zeros((8 // W1, NBB // NQ, BJ, BKO), tl.float32)
+        acc_b1 = acc_a1
+        zacc_a = tl.zeros((BJ, BKO), tl.float32)
+        zacc_b = zacc_a
         opaque_zero = k_per_split >> 31  # 0: k_per_split > 0
         k_lo = pid_k * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, cols)
@@ -451,25 +535,142 @@ if triton is not None:
             k = k0 + kk  # [KV, BKO]
             mask = (j3 < G) & (k < cols)[None]  # [BJ, KV, BKO]
             x = tl.load(x_ptr + k, mask=k < cols, other=0.0).to(tl.float32)
-            off = j3 * cols + k[None]  # into [G, cols]
-            scale = _scale_or_zero(s_ptr, sm_ptr, off, (j3 * cols + k0) % Ms, kks[None], mask, Ms, SMODE)
-            zero = _scale_or_zero(z_ptr, zm_ptr, off, (j3 * cols + k0) % Mz, kkz[None], mask, Mz, ZMODE)
-            xs = x[None] * scale  # [BJ, KV, BKO]
-            zacc += tl.sum(xs * zero, axis=1)
-            acc0 = _gemv_plane(acc0, p0_ptr, rows0, k, mask, xs, opaque_zero, W1, W0)  # high plane: << W1
-            if W1 > 0:
-                acc1 = _gemv_plane(acc1, p1_ptr, rows1, k, mask, xs, opaque_zero, 0, W1)
+            acc_a0, acc_a1, zacc_a = _gemv_step(acc_a0, acc_a1, zacc_a, x, k, k0, mask, j3, kks, kkz,
+                                                rows0, rows1, opaque_zero, a0, a1, a_s, a_z, a_sm,
+                                                a_zm, cols, Ms, Mz, W0, W1, SMODE, ZMODE)
+            if TWO:
+                acc_b0, acc_b1, zacc_b = _gemv_step(acc_b0, acc_b1, zacc_b, x, k, k0, mask, j3, kks,
+                                                    kkz, rows0, rows1, opaque_zero, b0, b1, b_s, b_z,
+                                                    b_sm, b_zm, cols, Ms, Mz, W0, W1, SMODE, ZMODE)
+        y_a = _gemv_sum(acc_a0, acc_a1, zacc_a, W1, GS, NQ, BJ)
+        y_b = y_a
+        if TWO:
+            y_b = _gemv_sum(acc_b0, acc_b1, zacc_b, W1, GS, NQ, BJ)
         # Flattened (s, t, a) = u, every plane alike: output row j + i*G with
         # i = (u // (NBB/NQ)) * NBB + q * NBB/NQ + u % (NBB/NQ).
-        y = tl.reshape(tl.sum(acc0, axis=3), (GS // NQ, BJ))
-        if W1 > 0:
-            y += tl.reshape(tl.sum(acc1, axis=3), (GS // NQ, BJ))
-        y -= tl.sum(zacc, axis=1)[None, :]
         u = tl.arange(0, GS // NQ)
         i = (u // (NBB // NQ)) * NBB + q * (NBB // NQ) + u % (NBB // NQ)
         n = i[:, None] * G + j[None, :]  # [GS/NQ, BJ] output rows
+        return y_a, y_b, n, j
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, out_ptr, p0_ptr, p1_ptr, s_ptr, z_ptr, sm_ptr, zm_ptr, ws_ptr, cnt_ptr,
+                     G, rows, cols, Ms, Mz, k_per_split, n_split,
+                     W0: tl.constexpr, W1: tl.constexpr, GS: tl.constexpr, SPLIT: tl.constexpr,
+                     SMODE: tl.constexpr, ZMODE: tl.constexpr,
+                     BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr, NQ: tl.constexpr):
+        """out = x @ W.T for one matrix; grid (groups/BJ * NQ, column splits)."""
+        pid_k = tl.program_id(1)
+        y, _, n, j = _gemv_tiles(x_ptr, p0_ptr, p1_ptr, s_ptr, z_ptr, sm_ptr, zm_ptr,
+                                 p0_ptr, p1_ptr, s_ptr, z_ptr, sm_ptr, zm_ptr,
+                                 G, cols, Ms, Mz, k_per_split, tl.program_id(0), pid_k,
+                                 False, W0, W1, GS, SMODE, ZMODE, BJ, BKO, KV, NQ)
         _finish(y, n, n, (j < G)[None, :], out_ptr, ws_ptr, rows, cnt_ptr + tl.program_id(0), pid_k,
                 n_split, SPLIT)
+
+    # -- one token through a layer's routed experts, with the expert chosen on the device ---------
+
+    @triton.jit
+    def _at_slot(ptr, slot, slot_bytes):
+        """The same field in cache slot `slot`: slots are slot_bytes apart."""
+        return ptr + slot * (slot_bytes // (ptr.dtype.element_ty.primitive_bitwidth // 8))
+
+    @triton.jit
+    def _routed_slot(ids_ptr, table_ptr, kpos):
+        """Cache slot (int64) of the expert at top-k position kpos: table[ids[kpos]]."""
+        return tl.load(table_ptr + tl.load(ids_ptr + kpos)).to(tl.int64)
+
+    @triton.jit
+    def _swiglu(a, b, dt: tl.constexpr):
+        """silu(a) * b rounded as the eager path rounds: each product's output in dt."""
+        a = a.to(dt).to(tl.float32)
+        s = (a / (1.0 + tl.exp(-a))).to(dt).to(tl.float32)
+        return (s * b.to(dt).to(tl.float32)).to(dt)
+
+    @triton.jit
+    def _moe_up_kernel(x_ptr, act_ptr, ids_ptr, table_ptr, slot_bytes,
+                       a0, a1, a_s, a_z, a_sm, a_zm, b0, b1, b_s, b_z, b_sm, b_zm, ws_ptr, cnt_ptr,
+                       G, rows, cols, Ms, Mz, k_per_split, n_split,
+                       W0: tl.constexpr, W1: tl.constexpr, GS: tl.constexpr, SPLIT: tl.constexpr,
+                       SMODE: tl.constexpr, ZMODE: tl.constexpr,
+                       BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr, NQ: tl.constexpr):
+        """act[kpos] = silu(x @ W1.T) * (x @ W3.T) for the expert at top-k position kpos
+        (grid axis 2); W1 and W3 are read in the same loop. Split-K as _finish, per kpos."""
+        pid_k, kpos = tl.program_id(1), tl.program_id(2)
+        slot = _routed_slot(ids_ptr, table_ptr, kpos)
+        ya, yb, n, j = _gemv_tiles(
+            x_ptr, _at_slot(a0, slot, slot_bytes), _at_slot(a1, slot, slot_bytes),
+            _at_slot(a_s, slot, slot_bytes), _at_slot(a_z, slot, slot_bytes),
+            _at_slot(a_sm, slot, slot_bytes), _at_slot(a_zm, slot, slot_bytes),
+            _at_slot(b0, slot, slot_bytes), _at_slot(b1, slot, slot_bytes),
+            _at_slot(b_s, slot, slot_bytes), _at_slot(b_z, slot, slot_bytes),
+            _at_slot(b_sm, slot, slot_bytes), _at_slot(b_zm, slot, slot_bytes),
+            G, cols, Ms, Mz, k_per_split, tl.program_id(0), pid_k,
+            True, W0, W1, GS, SMODE, ZMODE, BJ, BKO, KV, NQ)
+        mask = (j < G)[None, :]
+        out_ptr = act_ptr + kpos * rows
+        dt: tl.constexpr = act_ptr.dtype.element_ty
+        if not SPLIT:
+            tl.store(out_ptr + n, _swiglu(ya, yb, dt), mask=mask)
+        else:
+            ws = ws_ptr + kpos * n_split * 2 * rows  # [split, 2, rows] of this kpos
+            tl.store(ws + pid_k * 2 * rows + n, ya, mask=mask)
+            tl.store(ws + pid_k * 2 * rows + rows + n, yb, mask=mask)
+            tl.debug_barrier()
+            cnt = cnt_ptr + kpos * tl.num_programs(0) + tl.program_id(0)
+            if tl.atomic_add(cnt, 1) == n_split - 1:
+                ta = tl.load(ws + n, mask=mask, other=0.0, cache_modifier=".cg")
+                tb = tl.load(ws + rows + n, mask=mask, other=0.0, cache_modifier=".cg")
+                for s in range(1, n_split):
+                    ta += tl.load(ws + s * 2 * rows + n, mask=mask, other=0.0, cache_modifier=".cg")
+                    tb += tl.load(ws + s * 2 * rows + rows + n, mask=mask, other=0.0,
+                                  cache_modifier=".cg")
+                tl.store(out_ptr + n, _swiglu(ta, tb, dt), mask=mask)
+                tl.atomic_xchg(cnt, 0)
+
+    @triton.jit
+    def _moe_down_kernel(act_ptr, out_ptr, ids_ptr, weights_ptr, table_ptr, slot_bytes,
+                         p0, p1, s_ptr, z_ptr, sm_ptr, zm_ptr, ws_ptr, cnt_ptr,
+                         G, rows, cols, Ms, Mz, k_per_split, n_split,
+                         W0: tl.constexpr, W1: tl.constexpr, GS: tl.constexpr,
+                         SMODE: tl.constexpr, ZMODE: tl.constexpr, TOPK: tl.constexpr,
+                         BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr, NQ: tl.constexpr):
+        """out = sum over the top-k of weight[kpos] * (act[kpos] @ W2.T), grid axis 2 = kpos.
+        Every (split, kpos) program stores a partial; the last one of a row tile adds them up as
+        the eager path does: each expert's output rounded to out's dtype, times its weight,
+        rounded, added in ascending expert order (transformers' order)."""
+        pid_k, kpos = tl.program_id(1), tl.program_id(2)
+        slot = _routed_slot(ids_ptr, table_ptr, kpos)
+        y, _, n, j = _gemv_tiles(
+            act_ptr + kpos * cols, _at_slot(p0, slot, slot_bytes), _at_slot(p1, slot, slot_bytes),
+            _at_slot(s_ptr, slot, slot_bytes), _at_slot(z_ptr, slot, slot_bytes),
+            _at_slot(sm_ptr, slot, slot_bytes), _at_slot(zm_ptr, slot, slot_bytes),
+            p0, p1, s_ptr, z_ptr, sm_ptr, zm_ptr,
+            G, cols, Ms, Mz, k_per_split, tl.program_id(0), pid_k,
+            False, W0, W1, GS, SMODE, ZMODE, BJ, BKO, KV, NQ)
+        mask = (j < G)[None, :]
+        parts = TOPK * n_split
+        tl.store(ws_ptr + (kpos * n_split + pid_k) * rows + n, y, mask=mask)
+        tl.debug_barrier()
+        cnt = cnt_ptr + tl.program_id(0)
+        if tl.atomic_add(cnt, 1) == parts - 1:
+            dt: tl.constexpr = out_ptr.dtype.element_ty
+            total = tl.zeros(y.shape, tl.float32)
+            for r in tl.static_range(TOPK):  # the expert with the r-th smallest id
+                kr = 0
+                for m in tl.static_range(TOPK):
+                    rank = 0
+                    for m2 in tl.static_range(TOPK):
+                        rank += (tl.load(ids_ptr + m2) < tl.load(ids_ptr + m)).to(tl.int32)
+                    kr += tl.where(rank == r, m, 0)
+                ye = tl.load(ws_ptr + kr * n_split * rows + n, mask=mask, other=0.0, cache_modifier=".cg")
+                for s in range(1, n_split):
+                    ye += tl.load(ws_ptr + (kr * n_split + s) * rows + n, mask=mask, other=0.0,
+                                  cache_modifier=".cg")
+                ye = ye.to(dt).to(tl.float32) * tl.load(weights_ptr + kr)
+                total = (total + ye.to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            tl.store(out_ptr + n, total.to(dt), mask=mask)
+            tl.atomic_xchg(cnt, 0)
 
     @triton.jit
     def _codes(plane_ptr, row_off, k, mask, W: tl.constexpr, GS: tl.constexpr, BJ: tl.constexpr,

@@ -194,21 +194,32 @@ class OffloadedMixtral:
         return out
 
     def dispatch(self, i: int, ids: torch.Tensor, guesses: torch.Tensor | None, step: list | None,
-                 add_expert) -> None:
+                 add_expert=None, add_all=None) -> None:
         """Fetch the routed experts through the cache and run them; then prefetch the guesses.
 
         ids [T, k] device; guesses [D, k] device (layers i+1..i+D) or None. The one host sync
         per layer happens here: routing decides what to copy (the guesses ride along).
+        Either add_expert(w, slot, e, k) runs one expert at a time, or add_all() runs all of
+        them at once once they are in place (the device reads their slots from cache.table).
         """
         ids_host = ids.tolist()
         guesses_host = guesses.tolist() if guesses is not None else []
         needed = sorted({e for row in ids_host for e in row})
         if step is not None:
             step.append((tuple(ids_host[0]), self.cache.resident(i)))
+        slots = []
         for e in needed:  # the host queues copies and compute without waiting for either
             w, slot = self.cache.acquire(i, e, keep=needed)
-            add_expert(w, slot, e, ids_host[0].index(e) if len(ids_host) == 1 else None)
-            self.cache.release(i, slot)
+            if add_all is None:
+                add_expert(w, slot, e, ids_host[0].index(e) if len(ids_host) == 1 else None)
+                self.cache.release(i, slot)
+            else:
+                slots.append(slot)
+        if add_all is not None:
+            self.cache.sync_table(i)
+            add_all()
+            for slot in slots:
+                self.cache.release(i, slot)
         for d, guess in enumerate(guesses_host, start=1):  # queued behind the demand copies
             self.cache.prefetch(i + d, guess)
 

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine import kernels as K
 from engine.kernel_bench import random_qmatrix, rel_err
@@ -198,3 +199,79 @@ def test_auto_falls_back_to_the_reference_path_when_the_fused_path_fails(monkeyp
     assert "C compiler" in K.FUSED_FAILURE
     with pytest.raises(RuntimeError):
         K.qlinear(x, w, "fused")  # asked for explicitly: the error is not hidden
+
+
+# ---------------------------------------------------------------------------------------------
+# Routed experts of one token (moe_decode), against the per-expert eager path
+
+
+def packed_expert_slots(hidden, ffn, bits, g, meta8, n_slots, device, seed=0):
+    """Cache slots [n_slots, stride] holding random packed experts, as ExpertCache keeps them,
+    and a function slot -> that slot's expert views {w1, w3, w2}."""
+    from types import SimpleNamespace
+    from engine import store
+    cfg = SimpleNamespace(hidden_size=hidden, intermediate_size=ffn)
+    quant = {"bits": bits, "group_size": g, "meta_group": 128, **({} if meta8 else {"meta_bits": 16})}
+    fields, stride = store.expert_layout(cfg, quant)
+    slots = torch.empty(n_slots, stride, dtype=torch.uint8)
+    for s in range(n_slots):
+        tensors = {}
+        for name in store.EXPERT_MATRICES:
+            rows, cols = store.expert_shape(cfg, name)
+            qm = random_qmatrix(rows, cols, bits, g, meta8=meta8, seed=seed * 1000 + s * 10 + len(tensors))
+            tensors.update({f"{name}.{k}": v for k, v in qm.tensors().items()})
+        slots[s] = store.pack_expert(tensors, fields, stride)
+    slots = slots.to(device)
+    return slots, lambda s: store.view_expert(slots[s], fields, quant, cfg)
+
+
+def per_expert_moe(h, ids, weights, slot_of, views, kernels):
+    """model.moe's decode arithmetic: experts in ascending id order, out.add_(bf16(y * w))."""
+    out = torch.zeros_like(h)
+    ids_host = ids.tolist()
+    for e in sorted(ids_host):
+        w = views(slot_of[e])
+        y = K.qlinear(F.silu(K.qlinear(h, w["w1"], kernels)) * K.qlinear(h, w["w3"], kernels), w["w2"], kernels)
+        out.add_((y * weights[ids_host.index(e)]).to(out.dtype))
+    return out
+
+
+def check_moe_decode(device, hidden, ffn, bits, g, meta8, topk, dtype, seed=0):
+    n_experts, n_slots = 8, max(topk, 5)
+    slots, views = packed_expert_slots(hidden, ffn, bits, g, meta8, n_slots, device, seed)
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randperm(n_experts, generator=gen) % n_slots  # expert -> slot
+    ids = torch.randperm(n_experts, generator=gen)[:topk]
+    while len(set(table[ids].tolist())) < topk:  # routed experts sit in distinct slots
+        ids = torch.randperm(n_experts, generator=gen)[:topk]
+    weights = torch.softmax(torch.randn(topk, generator=gen), 0)
+    h = torch.randn(1, hidden, generator=gen).to(device, dtype)
+    out = torch.full_like(h, float("nan"))
+    K.moe_decode(h, views(0), slots.shape[1], ids.to(device), weights.to(device),
+                 table.to(device, torch.int32), out)
+    assert not torch.isnan(out).any()
+    ref64 = per_expert_moe(h.double(), ids, weights.tolist(), table.tolist(), views, "reference")
+    fused = per_expert_moe(h, ids, weights.tolist(), table.tolist(), views, "fused")
+    # bf16: act and each expert's output are rounded to bf16 (as the eager path does), 3 chained
+    # products; float32: the same sums as the per-expert kernels, up to the split-K order
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    assert rel_err(out, ref64) <= tol, rel_err(out, ref64)
+    assert rel_err(out, fused) <= tol, rel_err(out, fused)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("bits,g,meta8", [(2, 16, True), (3, 64, True), (4, 64, True), (2, 16, False), (4, 32, False)])
+@pytest.mark.parametrize("topk", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_moe_decode_matches_the_per_expert_path(bits, g, meta8, topk, dtype):
+    check_moe_decode("cuda", 256, 512, bits, g, meta8, topk, dtype, seed=bits + topk)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("bits,g", [(2, 16), (3, 64)])
+def test_moe_decode_mixtral_shape_is_deterministic(bits, g):
+    out = check_moe_decode("cuda", 4096, 14336, bits, g, True, 2, torch.bfloat16)
+    assert torch.equal(check_moe_decode("cuda", 4096, 14336, bits, g, True, 2, torch.bfloat16), out)

@@ -1,0 +1,89 @@
+"""engine.decode_kernels against the eager maths of engine.model (GPU; the CPU runs them only
+under TRITON_INTERPRET=1, in float32)."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import kernels
+from engine.kernel_bench import rel_err
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not (torch.cuda.is_available() or (kernels.triton is not None and os.environ.get("TRITON_INTERPRET") == "1")),
+    reason="needs CUDA (or the Triton interpreter)")]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])  # the interpreter's bf16 truncates
+
+
+def close(got, want, dtype):
+    assert rel_err(got, want) <= (1e-5 if dtype == torch.float32 else 8e-3), rel_err(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm(dtype, with_delta):
+    from engine.decode_kernels import add_rms_norm
+    from engine.model import rms_norm
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 4096, generator=g).to(DEVICE, dtype)
+    d = torch.randn(1, 4096, generator=g).to(DEVICE, dtype)
+    w = (1 + 0.1 * torch.randn(4096, generator=g)).to(DEVICE, dtype)
+    want_x = x + d if with_delta else x.clone()
+    want = rms_norm(want_x, w, 1e-5)
+    out = torch.empty_like(x)
+    add_rms_norm(x, d if with_delta else None, w, 1e-5, out)
+    assert torch.equal(x, want_x)
+    close(out, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_kv_and_attention_match_the_eager_attention(dtype):
+    from engine.decode_kernels import decode_attention, rope_kv
+    from engine.model import apply_rope, rope_cos_sin
+    heads, kv_heads, D, cap, pos = 8, 2, 64, 300, 257
+    g = torch.Generator().manual_seed(2)
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    cos, sin = rope_cos_sin(inv.to(DEVICE), torch.arange(cap, device=DEVICE), dtype)  # [P, 1, D]
+    q = torch.randn(heads, D, generator=g).to(DEVICE, dtype)
+    k = torch.randn(kv_heads, D, generator=g).to(DEVICE, dtype)
+    v = torch.randn(kv_heads, D, generator=g).to(DEVICE, dtype)
+    kc = torch.randn(cap, kv_heads, D, generator=g).to(DEVICE, dtype)
+    vc = torch.randn(cap, kv_heads, D, generator=g).to(DEVICE, dtype)
+    want_q = apply_rope(q[None], cos[pos:pos + 1], sin[pos:pos + 1])[0]
+    want_k = apply_rope(k[None], cos[pos:pos + 1], sin[pos:pos + 1])[0]
+    kc2, vc2 = kc.clone(), vc.clone()
+    rope_kv(q, k, v, cos, sin, torch.tensor([pos], device=DEVICE), kc2, vc2)
+    close(q, want_q, dtype)
+    close(kc2[pos], want_k, dtype)
+    assert torch.equal(vc2[pos], v)
+    assert torch.equal(kc2[:pos], kc[:pos]) and torch.equal(kc2[pos + 1:], kc[pos + 1:])
+    for window in (None, 100):
+        kpos = torch.arange(cap, device=DEVICE)
+        mask = kpos <= pos
+        if window:
+            mask &= pos - kpos < window
+        want = F.scaled_dot_product_attention(q[:, None], kc2.transpose(0, 1), vc2.transpose(0, 1),
+                                              attn_mask=mask[None], enable_gqa=True)[:, 0].reshape(-1)
+        out = torch.empty(heads * D, device=DEVICE, dtype=dtype)
+        decode_attention(q, kc2, vc2, torch.tensor([pos], device=DEVICE), window, out)
+        close(out, want, dtype)
+
+
+@pytest.mark.parametrize("experts,top_k", [(8, 2), (6, 3), (5, 1)])
+def test_route_topk_matches_the_model_router(experts, top_k):
+    from types import SimpleNamespace
+
+    from engine.decode_kernels import route_topk
+    from engine.model import OffloadedMixtral
+    g = torch.Generator().manual_seed(experts)
+    h = torch.randn(1, 4096, generator=g).to(DEVICE)
+    router = (torch.randn(experts, 4096, generator=g) * 0.02).to(DEVICE)
+    model = SimpleNamespace(cfg=SimpleNamespace(top_k=top_k))
+    want_w, want_ids = OffloadedMixtral.route(model, {"router": router}, h)
+    w = torch.empty(top_k, device=DEVICE)
+    ids = torch.empty(top_k, dtype=torch.long, device=DEVICE)
+    route_topk(h, router, top_k, w, ids)
+    assert ids.tolist() == want_ids[0].tolist()
+    close(w, want_w[0], torch.float32)
