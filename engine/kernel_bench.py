@@ -329,7 +329,7 @@ def variance(reps: int = 4, log=print) -> list[dict]:
     return out
 
 
-def moe_timing(log=print) -> list[dict]:
+def moe_timing(log=print, sweep: bool = False) -> list[dict]:
     """One token through one Mixtral layer's 2 routed experts (6 matrices): kernels.moe_decode
     (2 launches) against the same 6 matrices as single GEMVs (the per-expert path's kernels)."""
     from triton.testing import do_bench
@@ -371,7 +371,43 @@ def moe_timing(log=print) -> list[dict]:
         out.append(r)
         log(f"moe layer {bits}-bit (2 experts, {nbytes / 1e6:.0f} MB): moe_decode {grouped:.1f} us "
             f"({r['GBps']:.0f} GB/s); 6 single GEMVs {single:.1f} us")
+        if sweep and bits in (2, 3):
+            out += moe_sweep(bits, h, views, stride, ids, weights, table, y, log)
         del slots, views
+    return out
+
+
+def moe_sweep(bits, h, views, stride, ids, weights, table, y, log=print) -> list[dict]:
+    """moe_decode's up and down launch parameters, each varied with the other at its default;
+    every variant checked against the default's result."""
+    from triton.testing import do_bench
+    sms = K._sm_count(h.device)
+    w1, w2 = views[0]["w1"], views[0]["w2"]
+    base = (K.gemv_config(w1.rows, w1.cols, bits, w1.group_size, sms),
+            K.gemv_config(w2.rows, w2.cols, bits, w2.group_size, sms))
+    K.moe_decode(h, views[0], stride, ids, weights, table, y, base)
+    want = y.clone()
+    out = []
+    for which in (0, 1):
+        w = (w1, w2)[which]
+        for warps, kv, nq, progs in itertools.product((4, 8), (8, 16), (1, 2, 4), (2, 4, 8)):
+            if nq > K._max_nq(bits, w.group_size) or (which == 0 and progs != 4):
+                continue
+            c = dict(base[which], BKO=32 * warps, KV=kv, NQ=nq, num_warps=warps, programs=progs * sms)
+            cfg = (c, base[1]) if which == 0 else (base[0], c)
+            try:
+                K.moe_decode(h, views[0], stride, ids, weights, table, y, cfg)
+                err = rel_err(y, want)
+                us = do_bench(lambda: K.moe_decode(h, views[0], stride, ids, weights, table, y, cfg),
+                              warmup=10, rep=60, return_mode="median") * 1000
+            except Exception as e:  # noqa: BLE001 - a variant that does not compile or fit
+                log(f"  sweep {bits}-bit {'up' if which == 0 else 'down'} {c}: {type(e).__name__}")
+                continue
+            r = dict(kind="moe-sweep", bits=bits, part="up" if which == 0 else "down", warps=warps,
+                     KV=kv, NQ=nq, programs_per_sm=progs, us=us, err=err)
+            out.append(r)
+            log(f"  sweep {bits}-bit {r['part']} warps {warps} KV {kv} NQ {nq} programs {progs}xSM: "
+                f"{us:.1f} us (err {err:.1e})")
     return out
 
 
@@ -464,6 +500,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", help="a bench JSON: launch its best GEMV configs once (for ncu)")
     ap.add_argument("--variance", action="store_true", help="time one kernel on fresh allocations")
     ap.add_argument("--moe", action="store_true", help="time one layer's routed experts (moe_decode)")
+    ap.add_argument("--moe-sweep", action="store_true", help="--moe, and vary its launch parameters")
     a = ap.parse_args(argv)
     if a.profile:
         profile(a.profile)
@@ -471,8 +508,8 @@ def main(argv=None) -> int:
     if a.variance:
         variance()
         return 0
-    if a.moe:
-        res = moe_timing()
+    if a.moe or a.moe_sweep:
+        res = moe_timing(sweep=a.moe_sweep)
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(res, f, indent=1)

@@ -283,7 +283,8 @@ def _common_dtypes(w: QMatrix):
 
 
 def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tensor,
-               weights: torch.Tensor, table: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+               weights: torch.Tensor, table: torch.Tensor, out: torch.Tensor,
+               cfg: tuple[dict, dict] | None = None) -> torch.Tensor:
     """One token through its routed experts in two launches, with no host sync:
     out [1, H] = sum_k weights[k] * w2(silu(w1 h) * w3 h) of expert ids[k].
 
@@ -291,6 +292,7 @@ def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tenso
     lies s * slot_bytes bytes further. table [E] int32 (device): the slot of each expert, read
     by the kernels with ids [k] (device), so a CUDA graph of this serves any routing. The
     result equals the eager per-expert path's rounding step for step (see _moe_down_kernel).
+    cfg: (up, down) launch parameters as gemv_config's, to override the defaults (tuning).
     """
     w1, w3, w2 = experts["w1"], experts["w3"], experts["w2"]
     topk = ids.numel()
@@ -298,8 +300,9 @@ def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tenso
     x = h.reshape(-1)
     act = _scratch.get("act", topk * w1.rows, h.dtype, h.device)
     # up: silu(w1 x) * w3 x for every routed expert, into act [k, F]
+    up_cfg, down_cfg = (tuple(sorted(c.items())) for c in cfg) if cfg else (None, None)
     n_j, split, k_per_split, bk, consts = _gemv_launch(
-        w1.rows, w1.cols, w1.bits, w1.group_size, sms, None, 2 * topk)
+        w1.rows, w1.cols, w1.bits, w1.group_size, sms, up_cfg, 2 * topk)
     ws = _scratch.get("partials", topk * split * 2 * w1.rows, torch.float32, h.device)
     cnt = _scratch.get("counters", topk * n_j, torch.int32, h.device, zero=True)
     w0b, w1b = _plane_widths(w1.bits)
@@ -310,7 +313,7 @@ def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tenso
         SMODE=_meta_mode(w1.scale_meta, w1.cols, bk), ZMODE=_meta_mode(w1.zero_meta, w1.cols, bk), **consts)
     # down: the weighted sum of w2 act[k]
     n_j, split, k_per_split, bk, consts = _gemv_launch(
-        w2.rows, w2.cols, w2.bits, w2.group_size, sms, None, topk)
+        w2.rows, w2.cols, w2.bits, w2.group_size, sms, down_cfg, topk)
     ws = _scratch.get("partials", topk * split * w2.rows, torch.float32, h.device)
     cnt = _scratch.get("counters", n_j, torch.int32, h.device, zero=True)
     w0b, w1b = _plane_widths(w2.bits)

@@ -179,10 +179,13 @@ def test_more_bits_when_they_cost_no_cached_experts():
     plans = bit_plans(gpu(8))
     assert [p.cache_experts_per_layer for p in plans[:2]] == [2, 2] and plans[0].bound == "pcie"
     assert speeds(plans)[1] > 0.9 and plans[P.recommend(plans)].expert_bits == 3
-    # an H200: every variant resident, fast memory, launch overheads dominate: 4-bit
+    # an H200: every variant resident; decode reads memory at a fixed share of its bandwidth
+    # (the engine's launch overheads are small since the one-graph decode), so 4-bit's extra
+    # bytes cost more than the tolerance and 3-bit's do not
     plans = bit_plans(gpu(141, 55e9, 4.8e12))
     assert all(p.cache_experts_per_layer == 8 for p in plans)
-    assert min(speeds(plans)) > P.SPEED_TOLERANCE and plans[P.recommend(plans)].expert_bits == 4
+    rel = speeds(plans)
+    assert rel[1] > P.SPEED_TOLERANCE > rel[2] and plans[P.recommend(plans)].expert_bits == 3
 
 
 def test_fewer_bits_when_bigger_experts_cost_cached_experts():
