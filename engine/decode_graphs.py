@@ -41,6 +41,8 @@ class GraphedDecode:
         self.h = torch.zeros_like(self.x)  # input of the experts (normed)
         self.hn = torch.zeros_like(self.x)  # input of attention / of a guess's router (normed)
         self.attn = torch.zeros(1, cfg.num_heads * cfg.head_dim, dtype=dt, device=dev)
+        self.k_new = torch.zeros(1, cfg.num_kv_heads * cfg.head_dim, dtype=dt, device=dev)
+        self.v_new = torch.zeros_like(self.k_new)
         self.guess_weights = torch.zeros(cfg.top_k, dtype=torch.float32, device=dev)
         self.out = torch.zeros_like(self.x)  # sum of the experts' outputs
         self.weights = torch.zeros(1, cfg.top_k, dtype=torch.float32, device=dev)
@@ -125,8 +127,8 @@ class GraphedDecode:
         self.pos.fill_(start)
         span = attention_span(start, m.kv.capacity)
         if self.one_graph:
-            for i in range(m.cfg.num_layers):
-                m.cache.sync_table(i)  # once: a fully resident cache never changes
+            for i in list(m.cache.table_dirty):  # once: a fully resident cache never changes
+                m.cache.sync_table(i)
             self.run(("token", span), lambda: self.token_segment(span))
             m.cache.stats.hits += m.cfg.num_layers * m.cfg.top_k
             if m.trace is not None:
@@ -206,17 +208,20 @@ class GraphedDecode:
             self.out.zero_()
 
     def fused_layer_segment(self, i: int, ids: torch.Tensor, guess: bool) -> None:
-        """layer_segment with decode_kernels: ~10 launches instead of ~45."""
+        """layer_segment with decode_kernels: 8 launches instead of ~45."""
         m, layer, cfg = self.m, self.m.layers[i], self.m.cfg
         eps = cfg.rms_norm_eps
         if i == 0:
             self.x.copy_(F.embedding(self.tok, m.embed))
         dk.add_rms_norm(self.x, self.out if i > 0 else None, layer["attn_norm"], eps, self.hn)
         q = m.linear(self.hn, layer["q_proj"]).view(cfg.num_heads, cfg.head_dim)
-        k = m.linear(self.hn, layer["k_proj"]).view(cfg.num_kv_heads, cfg.head_dim)
-        v = m.linear(self.hn, layer["v_proj"]).view(cfg.num_kv_heads, cfg.head_dim)
-        dk.rope_kv(q, k, v, self.cos, self.sin, self.pos, m.kv.k[i], m.kv.v[i])
-        dk.decode_attention(q, m.kv.k[i], m.kv.v[i], self.pos, cfg.sliding_window, self.attn)
+        if kernels.pair_supported(layer["k_proj"], layer["v_proj"]):
+            kernels.gemv_pair(self.hn, layer["k_proj"], layer["v_proj"], self.k_new, self.v_new)
+            k, v = self.k_new, self.v_new
+        else:
+            k, v = m.linear(self.hn, layer["k_proj"]), m.linear(self.hn, layer["v_proj"])
+        dk.rope_attention(q, k.view(cfg.num_kv_heads, cfg.head_dim), v.view(cfg.num_kv_heads, cfg.head_dim),
+                          self.cos, self.sin, self.pos, m.kv.k[i], m.kv.v[i], cfg.sliding_window, self.attn)
         dk.add_rms_norm(self.x, m.linear(self.attn, layer["o_proj"]), layer["moe_norm"], eps, self.h)
         dk.route_topk(self.h, layer["router"], cfg.top_k, self.weights[0], ids[0])
         for d, j in enumerate(range(i + 1, min(i + 1 + m.prefetch_depth, cfg.num_layers)) if guess else ()):

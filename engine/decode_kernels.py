@@ -3,11 +3,12 @@
 Eagerly, one decoded token's attention and routing is about 45 tiny PyTorch kernels per layer
 (the RMS norm alone is 7, RoPE 10, the router 7); inside a CUDA graph each still costs one
 dependent launch, 2-3 us on an H200, more than the work. These kernels do the same maths in
-4 launches (besides the q/k/v/o GEMVs of kernels.py):
+4 launches (besides the q, k+v and o GEMVs of kernels.py):
 
-  add_rms_norm     x += delta; h = rms_norm(x) * weight
-  rope_kv          RoPE on q and k at the position held on the device; k, v into the KV cache
-  decode_attention one query token against the cached keys and values (GQA, causal, window)
+  add_rms_norm     x += delta; h = rms_norm(x) * weight (twice)
+  rope_attention   RoPE on q and k at the position held on the device, k and v into the KV
+                   cache, and the one query token against all cached positions (GQA, causal,
+                   sliding window)
   route_topk       router logits, softmax, top-k, renormalised, as transformers' Mixtral
 
 Each rounds its intermediate results to the model's dtype where the eager path does, so the
@@ -31,24 +32,20 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
                                num_warps=8)
 
 
-def rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """Rotate q [heads, D] in place and k [kv_heads, D]; write k, v at cache row pos[0].
-    cos, sin: [positions, D] tables (model.rope_cos_sin); k_cache, v_cache [capacity, kv_heads, D]."""
+def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   window: int | None, out: torch.Tensor) -> None:
+    """One decoded token's attention at position pos[0] (a device tensor).
+
+    q [heads, D], k and v [kv_heads, D] as projected; cos, sin [positions, D] tables
+    (model.rope_cos_sin); k_cache, v_cache [capacity, kv_heads, D]. Rotates q and k, writes k
+    and v into cache row pos, and writes out [heads * D] = softmax(q k^T / sqrt(D)) v over rows
+    [max(0, pos - window + 1), pos]. q is not modified.
+    """
     heads, D = q.shape
     kv_heads = k.shape[0]
-    _rope_kv_kernel[(heads + kv_heads,)](q, k, v, cos, sin, pos, k_cache, v_cache, heads,
-                                         kv_heads * D, D=D, num_warps=1)
-
-
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     pos: torch.Tensor, window: int | None, out: torch.Tensor) -> None:
-    """out [heads * D] = softmax(q k^T / sqrt(D)) v over cache rows [max(0, pos-window+1), pos]."""
-    heads, D = q.shape
-    kv_heads = k_cache.shape[1]
-    _decode_attention_kernel[(heads,)](q, k_cache, v_cache, pos, out, heads // kv_heads,
-                                       kv_heads * D, window or 0, D ** -0.5, D=D, BLOCK_S=64,
-                                       num_warps=4)
+    _rope_attention_kernel[(heads,)](q, k, v, cos, sin, pos, k_cache, v_cache, out, heads // kv_heads,
+                                     kv_heads * D, window or 0, D ** -0.5, D=D, BLOCK_S=64, num_warps=4)
 
 
 def route_topk(h: torch.Tensor, router: torch.Tensor, top_k: int, weights: torch.Tensor,
@@ -79,54 +76,51 @@ if triton is not None:
         tl.store(out_ptr + i, y.to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, heads,
-                        row_len, D: tl.constexpr):
-        """Program p < heads: query head p; else key/value head p - heads."""
-        dt: tl.constexpr = q_ptr.dtype.element_ty
-        p = tl.program_id(0)
+    def _rope(x_ptr, c, s, d, half, sign, dt: tl.constexpr):
+        """apply_rope of one head [D], rounded as the eager path: x*cos, rotated*sin, their sum."""
+        x = tl.load(x_ptr + d).to(tl.float32)
+        xr = tl.load(x_ptr + half).to(tl.float32) * sign
+        return _round(_round(x * c, dt) + _round(xr * s, dt), dt)
+
+    @triton.jit
+    def _rope_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, out_ptr,
+                               group, row_len, window, scale, D: tl.constexpr, BLOCK_S: tl.constexpr):
+        """One query head h. Every program of a key/value group rotates that group's new key
+        itself (D values) and uses it for position pos from registers; the group's first program
+        also writes it (and the value) into the cache, which the others therefore never read
+        at row pos. Online softmax over the positions, BLOCK_S at a time."""
+        dt: tl.constexpr = kc_ptr.dtype.element_ty
+        h = tl.program_id(0)
+        kh = h // group
         pos = tl.load(pos_ptr)
         d = tl.arange(0, D)
         half = (d + D // 2) % D  # rotate_half: [-x2, x1]
         sign = tl.where(d < D // 2, -1.0, 1.0)
         c = tl.load(cos_ptr + pos * D + d).to(tl.float32)
         s = tl.load(sin_ptr + pos * D + d).to(tl.float32)
-        if p < heads:
-            src = q_ptr + p * D
-            dst = src
-        else:
-            kh = p - heads
-            src = k_ptr + kh * D
-            dst = kc_ptr + pos * row_len + kh * D
-            tl.store(vc_ptr + pos * row_len + kh * D + d, tl.load(v_ptr + kh * D + d))
-        x = tl.load(src + d).to(tl.float32)
-        xr = tl.load(src + half).to(tl.float32) * sign
-        y = _round(_round(x * c, dt) + _round(xr * s, dt), dt)
-        tl.debug_barrier()  # every lane has read q before any writes it back
-        tl.store(dst + d, y.to(dt))
-
-    @triton.jit
-    def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, out_ptr, group, row_len, window,
-                                 scale, D: tl.constexpr, BLOCK_S: tl.constexpr):
-        """One query head: online softmax over the cached positions, BLOCK_S at a time."""
-        h = tl.program_id(0)
-        kh = h // group
-        pos = tl.load(pos_ptr)
+        q = _rope(q_ptr + h * D, c, s, d, half, sign, dt) * scale
+        k_new = _rope(k_ptr + kh * D, c, s, d, half, sign, dt)
+        v_new = tl.load(v_ptr + kh * D + d).to(tl.float32)
+        if h % group == 0:
+            tl.store(kc_ptr + pos * row_len + kh * D + d, k_new.to(dt))
+            tl.store(vc_ptr + pos * row_len + kh * D + d, v_new.to(dt))
         lo = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
-        d = tl.arange(0, D)
-        q = tl.load(q_ptr + h * D + d).to(tl.float32) * scale
         m_i = -float("inf")
         l_i = 0.0
         acc = tl.zeros((D,), tl.float32)
         for s0 in range(lo // BLOCK_S * BLOCK_S, pos + 1, BLOCK_S):
-            s = s0 + tl.arange(0, BLOCK_S)
-            valid = (s >= lo) & (s <= pos)
-            off = s[:, None] * row_len + kh * D + d[None, :]
-            k = tl.load(kc_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
-            score = tl.where(valid, tl.sum(k * q[None, :], axis=1), -float("inf"))
+            t = s0 + tl.arange(0, BLOCK_S)
+            cached = (t >= lo) & (t < pos)
+            off = t[:, None] * row_len + kh * D + d[None, :]
+            is_new = (t == pos)[:, None]
+            k = tl.load(kc_ptr + off, mask=cached[:, None], other=0.0).to(tl.float32)
+            k = tl.where(is_new, k_new[None, :], k)
+            score = tl.where(cached | (t == pos), tl.sum(k * q[None, :], axis=1), -float("inf"))
             m_new = tl.maximum(m_i, tl.max(score, axis=0))
             p = tl.exp(score - m_new)
             alpha = tl.exp(m_i - m_new)
-            v = tl.load(vc_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
+            v = tl.load(vc_ptr + off, mask=cached[:, None], other=0.0).to(tl.float32)
+            v = tl.where(is_new, v_new[None, :], v)
             acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
             l_i = l_i * alpha + tl.sum(p, axis=0)
             m_i = m_new

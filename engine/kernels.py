@@ -270,16 +270,35 @@ def gemv(x: torch.Tensor, w: QMatrix, out: torch.Tensor, cfg: dict | None = None
     return out
 
 
+def pair_supported(a, b) -> bool:
+    """True when the fused kernels can read a and b in one loop: the same format throughout."""
+    return (all(isinstance(w, QMatrix) and fused_supported(w) for w in (a, b))
+            and (a.rows, a.cols, a.bits, a.group_size) == (b.rows, b.cols, b.bits, b.group_size)
+            and _common_dtypes(a) == _common_dtypes(b))
+
+
 def moe_supported(experts: dict) -> bool:
     """True when moe_decode can run these expert views (w1, w3, w2 of one slot)."""
-    w1, w3, w2 = experts["w1"], experts["w3"], experts["w2"]
-    return (all(isinstance(w, QMatrix) and fused_supported(w) for w in (w1, w3, w2))
-            and (w1.rows, w1.cols, w1.bits, w1.group_size) == (w3.rows, w3.cols, w3.bits, w3.group_size)
-            and _common_dtypes(w1) == _common_dtypes(w3))
+    return pair_supported(experts["w1"], experts["w3"]) and fused_supported(experts["w2"])
 
 
 def _common_dtypes(w: QMatrix):
     return tuple(t.dtype for t in _common_args(w)), _meta_len(w.scale_meta), _meta_len(w.zero_meta)
+
+
+def gemv_pair(x: torch.Tensor, a: QMatrix, b: QMatrix, out_a: torch.Tensor, out_b: torch.Tensor) -> None:
+    """out_a [1, rows] = x @ A.T and out_b = x @ B.T in one launch (pair_supported(a, b)):
+    a token's key and value projections."""
+    n_j, split, k_per_split, bk, consts = _gemv_launch(a.rows, a.cols, a.bits, a.group_size,
+                                                       _sm_count(x.device), None, 2)
+    ws = _scratch.get("partials", split * 2 * a.rows, torch.float32, x.device)
+    cnt = _scratch.get("counters", n_j, torch.int32, x.device, zero=True)
+    w0, w1 = _plane_widths(a.bits)
+    _gemv_pair_kernel[(n_j, split)](
+        x, out_a, out_b, *_common_args(a), *_common_args(b), ws, cnt,
+        a.groups, a.rows, a.cols, _meta_len(a.scale_meta), _meta_len(a.zero_meta), k_per_split, split,
+        W0=w0, W1=w1, GS=a.group_size, SPLIT=split > 1,
+        SMODE=_meta_mode(a.scale_meta, a.cols, bk), ZMODE=_meta_mode(a.zero_meta, a.cols, bk), **consts)
 
 
 def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tensor,
@@ -571,6 +590,49 @@ if triton is not None:
         _finish(y, n, n, (j < G)[None, :], out_ptr, ws_ptr, rows, cnt_ptr + tl.program_id(0), pid_k,
                 n_split, SPLIT)
 
+    @triton.jit
+    def _store_pair(ya, yb, n, mask, out_a, out_b, SWIGLU: tl.constexpr):
+        if SWIGLU:
+            tl.store(out_a + n, _swiglu(ya, yb, out_a.dtype.element_ty), mask=mask)
+        else:
+            tl.store(out_a + n, ya.to(out_a.dtype.element_ty), mask=mask)
+            tl.store(out_b + n, yb.to(out_b.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _finish_pair(ya, yb, n, mask, out_a, out_b, ws_ptr, cnt_ptr, pid_k, n_split, rows,
+                     SPLIT: tl.constexpr, SWIGLU: tl.constexpr):
+        """_finish for two matrices' results (ws: [split, 2, rows]); with SWIGLU out_a gets
+        silu(y_a) * y_b instead of the two results."""
+        if not SPLIT:
+            _store_pair(ya, yb, n, mask, out_a, out_b, SWIGLU)
+        else:
+            tl.store(ws_ptr + pid_k * 2 * rows + n, ya, mask=mask)
+            tl.store(ws_ptr + pid_k * 2 * rows + rows + n, yb, mask=mask)
+            tl.debug_barrier()
+            if tl.atomic_add(cnt_ptr, 1) == n_split - 1:
+                ta = tl.load(ws_ptr + n, mask=mask, other=0.0, cache_modifier=".cg")
+                tb = tl.load(ws_ptr + rows + n, mask=mask, other=0.0, cache_modifier=".cg")
+                for s in range(1, n_split):
+                    ta += tl.load(ws_ptr + s * 2 * rows + n, mask=mask, other=0.0, cache_modifier=".cg")
+                    tb += tl.load(ws_ptr + s * 2 * rows + rows + n, mask=mask, other=0.0,
+                                  cache_modifier=".cg")
+                _store_pair(ta, tb, n, mask, out_a, out_b, SWIGLU)
+                tl.atomic_xchg(cnt_ptr, 0)
+
+    @triton.jit
+    def _gemv_pair_kernel(x_ptr, out_a, out_b, a0, a1, a_s, a_z, a_sm, a_zm, b0, b1, b_s, b_z, b_sm, b_zm,
+                          ws_ptr, cnt_ptr, G, rows, cols, Ms, Mz, k_per_split, n_split,
+                          W0: tl.constexpr, W1: tl.constexpr, GS: tl.constexpr, SPLIT: tl.constexpr,
+                          SMODE: tl.constexpr, ZMODE: tl.constexpr,
+                          BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr, NQ: tl.constexpr):
+        """out_a = x @ A.T and out_b = x @ B.T for two matrices of one format, in one loop."""
+        pid_k = tl.program_id(1)
+        ya, yb, n, j = _gemv_tiles(x_ptr, a0, a1, a_s, a_z, a_sm, a_zm, b0, b1, b_s, b_z, b_sm, b_zm,
+                                   G, cols, Ms, Mz, k_per_split, tl.program_id(0), pid_k,
+                                   True, W0, W1, GS, SMODE, ZMODE, BJ, BKO, KV, NQ)
+        _finish_pair(ya, yb, n, (j < G)[None, :], out_a, out_b, ws_ptr, cnt_ptr + tl.program_id(0),
+                     pid_k, n_split, rows, SPLIT, False)
+
     # -- one token through a layer's routed experts, with the expert chosen on the device ---------
 
     @triton.jit
@@ -610,26 +672,9 @@ if triton is not None:
             _at_slot(b_sm, slot, slot_bytes), _at_slot(b_zm, slot, slot_bytes),
             G, cols, Ms, Mz, k_per_split, tl.program_id(0), pid_k,
             True, W0, W1, GS, SMODE, ZMODE, BJ, BKO, KV, NQ)
-        mask = (j < G)[None, :]
-        out_ptr = act_ptr + kpos * rows
-        dt: tl.constexpr = act_ptr.dtype.element_ty
-        if not SPLIT:
-            tl.store(out_ptr + n, _swiglu(ya, yb, dt), mask=mask)
-        else:
-            ws = ws_ptr + kpos * n_split * 2 * rows  # [split, 2, rows] of this kpos
-            tl.store(ws + pid_k * 2 * rows + n, ya, mask=mask)
-            tl.store(ws + pid_k * 2 * rows + rows + n, yb, mask=mask)
-            tl.debug_barrier()
-            cnt = cnt_ptr + kpos * tl.num_programs(0) + tl.program_id(0)
-            if tl.atomic_add(cnt, 1) == n_split - 1:
-                ta = tl.load(ws + n, mask=mask, other=0.0, cache_modifier=".cg")
-                tb = tl.load(ws + rows + n, mask=mask, other=0.0, cache_modifier=".cg")
-                for s in range(1, n_split):
-                    ta += tl.load(ws + s * 2 * rows + n, mask=mask, other=0.0, cache_modifier=".cg")
-                    tb += tl.load(ws + s * 2 * rows + rows + n, mask=mask, other=0.0,
-                                  cache_modifier=".cg")
-                tl.store(out_ptr + n, _swiglu(ta, tb, dt), mask=mask)
-                tl.atomic_xchg(cnt, 0)
+        cnt = cnt_ptr + kpos * tl.num_programs(0) + tl.program_id(0)
+        _finish_pair(ya, yb, n, (j < G)[None, :], act_ptr + kpos * rows, act_ptr,
+                     ws_ptr + kpos * n_split * 2 * rows, cnt, pid_k, n_split, rows, SPLIT, True)
 
     @triton.jit
     def _moe_down_kernel(act_ptr, out_ptr, ids_ptr, weights_ptr, table_ptr, slot_bytes,

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from engine import bench
 from engine import decode_kernels as dk
+from engine import kernels
 from engine.expert_cache import ExpertCache
 from engine.model import OffloadedMixtral
 
@@ -69,9 +70,10 @@ def profile(layers: int, expert_bits: int, log=print) -> dict:
         "add_rms_norm": lambda: dk.add_rms_norm(g.x, g.out, L0["attn_norm"], 1e-5, g.hn),
         "q GEMV 4096x4096": lambda: m.linear(g.hn, L0["q_proj"]),
         "k GEMV 1024x4096": lambda: m.linear(g.hn, L0["k_proj"]),
-        "v GEMV 1024x4096": lambda: m.linear(g.hn, L0["v_proj"]),
-        "rope_kv": lambda: dk.rope_kv(q, k, v, g.cos, g.sin, g.pos, m.kv.k[0], m.kv.v[0]),
-        "decode_attention (pos 100)": lambda: dk.decode_attention(q, m.kv.k[0], m.kv.v[0], g.pos, None, g.attn),
+        "k and v GEMVs, one launch (gemv_pair)": lambda: kernels.gemv_pair(g.hn, L0["k_proj"], L0["v_proj"],
+                                                                           g.k_new, g.v_new),
+        "rope_attention (pos 100)": lambda: dk.rope_attention(q, k, v, g.cos, g.sin, g.pos, m.kv.k[0], m.kv.v[0],
+                                                              None, g.attn),
         "o GEMV 4096x4096": lambda: m.linear(g.attn, L0["o_proj"]),
         "route_topk": lambda: dk.route_topk(g.h, L0["router"], cfg.top_k, g.weights[0], g.ids[0]),
         "moe_decode (2 experts)": lambda: g.moe_segment(0),

@@ -39,11 +39,12 @@ def test_add_rms_norm(dtype, with_delta):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_kv_and_attention_match_the_eager_attention(dtype):
-    from engine.decode_kernels import decode_attention, rope_kv
+@pytest.mark.parametrize("pos,window", [(0, None), (63, None), (64, None), (257, None), (257, 100), (20, 100)])
+def test_rope_attention_matches_the_eager_attention(dtype, pos, window):
+    from engine.decode_kernels import rope_attention
     from engine.model import apply_rope, rope_cos_sin
-    heads, kv_heads, D, cap, pos = 8, 2, 64, 300, 257
-    g = torch.Generator().manual_seed(2)
+    heads, kv_heads, D, cap = 8, 2, 64, 300
+    g = torch.Generator().manual_seed(pos)
     inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
     cos, sin = rope_cos_sin(inv.to(DEVICE), torch.arange(cap, device=DEVICE), dtype)  # [P, 1, D]
     q = torch.randn(heads, D, generator=g).to(DEVICE, dtype)
@@ -51,24 +52,25 @@ def test_rope_kv_and_attention_match_the_eager_attention(dtype):
     v = torch.randn(kv_heads, D, generator=g).to(DEVICE, dtype)
     kc = torch.randn(cap, kv_heads, D, generator=g).to(DEVICE, dtype)
     vc = torch.randn(cap, kv_heads, D, generator=g).to(DEVICE, dtype)
+    # the eager path (model.attention with pos): rotate, write row pos, masked SDPA
     want_q = apply_rope(q[None], cos[pos:pos + 1], sin[pos:pos + 1])[0]
-    want_k = apply_rope(k[None], cos[pos:pos + 1], sin[pos:pos + 1])[0]
-    kc2, vc2 = kc.clone(), vc.clone()
-    rope_kv(q, k, v, cos, sin, torch.tensor([pos], device=DEVICE), kc2, vc2)
-    close(q, want_q, dtype)
-    close(kc2[pos], want_k, dtype)
-    assert torch.equal(vc2[pos], v)
-    assert torch.equal(kc2[:pos], kc[:pos]) and torch.equal(kc2[pos + 1:], kc[pos + 1:])
-    for window in (None, 100):
-        kpos = torch.arange(cap, device=DEVICE)
-        mask = kpos <= pos
-        if window:
-            mask &= pos - kpos < window
-        want = F.scaled_dot_product_attention(q[:, None], kc2.transpose(0, 1), vc2.transpose(0, 1),
-                                              attn_mask=mask[None], enable_gqa=True)[:, 0].reshape(-1)
-        out = torch.empty(heads * D, device=DEVICE, dtype=dtype)
-        decode_attention(q, kc2, vc2, torch.tensor([pos], device=DEVICE), window, out)
-        close(out, want, dtype)
+    want_kc, want_vc = kc.clone(), vc.clone()
+    want_kc[pos] = apply_rope(k[None], cos[pos:pos + 1], sin[pos:pos + 1])[0]
+    want_vc[pos] = v
+    kpos = torch.arange(cap, device=DEVICE)
+    mask = kpos <= pos
+    if window:
+        mask &= pos - kpos < window
+    want = F.scaled_dot_product_attention(want_q[:, None], want_kc.transpose(0, 1), want_vc.transpose(0, 1),
+                                          attn_mask=mask[None], enable_gqa=True)[:, 0].reshape(-1)
+    q0 = q.clone()
+    out = torch.empty(heads * D, device=DEVICE, dtype=dtype)
+    rope_attention(q, k, v, cos, sin, torch.tensor([pos], device=DEVICE), kc, vc, window, out)
+    close(out, want, dtype)
+    close(kc[pos], want_kc[pos], dtype)
+    assert torch.equal(vc[pos], v) and torch.equal(q, q0)
+    rows = torch.arange(cap, device=DEVICE) != pos
+    assert torch.equal(kc[rows], want_kc[rows]) and torch.equal(vc[rows], want_vc[rows])
 
 
 @pytest.mark.parametrize("experts,top_k", [(8, 2), (6, 3), (5, 1)])

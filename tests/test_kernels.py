@@ -275,3 +275,17 @@ def test_moe_decode_matches_the_per_expert_path(bits, g, meta8, topk, dtype):
 def test_moe_decode_mixtral_shape_is_deterministic(bits, g):
     out = check_moe_decode("cuda", 4096, 14336, bits, g, True, 2, torch.bfloat16)
     assert torch.equal(check_moe_decode("cuda", 4096, 14336, bits, g, True, 2, torch.bfloat16), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows,cols,bits,g", [(1024, 4096, 4, 64), (1024, 4096, 8, 64), (256, 512, 2, 16), (96, 200, 3, 32)])
+def test_gemv_pair_equals_two_gemvs(rows, cols, bits, g):
+    a = random_qmatrix(rows, cols, bits, g, device="cuda", seed=1)
+    b = random_qmatrix(rows, cols, bits, g, device="cuda", seed=2)
+    assert K.pair_supported(a, b) and not K.pair_supported(a, random_qmatrix(rows, cols, bits, g, meta8=False, device="cuda"))
+    x = torch.randn(1, cols, device="cuda", dtype=torch.bfloat16)
+    ya, yb = (torch.full((1, rows), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(2):  # the split-K counters are reset for the next launch
+        K.gemv_pair(x, a, b, ya, yb)
+        assert rel_err(ya, K.qlinear(x, a, "fused")) <= 1e-3 and rel_err(yb, K.qlinear(x, b, "fused")) <= 1e-3
