@@ -70,29 +70,53 @@ class GraphedDecode:
             self.pool = torch.cuda.graph_pool_handle()
             self.key = key
             # the fused small kernels (decode_kernels) wherever the fused GEMVs run
-            self.fast = m.kernels != "reference" and kernels.fused_available(m.device)
+            self.fast = (m.kernels != "reference" and kernels.fused_available(m.device)
+                         and self.works(self.probe_decode_kernels, "fused decode kernels"))
             self.grouped = self.fast and self.can_group()
             self.one_graph = self.grouped and m.cache.K == m.cfg.num_experts and m.cache.policy == "lru"
 
-    def can_group(self) -> bool:
-        """Whether kernels.moe_decode can run this model's experts (tried once under "auto":
-        a failure there falls back to the per-expert graphs)."""
-        m, cache = self.m, self.m.cache
-        if (cache.decode is not None or cache.K < m.cfg.top_k or not kernels.moe_supported(cache.views[0][0])):
-            return False
-        if m.kernels == "fused":
+    def works(self, probe, what: str) -> bool:
+        """Run probe() once, on scratch buffers. Under kernels="auto" a failure (Triton cannot
+        build a kernel on this machine, say) means the slower path and a warning; under
+        kernels="fused" it is raised."""
+        if self.m.kernels == "fused":
+            probe()
             return True
-        try:  # slot 0 for every expert: a valid address whatever the slots hold
-            ids = torch.arange(m.cfg.top_k, device=m.device)
-            kernels.moe_decode(self.h, cache.views[0][0], cache.B, ids, self.weights[0],
-                               torch.zeros(m.cfg.num_experts, dtype=torch.int32, device=m.device),
-                               torch.empty_like(self.out))
-            torch.cuda.synchronize(m.device)
+        try:
+            probe()
+            torch.cuda.synchronize(self.m.device)
             return True
         except Exception as e:  # noqa: BLE001 - any failure of the optional fast path
-            warnings.warn(f"grouped expert kernels unavailable ({type(e).__name__}: {e}); "
-                          "running experts one at a time")
+            warnings.warn(f"{what} unavailable ({type(e).__name__}: {e}); using the slower path")
             return False
+
+    def probe_decode_kernels(self) -> None:
+        """Each kernel of fused_layer_segment once, on layer 0's weights and scratch outputs."""
+        m, cfg, dev = self.m, self.m.cfg, self.m.device
+        layer = m.layers[0]
+        dk.add_rms_norm(torch.zeros_like(self.x), self.x, layer["attn_norm"], cfg.rms_norm_eps,
+                        torch.empty_like(self.x))
+        dk.route_topk(self.x, layer["router"], cfg.top_k, torch.empty_like(self.guess_weights),
+                      torch.empty_like(self.ids[0]))
+        q = torch.zeros(cfg.num_heads, cfg.head_dim, dtype=m.dtype, device=dev)
+        kv = torch.zeros(cfg.num_kv_heads, cfg.head_dim, dtype=m.dtype, device=dev)
+        cache = torch.zeros(1, cfg.num_kv_heads, cfg.head_dim, dtype=m.dtype, device=dev)
+        dk.rope_attention(q, kv, kv, self.cos, self.sin, torch.zeros_like(self.pos), cache, cache.clone(),
+                          cfg.sliding_window, torch.empty_like(self.attn))
+        if kernels.pair_supported(layer["k_proj"], layer["v_proj"]):
+            kernels.gemv_pair(self.x, layer["k_proj"], layer["v_proj"], torch.empty_like(self.k_new),
+                              torch.empty_like(self.v_new))
+
+    def can_group(self) -> bool:
+        """Whether kernels.moe_decode can run this model's experts."""
+        m, cache = self.m, self.m.cache
+        if cache.decode is not None or cache.K < m.cfg.top_k or not kernels.moe_supported(cache.views[0][0]):
+            return False
+        # slot 0 for every expert: a valid address whatever the slots hold
+        return self.works(lambda: kernels.moe_decode(
+            self.h, cache.views[0][0], cache.B, torch.arange(m.cfg.top_k, device=m.device), self.weights[0],
+            torch.zeros(m.cfg.num_experts, dtype=torch.int32, device=m.device), torch.empty_like(self.out)),
+            "grouped expert kernels")
 
     def prepare(self, max_position: int, progress=None) -> None:
         """Capture every graph decode can need up to max_position, before any generation.
@@ -204,8 +228,7 @@ class GraphedDecode:
         guesses = m.guess_next_experts(i, self.x) if ids_out is None else None
         if guesses is not None:
             self.guesses[:guesses.shape[0]].copy_(guesses)
-        if not self.grouped:  # moe_decode writes out whole; the per-expert graphs add to it
-            self.out.zero_()
+        self.out.zero_()  # the per-expert graphs add to it
 
     def fused_layer_segment(self, i: int, ids: torch.Tensor, guess: bool) -> None:
         """layer_segment with decode_kernels: 8 launches instead of ~45."""
