@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 
@@ -37,6 +37,26 @@ class SamplingSettings:
 class TokenPiece:
     token_id: int
     text: str
+
+
+def detokenize(tokenizer, ids: Iterable[int]) -> Iterator[tuple[int, str]]:
+    """(token, the text it adds) for each token, decoding only the last few tokens each time.
+
+    Decoding the whole reply per token costs O(n^2); instead two windows that start at the same
+    token are decoded (the text already shown, and it plus the new tokens), so whatever a
+    tokenizer does at the start of a decode (a dropped leading space) cancels out. A token
+    that ends in an unfinished multi-byte character yields nothing until the rest arrives.
+    """
+    new: list[int] = []
+    start = shown = 0  # window start; tokens [start, shown) are the text already given out
+    for tok in ids:
+        new.append(tok)
+        before = tokenizer.decode(new[start:shown], skip_special_tokens=True)
+        text = tokenizer.decode(new[start:], skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            continue
+        yield tok, text[len(before):]
+        start, shown = shown, len(new)
 
 
 @dataclass
@@ -138,14 +158,7 @@ class Engine:
                chat: bool | None = None) -> Iterator[TokenPiece]:
         """Yield text pieces as tokens are decoded. prompt: text or chat messages."""
         ids = self.encode(prompt, chat if chat is not None else isinstance(prompt, list))
-        new: list[int] = []
-        shown = ""
-        for tok in self.generate_ids(ids, sampling, cancel):
-            new.append(tok)
-            text = self.tokenizer.decode(new, skip_special_tokens=True)
-            if text.endswith("\ufffd"):  # an unfinished multi-byte character: wait for the rest
-                continue
-            piece, shown = text[len(shown):], text
+        for tok, piece in detokenize(self.tokenizer, self.generate_ids(ids, sampling, cancel)):
             yield TokenPiece(tok, piece)
 
     def generate_ids(self, prompt_ids: list[int], sampling: SamplingSettings,

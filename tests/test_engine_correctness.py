@@ -139,3 +139,27 @@ def test_expert_trace_records_routing_and_residency(tiny_store):
                for sel, res in zip(sel_t, res_t) for e in sel)
     assert all(len(res) <= 2 for res_t in t.resident_before for res in res_t)
     assert hits <= engine.last_stats.cache_hits
+
+
+def test_detokenize_gives_the_whole_text_from_short_windows():
+    """The demo's byte-level BPE: multi-byte characters split over tokens, leading spaces."""
+    from transformers import AutoTokenizer
+
+    from engine.demo import demo_store_path
+    from engine.generate import detokenize
+    tok = AutoTokenizer.from_pretrained(str(demo_store_path()))
+    text = ("Use `open()` to read a file: naïve café, 日本語 and 🙂 too.\n    for line in f:\n"
+            "        print(line)  # ünïcödé ") * 8
+    ids = tok.encode(text, add_special_tokens=False)
+    lengths = []
+    real_decode = tok.decode
+
+    def decode(window, **kw):
+        lengths.append(len(window))
+        return real_decode(window, **kw)
+
+    tok.decode = decode
+    pieces = list(detokenize(tok, ids))
+    assert "".join(p for _, p in pieces) == real_decode(ids, skip_special_tokens=True)
+    assert not any("\ufffd" in p for _, p in pieces)
+    assert len(ids) > 200 and max(lengths) <= 8  # never the whole reply
