@@ -67,20 +67,34 @@ def read_hf_config(src: Path) -> dict:
     return cfg
 
 
+def read_index(src: Path) -> tuple[dict[str, str], list[str]]:
+    """model.safetensors.index.json's weight_map and the shard files it names (all present)."""
+    index = src / "model.safetensors.index.json"
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(f"{index} is missing or damaged; download the checkpoint again.") from None
+    files = sorted(set(weight_map.values()))
+    missing = [f for f in files if not (src / f).is_file()]
+    if missing:
+        raise UserError(f"{src} is missing {len(missing)} of {len(files)} shards named by "
+                        f"model.safetensors.index.json ({', '.join(missing[:3])}); "
+                        f"finish the download (`moeferry fetch` resumes) and try again.")
+    return weight_map, files
+
+
+def shard_header(path: Path) -> tuple[dict, int]:
+    """A shard's safetensors header and where its data starts, or one clear sentence."""
+    try:
+        return read_header(path)
+    except (OSError, FormatError) as e:
+        raise UserError(f"Cannot read {path} ({e}); download it again.") from None
+
+
 def index_tensors(src: Path) -> dict[str, TensorRef]:
     """Every tensor name in the checkpoint -> where its bytes are."""
-    index = src / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError):
-            raise UserError(f"{index} is damaged; download the checkpoint again.") from None
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (src / f).is_file()]
-        if missing:
-            raise UserError(f"{src} is missing {len(missing)} of {len(files)} shards named by "
-                            f"model.safetensors.index.json ({', '.join(missing[:3])}); "
-                            f"finish the download (`moeferry fetch` resumes) and convert again.")
+    if (src / "model.safetensors.index.json").is_file():
+        _, files = read_index(src)
     else:
         files = sorted(p.name for p in src.glob("*.safetensors"))
         if not files:
@@ -89,10 +103,7 @@ def index_tensors(src: Path) -> dict[str, TensorRef]:
     refs = {}
     for name in files:
         path = src / name
-        try:
-            header, start = read_header(path)
-        except (OSError, FormatError) as e:
-            raise UserError(f"Cannot read {path} ({e}); download it again.") from None
+        header, start = shard_header(path)
         for key, entry in header.items():
             refs[key] = TensorRef(path, entry, start)
     return refs

@@ -31,7 +31,7 @@ import torch
 from engine import convert, quant, store
 from engine.errors import UserError
 from engine.model import ModelConfig
-from engine.safetensors_io import DTYPES, FormatError, StreamingWriter, read_header
+from engine.safetensors_io import DTYPES, StreamingWriter
 
 TOKENIZER_REPO = "mistralai/Mixtral-8x7B-Instruct-v0.1"
 TOKENIZER_HINT = (f"the tokenizer of {TOKENIZER_REPO} is in a gated repository: accept its licence at "
@@ -77,27 +77,14 @@ class Checkpoint:
 
 
 def open_checkpoint(src: Path, tokenizer=None) -> Checkpoint:
-    index = src / "model.safetensors.index.json"
     if not src.is_dir():
         raise UserError(f"{src} is not a folder; give the folder of the paper's offloading checkpoint.")
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError):
-        raise UserError(f"{index} is missing or damaged; download the checkpoint again.") from None
+    weight_map, files = convert.read_index(src)
     hf = read_config(src, tokenizer)
-    files = sorted(set(weight_map.values()))
-    missing = [f for f in files if not (src / f).is_file()]
-    if missing:
-        raise UserError(f"{src} is missing {len(missing)} of {len(files)} files named by "
-                        f"model.safetensors.index.json ({', '.join(missing[:3])}); finish the download "
-                        f"(`moeferry fetch` resumes) and run again.")
     headers, refs = {}, {}
     for f in files:
-        try:
-            headers[f] = read_header(src / f)
-        except (OSError, FormatError) as e:
-            raise UserError(f"Cannot read {src / f} ({e}); download it again.") from None
-        header, start = headers[f]
+        header, start = convert.shard_header(src / f)
+        headers[f] = header, start
         for k, v in header.items():
             if k.startswith(("model.", "lm_head.")) and weight_map.get(k, f) == f:
                 refs[k] = convert.TensorRef(src / f, v, start)
