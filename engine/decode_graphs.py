@@ -126,8 +126,7 @@ class GraphedDecode:
         m = self.m
         self.check_keys()
         self.pos.zero_()
-        spans = sorted({attention_span(p, m.kv.capacity) for p in range(0, max_position, 256)} |
-                       {attention_span(max_position - 1, m.kv.capacity)})
+        spans = sorted({self.span(p) for p in range(0, max_position, 256)} | {self.span(max_position - 1)})
         layers = range(m.cfg.num_layers)
         if self.one_graph:
             jobs = [(("token", s), lambda s=s: self.token_segment(s)) for s in spans]
@@ -149,7 +148,7 @@ class GraphedDecode:
         self.check_keys()
         self.tok.copy_(tokens.view(1))
         self.pos.fill_(start)
-        span = attention_span(start, m.kv.capacity)
+        span = self.span(start)
         if self.one_graph:
             for i in list(m.cache.table_dirty):  # once: a fully resident cache never changes
                 m.cache.sync_table(i)
@@ -175,6 +174,11 @@ class GraphedDecode:
             m.trace.append(step)
         self.run(("head",), self.head_segment)
         return self.logits.clone()
+
+    def span(self, start: int) -> int:
+        """What a layer graph at position `start` is keyed on: the eager attention's span; the
+        fused attention reads the position on the device, so one graph (span 0) serves all."""
+        return 0 if self.fast else attention_span(start, self.m.kv.capacity)
 
     def run(self, key: tuple, fn) -> None:
         g = self.graphs.get(key)
