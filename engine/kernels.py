@@ -260,14 +260,21 @@ def gemv(x: torch.Tensor, w: QMatrix, out: torch.Tensor, cfg: dict | None = None
         cnt = _scratch.get("counters", n_j, torch.int32, x.device, zero=True)
     else:
         ws, cnt = out, out  # not read
-    w0, w1 = _plane_widths(w.bits)
-    _gemv_kernel[(n_j, split)](
-        x, out, *_common_args(w), ws, cnt,
-        w.groups, w.rows, w.cols, _meta_len(w.scale_meta), _meta_len(w.zero_meta), k_per_split, split,
-        W0=w0, W1=w1, GS=w.group_size, SPLIT=split > 1,
-        SMODE=_meta_mode(w.scale_meta, w.cols, bk), ZMODE=_meta_mode(w.zero_meta, w.cols, bk),
-        **consts)
+    _gemv_kernel[(n_j, split)](x, out, *_common_args(w), ws, cnt, *_sizes(w), k_per_split, split,
+                               SPLIT=split > 1, **_format(w, bk), **consts)
     return out
+
+
+def _sizes(w: QMatrix) -> tuple:
+    """The GEMV kernels' size arguments: G, rows, cols, Ms, Mz."""
+    return w.groups, w.rows, w.cols, _meta_len(w.scale_meta), _meta_len(w.zero_meta)
+
+
+def _format(w: QMatrix, bk: int) -> dict:
+    """The GEMV kernels' constexprs that describe w's format (for k tiles of bk columns)."""
+    w0, w1 = _plane_widths(w.bits)
+    return dict(W0=w0, W1=w1, GS=w.group_size, SMODE=_meta_mode(w.scale_meta, w.cols, bk),
+                ZMODE=_meta_mode(w.zero_meta, w.cols, bk))
 
 
 def pair_supported(a, b) -> bool:
@@ -293,12 +300,9 @@ def gemv_pair(x: torch.Tensor, a: QMatrix, b: QMatrix, out_a: torch.Tensor, out_
                                                        _sm_count(x.device), None, 2)
     ws = _scratch.get("partials", split * 2 * a.rows, torch.float32, x.device)
     cnt = _scratch.get("counters", n_j, torch.int32, x.device, zero=True)
-    w0, w1 = _plane_widths(a.bits)
-    _gemv_pair_kernel[(n_j, split)](
-        x, out_a, out_b, *_common_args(a), *_common_args(b), ws, cnt,
-        a.groups, a.rows, a.cols, _meta_len(a.scale_meta), _meta_len(a.zero_meta), k_per_split, split,
-        W0=w0, W1=w1, GS=a.group_size, SPLIT=split > 1,
-        SMODE=_meta_mode(a.scale_meta, a.cols, bk), ZMODE=_meta_mode(a.zero_meta, a.cols, bk), **consts)
+    _gemv_pair_kernel[(n_j, split)](x, out_a, out_b, *_common_args(a), *_common_args(b), ws, cnt,
+                                    *_sizes(a), k_per_split, split, SPLIT=split > 1, **_format(a, bk),
+                                    **consts)
 
 
 def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tensor,
@@ -324,23 +328,17 @@ def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tenso
         w1.rows, w1.cols, w1.bits, w1.group_size, sms, up_cfg, 2 * topk)
     ws = _scratch.get("partials", topk * split * 2 * w1.rows, torch.float32, h.device)
     cnt = _scratch.get("counters", topk * n_j, torch.int32, h.device, zero=True)
-    w0b, w1b = _plane_widths(w1.bits)
-    _moe_up_kernel[(n_j, split, topk)](
-        x, act, ids, table, slot_bytes, *_common_args(w1), *_common_args(w3), ws, cnt,
-        w1.groups, w1.rows, w1.cols, _meta_len(w1.scale_meta), _meta_len(w1.zero_meta), k_per_split, split,
-        W0=w0b, W1=w1b, GS=w1.group_size, SPLIT=split > 1,
-        SMODE=_meta_mode(w1.scale_meta, w1.cols, bk), ZMODE=_meta_mode(w1.zero_meta, w1.cols, bk), **consts)
+    _moe_up_kernel[(n_j, split, topk)](x, act, ids, table, slot_bytes, *_common_args(w1), *_common_args(w3),
+                                       ws, cnt, *_sizes(w1), k_per_split, split, SPLIT=split > 1,
+                                       **_format(w1, bk), **consts)
     # down: the weighted sum of w2 act[k]
     n_j, split, k_per_split, bk, consts = _gemv_launch(
         w2.rows, w2.cols, w2.bits, w2.group_size, sms, down_cfg, topk)
     ws = _scratch.get("partials", topk * split * w2.rows, torch.float32, h.device)
     cnt = _scratch.get("counters", n_j, torch.int32, h.device, zero=True)
-    w0b, w1b = _plane_widths(w2.bits)
-    _moe_down_kernel[(n_j, split, topk)](
-        act, out, ids, weights, table, slot_bytes, *_common_args(w2), ws, cnt,
-        w2.groups, w2.rows, w2.cols, _meta_len(w2.scale_meta), _meta_len(w2.zero_meta), k_per_split, split,
-        W0=w0b, W1=w1b, GS=w2.group_size, TOPK=topk,
-        SMODE=_meta_mode(w2.scale_meta, w2.cols, bk), ZMODE=_meta_mode(w2.zero_meta, w2.cols, bk), **consts)
+    _moe_down_kernel[(n_j, split, topk)](act, out, ids, weights, table, slot_bytes, *_common_args(w2), ws, cnt,
+                                         *_sizes(w2), k_per_split, split, TOPK=topk, **_format(w2, bk),
+                                         **consts)
     return out
 
 
