@@ -105,7 +105,8 @@ class ExpertCache:
         if self.policy == "naive":
             self.stats.misses += 1
             lru.clear()  # nothing is kept: every use copies
-            slot = self._load(layer, expert, keep)
+            # the experts of one step get their own slots: all of them may be read at once
+            slot = self._load(layer, expert, keep, list(keep).index(expert) % self.K if expert in keep else 0)
             if self.cuda:
                 self.copy_stream.synchronize()
             return self._weights(layer, slot), slot
@@ -152,14 +153,10 @@ class ExpertCache:
 
     # -- inside ---------------------------------------------------------------------------------
 
-    def _load(self, layer: int, expert: int, keep) -> int:
+    def _load(self, layer: int, expert: int, keep, slot: int | None = None) -> int:
         lru = self.lru[layer]
-        if len(lru) < self.K:
-            slot = len(lru)
-        else:
-            victim = next((e for e in lru if e not in keep), next(iter(lru)))
-            slot = lru.pop(victim)
-            self.unused_prefetch[layer].discard(victim)
+        if slot is None:  # else the caller's choice (naive, whose lru is empty)
+            slot = len(lru) if len(lru) < self.K else self._evict(layer, keep)
         lru[expert] = slot
         self.table_host[layer, expert] = slot
         self.table_dirty.add(layer)
@@ -174,6 +171,13 @@ class ExpertCache:
             self._decode(layer, slot)
         self.stats.bytes_h2d += self.B
         return slot
+
+    def _evict(self, layer: int, keep) -> int:
+        """Drop the least recently used expert not in keep (else the oldest); its slot."""
+        lru = self.lru[layer]
+        victim = next((e for e in lru if e not in keep), next(iter(lru)))
+        self.unused_prefetch[layer].discard(victim)
+        return lru.pop(victim)
 
     def _decode(self, layer: int, slot: int) -> None:
         if self.decode is not None:

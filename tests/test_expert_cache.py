@@ -76,3 +76,36 @@ def test_all_experts_resident_copies_once_and_never_misses():
     for e in range(E):
         use(cache, 0, e)
     assert cache.stats.misses == 0 and cache.stats.bytes_h2d == 0 and cache.host is None
+
+
+def test_the_device_slot_table_follows_every_load():
+    """kernels.moe_decode finds an expert through cache.table: after any mix of demand loads,
+    prefetches and evictions, and a sync of the layer, the table gives the slot that really
+    holds each resident expert's bytes."""
+    gen = torch.Generator().manual_seed(1)
+    for policy, k in (("lru", 2), ("lru", 4), ("naive", 2)):
+        cache = make_cache(k) if policy == "lru" else ExpertCache(
+            make_cache(1).host, k, torch.device("cpu"), lambda buf: buf, policy="naive")
+        for _ in range(100):
+            layer = int(torch.randint(L, (1,), generator=gen))
+            needed = torch.randperm(E, generator=gen)[:2].tolist()
+            for e in needed:
+                _, slot = cache.acquire(layer, e, keep=needed)
+                cache.release(layer, slot)
+            cache.prefetch((layer + 1) % L, torch.randperm(E, generator=gen)[:2].tolist())
+            cache.sync_table(layer)
+            assert layer not in cache.table_dirty
+            for e in needed:
+                slot = int(cache.table[layer, e])
+                assert int(cache.slots[layer, slot, 0]) == layer * E + e
+
+
+def test_a_fully_resident_or_no_copy_cache_has_a_fixed_table():
+    full = make_cache(E)
+    no_copy = ExpertCache(full.host if full.host is not None else make_cache(1).host, 3, torch.device("cpu"),
+                          lambda buf: buf, policy="no-copy")
+    for cache, want in ((full, torch.arange(E)), (no_copy, torch.arange(E) % 3)):
+        for layer in range(L):
+            cache.sync_table(layer)
+            assert cache.table[layer].tolist() == want.tolist()
+        assert not cache.table_dirty
