@@ -64,7 +64,9 @@ class GraphedDecode:
         cache, the prefetch depth). A fresh memory pool goes with them: a pool whose graphs
         were all freed must not be captured into again."""
         m = self.m
-        key = (m.kv.serial, m.cache.serial, m.prefetch_depth)
+        # with every expert resident the guesses change nothing: a new depth keeps the graphs
+        depth = m.prefetch_depth if m.cache.K < m.cfg.num_experts else 0
+        key = (m.kv.serial, m.cache.serial, depth)
         if key != self.key:
             self.graphs = {}
             self.pool = torch.cuda.graph_pool_handle()
