@@ -15,8 +15,8 @@ The host part (which experts to copy, LRU, prefetch) is the model's own `dispatc
 Graphs read and write fixed buffers (`x`, `h`, `out`, `weights`, `ids`, `guesses`, `logits`)
 and the token position from a device tensor, so they replay at any position. Each graph is
 captured the first time it is needed, right after running its function eagerly for that token
-(which also compiles the Triton kernels). A new KV cache, expert cache or prefetch depth drops
-all graphs.
+(which also compiles the Triton kernels). A new KV cache or expert cache drops all graphs, and
+so does a new prefetch depth unless every expert is resident.
 """
 
 from __future__ import annotations
@@ -56,6 +56,10 @@ class GraphedDecode:
         self.capture_stream = torch.cuda.Stream(dev)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.key = None
+        # the fused small kernels (decode_kernels) wherever the fused GEMVs run; whether the
+        # expert cache allows the grouped expert kernels is decided per cache in check_keys
+        self.fast = (model.kernels != "reference" and kernels.fused_available(dev)
+                     and self.works(self.probe_decode_kernels, "fused decode kernels"))
 
     # -- one decode step --------------------------------------------------------------------------
 
@@ -68,14 +72,12 @@ class GraphedDecode:
         depth = m.prefetch_depth if m.cache.K < m.cfg.num_experts else 0
         key = (m.kv.serial, m.cache.serial, depth)
         if key != self.key:
+            if self.key is None or key[1] != self.key[1]:  # a new expert cache
+                self.grouped = self.fast and self.can_group()
+                self.one_graph = self.grouped and m.cache.K == m.cfg.num_experts and m.cache.policy == "lru"
             self.graphs = {}
             self.pool = torch.cuda.graph_pool_handle()
             self.key = key
-            # the fused small kernels (decode_kernels) wherever the fused GEMVs run
-            self.fast = (m.kernels != "reference" and kernels.fused_available(m.device)
-                         and self.works(self.probe_decode_kernels, "fused decode kernels"))
-            self.grouped = self.fast and self.can_group()
-            self.one_graph = self.grouped and m.cache.K == m.cfg.num_experts and m.cache.policy == "lru"
 
     def works(self, probe, what: str) -> bool:
         """Run probe() once, on scratch buffers. Under kernels="auto" a failure (Triton cannot
@@ -128,11 +130,11 @@ class GraphedDecode:
         m = self.m
         self.check_keys()
         self.pos.zero_()
-        spans = sorted({self.span(p) for p in range(0, max_position, 256)} | {self.span(max_position - 1)})
         layers = range(m.cfg.num_layers)
         if self.one_graph:
-            jobs = [(("token", s), lambda s=s: self.token_segment(s)) for s in spans]
+            jobs = [(("token",), self.token_segment)]
         else:
+            spans = sorted({self.span(p) for p in range(0, max_position, 256)} | {self.span(max_position - 1)})
             jobs = [(("layer", i, s), lambda i=i, s=s: self.layer_segment(i, s)) for s in spans for i in layers]
             if self.grouped:
                 jobs += [(("moe", i), lambda i=i: self.moe_segment(i)) for i in layers]
@@ -150,15 +152,15 @@ class GraphedDecode:
         self.check_keys()
         self.tok.copy_(tokens.view(1))
         self.pos.fill_(start)
-        span = self.span(start)
         if self.one_graph:
             for i in list(m.cache.table_dirty):  # once: a fully resident cache never changes
                 m.cache.sync_table(i)
-            self.run(("token", span), lambda: self.token_segment(span))
+            self.run(("token",), self.token_segment)
             m.cache.stats.hits += m.cfg.num_layers * m.cfg.top_k
             if m.trace is not None:
                 m.trace.append([(tuple(ids), m.cache.resident(i)) for i, ids in enumerate(self.routed.tolist())])
             return self.logits.clone()
+        span = self.span(start)
         step = [] if m.trace is not None else None
         for i in range(m.cfg.num_layers):
             self.run(("layer", i, span), lambda i=i: self.layer_segment(i, span))
@@ -206,18 +208,18 @@ class GraphedDecode:
 
     # -- the captured segments --------------------------------------------------------------------
 
-    def token_segment(self, span: int) -> None:
-        """Every layer and the head, for a cache that holds every expert (no copies, no guesses)."""
+    def token_segment(self) -> None:
+        """Every layer and the head, for a cache that holds every expert (no copies, no guesses);
+        each layer's routing goes to its row of `routed` (the trace)."""
         for i in range(self.m.cfg.num_layers):
-            self.layer_segment(i, span, ids_out=self.routed[i:i + 1])
+            self.fused_layer_segment(i, self.routed[i:i + 1], guess=False)
             self.moe_segment(i, ids=self.routed[i:i + 1])
         self.head_segment()
 
-    def layer_segment(self, i: int, span: int, ids_out: torch.Tensor | None = None) -> None:
-        """Attention, routing (into `ids_out`, default self.ids) and, without `ids_out`, the
-        prefetch guesses of layer i."""
+    def layer_segment(self, i: int, span: int) -> None:
+        """Attention, routing and the prefetch guesses of layer i."""
         if self.fast:
-            return self.fused_layer_segment(i, self.ids if ids_out is None else ids_out, ids_out is None)
+            return self.fused_layer_segment(i, self.ids, guess=True)
         m, layer = self.m, self.m.layers[i]
         eps = m.cfg.rms_norm_eps
         if i == 0:
@@ -230,8 +232,8 @@ class GraphedDecode:
         self.h.copy_(rms_norm(self.x, layer["moe_norm"], eps))
         weights, ids = m.route(layer, self.h)
         self.weights.copy_(weights)
-        (self.ids if ids_out is None else ids_out).copy_(ids)
-        guesses = m.guess_next_experts(i, self.x) if ids_out is None else None
+        self.ids.copy_(ids)
+        guesses = m.guess_next_experts(i, self.x)
         if guesses is not None:
             self.guesses[:guesses.shape[0]].copy_(guesses)
         self.out.zero_()  # the per-expert graphs add to it
