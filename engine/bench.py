@@ -266,13 +266,6 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
     }
 
 
-def run_bench(layers: int = 32, vram_budget: str | None = "12GiB", expert_bits: int = 2, attn_bits: int = 4,
-              prompt_len: int = 128, new_tokens: int = 64, modes=("naive", "lru", "full"),
-              kernels=("reference", "fused"), prefetch: int = 1, seed: int = 0, log=print) -> dict:
-    s = build(layers, expert_bits, attn_bits, seed, log)
-    return measure(s, vram_budget, prompt_len, new_tokens, modes, kernels, prefetch, seed, log)
-
-
 def markdown_table(report: dict) -> str:
     lines = [f"Budget {report['vram_budget']}, {report['expert_bits']}-bit experts "
              f"({report['expert_bytes'] / 1e6:.1f} MB each), {report['attn_bits']}-bit attention, "

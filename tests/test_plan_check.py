@@ -17,7 +17,7 @@ EXPERT_2BIT = 66_748_416
 
 def report(k: int = 3, full: float = 5.0, budget: int | None = 12 * GiB, pinned: float = 55.0,
            layers: int = 32, hit: float | None = None, lru: float | None = None) -> dict:
-    """A report shaped like engine.bench.run_bench's return value."""
+    """A report shaped like engine.bench.measure's return value."""
     hit = k / 8 if hit is None else hit
 
     def result(mode, kernels, tps, kk=k, prefetch=0, h=hit):
