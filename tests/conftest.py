@@ -18,6 +18,20 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
+@pytest.fixture
+def hub_online(tmp_path, monkeypatch):
+    """Undo this file's HF_HUB_OFFLINE for one test (huggingface_hub reads it once, at import)
+    and give it an empty Hugging Face home and cache under tmp_path."""
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT", "HF_HUB_OFFLINE",
+                "HUGGINGFACE_HUB_CACHE", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf_cache"))
+    return tmp_path
+
+
 def make_tokenizer(vocab_size: int, folder: Path) -> None:
     """A character-level tokenizer with exactly vocab_size entries (ids 0..2 are special)."""
     from tokenizers import Tokenizer, models, pre_tokenizers

@@ -49,17 +49,9 @@ def tiny_files() -> dict[str, bytes]:
 
 
 @pytest.fixture
-def clean_env(tmp_path, monkeypatch):
-    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT", "HF_HUB_OFFLINE",
-                "HUGGINGFACE_HUB_CACHE", "XDG_CACHE_HOME"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf_cache"))
+def clean_env(hub_online, monkeypatch):
     monkeypatch.setattr(download, "_stored_token", lambda: os.environ.get("HF_TOKEN"))
-    # huggingface_hub reads HF_HUB_OFFLINE once, at import (tests/conftest.py sets it for the others)
-    import huggingface_hub.constants
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    return tmp_path
+    return hub_online
 
 
 @pytest.fixture

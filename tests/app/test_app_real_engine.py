@@ -26,14 +26,8 @@ REPO = "tiny/mixtral"
 
 
 @pytest.fixture
-def hub(tmp_path, monkeypatch):
-    # huggingface_hub reads HF_HUB_OFFLINE (set by tests/conftest.py) once, at import
-    import huggingface_hub.constants
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT", "HF_HUB_OFFLINE", "XDG_CACHE_HOME"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf_cache"))
+def hub(hub_online):
+    tmp_path = hub_online
     ck = tmp_path / "ck"
     make_checkpoint(ck, shard="60KB")
     files = {p.relative_to(ck).as_posix(): p.read_bytes() for p in ck.rglob("*") if p.is_file()}
