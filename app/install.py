@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from app.setup_backend import SetupBackend
 from app.stats_format import fmt_bytes
+from engine.hf_cache import hf_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -108,17 +109,6 @@ def _step_callback(step: str, report: Callable[[InstallProgress], None]) -> Call
     return cb
 
 
-def hf_cache_dir() -> Path:
-    """The Hugging Face hub cache, as the engine reads it (from the environment, now)."""
-    from engine.hf_cache import hf_cache_dir as engine_hf_cache_dir
-
-    return Path(engine_hf_cache_dir())
-
-
-def _inside(path: Path, root: Path) -> bool:
-    return path == root or root in path.parents
-
-
 def deletable_download(target: Path, downloads_root: Path, keep: list[Path]) -> str | None:
     """Why `target` must not be deleted, or None when it may be.
 
@@ -131,14 +121,14 @@ def deletable_download(target: Path, downloads_root: Path, keep: list[Path]) -> 
         return f"{target} is a link"
     real = Path(os.path.realpath(target))
     root = Path(os.path.realpath(downloads_root))
-    if real == root or root not in real.parents:
+    if real == root or not real.is_relative_to(root):
         return f"{target} is not inside the app's downloads folder {downloads_root}"
     cache = Path(os.path.realpath(hf_cache_dir()))
-    if _inside(real, cache) or _inside(cache, real):
+    if real.is_relative_to(cache) or cache.is_relative_to(real):
         return f"{target} is part of the Hugging Face cache"
     for other in keep:
         other = Path(os.path.realpath(other))
-        if _inside(real, other) or _inside(other, real):
+        if real.is_relative_to(other) or other.is_relative_to(real):
             return f"{target} holds or is part of the model {other}"
     return None
 
