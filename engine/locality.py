@@ -225,13 +225,22 @@ def plot_report(r: LocalityReport, path: str | Path, title: str = "") -> None:
 # Command
 
 
-def load_text_ids(tokenizer, text_file: str | None, max_tokens: int) -> torch.Tensor:
+DEFAULT_MAX_TOKENS = 131072
+
+
+def text_path(text_file: str | None) -> Path:
+    """The text to measure on: text_file, else the demo corpus' held-out text; it must exist."""
     path = Path(text_file).expanduser() if text_file else DEFAULT_TEXT
     if not path.is_file():
         if text_file:
             raise UserError(f"{path} is not a file; give a UTF-8 text file with --text.")
         raise UserError("The held-out text of the demo corpus (training/data/heldout.txt) is not "
                         "installed; give a UTF-8 text file with --text.")
+    return path
+
+
+def load_text_ids(tokenizer, text_file: str | None, max_tokens: int = DEFAULT_MAX_TOKENS) -> torch.Tensor:
+    path = text_path(text_file)
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
@@ -249,21 +258,20 @@ def load_text_ids(tokenizer, text_file: str | None, max_tokens: int) -> torch.Te
 
 
 def cli_locality(store: str, text_file: str | None, json_out: bool, plot: str | None,
-                 max_tokens: int = 131072) -> int:
+                 max_tokens: int | None = None) -> int:
     """`moeferry demo locality`: measure expert locality of a store's model on text."""
     from transformers import AutoTokenizer
 
     from engine.store import load_dequantized_hf_model, resolve_store_path
 
-    if text_file and not Path(text_file).expanduser().is_file():  # before the slow part
-        raise UserError(f"{Path(text_file).expanduser()} is not a file; give a UTF-8 text file with --text.")
+    text_path(text_file)  # before the slow part
     path = resolve_store_path(store)
     model = load_dequantized_hf_model(store)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as e:
         raise UserError(f"Cannot load the tokenizer of {path} ({e}); run `moeferry verify {path}`.") from None
-    ids = load_text_ids(tokenizer, text_file, max_tokens)
+    ids = load_text_ids(tokenizer, text_file, max_tokens or DEFAULT_MAX_TOKENS)
     report = measure_locality(model, ids)
     if plot:
         plot_report(report, plot, title=f"Expert locality, {path.name}, {report.tokens} tokens")

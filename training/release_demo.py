@@ -187,7 +187,7 @@ def main() -> None:
 
     samples = sample_answers(shipped)
     from transformers import AutoTokenizer
-    ids = locality.load_text_ids(AutoTokenizer.from_pretrained(str(shipped)), None, 131072)
+    ids = locality.load_text_ids(AutoTokenizer.from_pretrained(str(shipped)), None)
     report = locality.measure_locality(load_dequantized_hf_model(shipped), ids)
     locality.plot_report(report, ROOT / "docs" / "locality.png",
                          title=f"Expert locality of the demo model, {report.tokens} held-out tokens")
