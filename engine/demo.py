@@ -83,7 +83,7 @@ def cli_demo(argv: list[str]) -> int:
         p.add_argument("--text", help="UTF-8 text file (default: the demo corpus' held-out text)")
         p.add_argument("--json", action="store_true", help="print one JSON object")
         p.add_argument("--plot", help="write a PNG plot here")
-        p.add_argument("--max-tokens", type=int, help="at most this many tokens of text (default: locality.DEFAULT_MAX_TOKENS)")
+        p.add_argument("--max-tokens", type=int, help="at most this many tokens of text (default 131,072)")
         a = p.parse_args(argv[1:])
         if a.max_tokens is not None and a.max_tokens < 16:
             raise UserError("--max-tokens must be at least 16.")
