@@ -502,6 +502,9 @@ def main(argv=None) -> int:
     ap.add_argument("--moe", action="store_true", help="time one layer's routed experts (moe_decode)")
     ap.add_argument("--moe-sweep", action="store_true", help="--moe, and vary its launch parameters")
     a = ap.parse_args(argv)
+    if not torch.cuda.is_available() or not K.fused_available("cuda"):
+        print("kernel_bench needs CUDA and Triton", file=sys.stderr)
+        return 2
     if a.profile:
         profile(a.profile)
         return 0
@@ -514,9 +517,6 @@ def main(argv=None) -> int:
             with open(a.json, "w") as f:
                 json.dump(res, f, indent=1)
         return 0
-    if not torch.cuda.is_available() or not K.fused_available("cuda"):
-        print("kernel_bench needs CUDA and Triton", file=sys.stderr)
-        return 2
     R = Runner(tuple(int(v) for v in a.warm.split("/")) if a.warm else None)
     log = (lambda s: None) if R.warm else (lambda s: print(s, flush=True))
     import triton
