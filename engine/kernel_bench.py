@@ -148,15 +148,17 @@ def check(R: Runner, log=print) -> list[dict]:
 
 
 def gemv_variants(bits: int, g: int, sms: int) -> list[dict]:
-    """The GEMV sweep: row parts x vector width x programs in flight (num_stages does not
+    """The GEMV sweep: inner loop x row parts x vector width x programs in flight (num_stages does not
     matter: Triton does not pipeline loads that feed no tl.dot; 8 warps lost in run 1)."""
     out = []
-    for nq in (1, 2, 4, 8):
-        if nq > K._max_nq(bits, g):
-            continue
-        for kv in (4, 8):
-            for programs in (2, 4, 8):
-                out.append(dict(BJ=1, BKO=128, KV=kv, NQ=nq, programs=programs * sms, num_warps=4))
+    for h2 in (True, False):  # packed fp16 (KV = 8 only) or float32 inner loop
+        for nq in (1, 2, 4, 8):
+            if nq > K._max_nq(bits, g):
+                continue
+            for kv in (8,) if h2 else (4, 8):
+                for programs in (2, 4, 8):
+                    out.append(dict(BJ=1, BKO=128, KV=kv, NQ=nq, programs=programs * sms, num_warps=4,
+                                    H2=h2))
     return out
 
 
@@ -172,7 +174,8 @@ def gemm_variants(T: int, g: int, sms: int) -> list[dict]:
     return out
 
 
-def bench(R: Runner, quick: bool = False, sweep_all: bool = True, log=print) -> list[dict]:
+def bench(R: Runner, quick: bool = False, sweep_all: bool = True, log=print,
+          prefill_too: bool = True) -> list[dict]:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     results, n_rot = [], 4  # 4 matrices of >= 22 MB rotate (L2 is 60 MB), on top of do_bench's flush
     combos = [(s, b) for s in ("w1 14336x4096", "w2 4096x14336") for b in (2, 3, 4)]
@@ -231,7 +234,7 @@ def bench(R: Runner, quick: bool = False, sweep_all: bool = True, log=print) -> 
                 log(f"gemv {name} {bits}-bit {r['meta']}: best {best[0]:.1f} us {r['GBps']:.0f} GB/s "
                     f"({r['MB']:.1f} MB), default cfg {r['default_us']:.1f} us, host {r['host_us']:.0f} us/call; "
                     f"best cfg {best[1]}")
-            if meta8 and expert:
+            if meta8 and expert and prefill_too:
                 results += prefill(R, name, qms, bits, g, sms, n_rot, sweep_all, log)
             del qms
     return results
@@ -494,6 +497,7 @@ def main(argv=None) -> int:
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--no-sweep", action="store_true", help="default configs only, timed twice")
+    ap.add_argument("--gemv-only", action="store_true", help="expert shapes, T = 1 only (no prefill)")
     ap.add_argument("--gemlite", action="store_true", help="also time gemlite 0.6 if importable")
     ap.add_argument("--warm", help="I/N: only compile the calls numbered I mod N")
     ap.add_argument("--json", help="write all results to this file")
@@ -526,7 +530,7 @@ def main(argv=None) -> int:
     if not a.check_only:
         if not R.warm:
             res["ceilings"] = ceilings(log)
-        res["bench"] = bench(R, a.quick, not a.no_sweep, log)
+        res["bench"] = bench(R, a.quick or a.gemv_only, not a.no_sweep, log, not a.gemv_only)
         if a.gemlite and not R.warm:
             res["gemlite"] = bench_gemlite(log)
     if R.warm:

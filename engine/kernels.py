@@ -227,7 +227,13 @@ def gemv_config(rows: int, cols: int, bits: int, group_size: int, sms: int = 132
     # ~16 rows per thread (fewer registers, more warps); 8-bit decodes its 8-bit scales for
     # only 1 code per byte, so splitting rows (decoding NQ times) costs it more than it gains.
     nq = 1 if bits == 8 else min(_max_nq(bits, group_size), max(1, group_size // 16))
-    return dict(BJ=1, BKO=32 * warps, KV=kv, NQ=nq, programs=4 * sms, num_warps=warps)
+    return dict(BJ=1, BKO=32 * warps, KV=kv, NQ=nq, programs=4 * sms, num_warps=warps,
+                H2=_h2_fits(cols, kv))
+
+
+def _h2_fits(cols: int, kv: int) -> bool:
+    """The packed-fp16 inner loop reads each row's 8 columns of a thread as one 64-bit word."""
+    return cols % 8 == 0 and kv == 8
 
 
 def _max_nq(bits: int, group_size: int) -> int:
@@ -245,8 +251,9 @@ def _gemv_launch(rows, cols, bits, group_size, sms, cfg_items, matrices=1):
     n_j = -(-G // cfg["BJ"]) * nq  # programs per column split
     bk = cfg["BKO"] * cfg["KV"]
     k_per_split, split = _split(cols, bk, n_j, cfg.get("programs", 4 * sms) // matrices)
-    consts = dict(BJ=cfg["BJ"], BKO=cfg["BKO"], KV=cfg["KV"], NQ=nq, num_warps=cfg.get("num_warps", 4),
-                  num_stages=cfg.get("num_stages", 1))
+    even = G % cfg["BJ"] == 0 and cols % bk == 0  # (k_per_split is a multiple of bk)
+    consts = dict(BJ=cfg["BJ"], BKO=cfg["BKO"], KV=cfg["KV"], NQ=nq, EVEN=even, num_warps=cfg.get("num_warps", 4),
+                  num_stages=cfg.get("num_stages", 1), H2=cfg.get("H2", _h2_fits(cols, cfg["KV"])))
     return n_j, split, k_per_split, bk, consts
 
 
@@ -467,6 +474,87 @@ if triton is not None:
         i = (r // (NBB // NQ)) * NBB + q * (NBB // NQ) + r % (NBB // NQ)
         return ((i[None, :] * G + j[:, None]) * cols)[:, None, None, :]
 
+    # -- packed half2 arithmetic (decode GEMV): two fp16 lanes per 32-bit register ------------
+    # One fma.rn.f16x2 handles two weights; the interpreter (CPU tests) has no PTX, so there
+    # the same arithmetic is spelled out lane by lane in float32, rounded to fp16 as the GPU does.
+    if _interpreting():
+        @triton.jit
+        def _lane(v, i: tl.constexpr):
+            return ((v >> (16 * i)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+        @triton.jit
+        def _pack_h2(lo, hi):
+            lo16 = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            hi16 = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            return lo16 | (hi16 << 16)
+
+        @triton.jit
+        def _h2_code_fma(w, mask, magic, xs2, acc):
+            t = (w & mask) | magic
+            lo = (_lane(t, 0) - _lane(magic, 0)) * _lane(xs2, 0) + _lane(acc, 0)
+            hi = (_lane(t, 1) - _lane(magic, 1)) * _lane(xs2, 1) + _lane(acc, 1)
+            return _pack_h2(lo, hi)
+    else:
+        @triton.jit
+        def _pack_h2(lo, hi):
+            """float32 lo, hi -> int32 holding fp16(lo) in its low and fp16(hi) in its high half."""
+            return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+
+        @triton.jit
+        def _h2_code_fma(w, mask, magic, xs2, acc):
+            """Per fp16 lane: acc + code * xs2, where code = the bits `mask` of w's lane, read
+            exactly by OR-ing them into the mantissa of `magic` and subtracting it (one LOP3,
+            one HADD2, one HFMA2 for two weights)."""
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t; lop3.b32 t, $1, $2, $3, 0xea; sub.rn.f16x2 t, t, $3; "
+                "fma.rn.f16x2 $0, t, $4, $5; }",
+                "=r,r,r,r,r,r", [w, mask, magic, xs2, acc], dtype=tl.int32, is_pure=True, pack=1)
+
+    @triton.jit
+    def _unpack_h2_sum(acc):
+        """float32 sum of the two fp16 lanes of int32 acc."""
+        lo = (acc & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (acc >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return lo + hi
+
+    @triton.jit
+    def _gemv_plane_h2(acc, plane_ptr, row_off, kw, mask_w, xs2, HIGH: tl.constexpr, W: tl.constexpr):
+        """_gemv_plane in packed fp16 for KV = 8: acc [p, R, BJ, BKO] int32 (two fp16 partial
+        sums each), kw [2, BKO] offsets of a thread's two 32-bit words, mask_w [BJ, 2, BKO],
+        xs2 = _pack_xs(xs). A word holds columns c..c+3: bytes 0 and 2 sit in the low bits of the
+        two fp16 lanes (times xs of c, c+2), bytes 1 and 3 do after a shift by 8 (c+1, c+3)."""
+        P: tl.constexpr = 8 // W
+        words = plane_ptr.to(tl.pointer_type(tl.int32)) + row_off // 4
+        b = tl.load(words + kw[None, :, :, None], mask=mask_w[:, :, :, None], other=0)  # [BJ, 2, BKO, R]
+        lo, hi = tl.split(tl.permute(b, (3, 0, 2, 1)))  # [R, BJ, BKO] each
+        lo = lo[None]
+        hi = hi[None]
+        shift = (8 - W * (tl.arange(0, P) + 1))[:, None, None, None]
+        mask = ((1 << W) - 1) << shift
+        magic = (25 + HIGH - shift) << 10  # fp16 2**(10 + HIGH - shift): LSB weighs 2**(HIGH - shift)
+        mask = mask | (mask << 16)
+        magic = magic | (magic << 16)
+        e0, o0, e1, o1 = xs2
+        acc = _h2_code_fma(lo, mask, magic, e0[None, None], acc)
+        acc = _h2_code_fma(lo >> 8, mask, magic, o0[None, None], acc)
+        acc = _h2_code_fma(hi, mask, magic, e1[None, None], acc)
+        return _h2_code_fma(hi >> 8, mask, magic, o1[None, None], acc)
+
+    @triton.jit
+    def _pack_xs(xs, BJ: tl.constexpr, BKO: tl.constexpr):
+        """xs [BJ, 8, BKO] float32 -> the four fp16 pairs of _gemv_plane_h2, [BJ, BKO] each:
+        column 4w + 2h + par goes to lane h of pair (w, par)."""
+        x5 = tl.permute(tl.reshape(xs, (BJ, 2, 2, 2, BKO)), (0, 4, 1, 2, 3))  # [BJ, BKO, w, h, par]
+        ev, od = tl.split(x5)
+        e_lo, e_hi = tl.split(ev)  # [BJ, BKO, w]
+        o_lo, o_hi = tl.split(od)
+        e = _pack_h2(e_lo, e_hi)
+        o = _pack_h2(o_lo, o_hi)
+        e0, e1 = tl.split(e)
+        o0, o1 = tl.split(o)
+        return e0, o0, e1, o1
+
     @triton.jit
     def _gemv_plane(acc, plane_ptr, row_off, k, mask, xs, opaque_zero, HIGH: tl.constexpr,
                     W: tl.constexpr):
@@ -489,26 +577,42 @@ if triton is not None:
         return acc + tl.sum(code * xs[None, None], axis=3)
 
     @triton.jit
-    def _gemv_step(acc0, acc1, zacc, x, k, k0, mask, j3, kks, kkz, rows0, rows1, opaque_zero,
+    def _gemv_step(acc0, acc1, zacc, x, k, k0, mask, kw, mask_w, j3, kks, kkz, rows0, rows1, opaque_zero,
                    p0_ptr, p1_ptr, s_ptr, z_ptr, sm_ptr, zm_ptr, cols, Ms, Mz,
-                   W0: tl.constexpr, W1: tl.constexpr, SMODE: tl.constexpr, ZMODE: tl.constexpr):
+                   W0: tl.constexpr, W1: tl.constexpr, SMODE: tl.constexpr, ZMODE: tl.constexpr,
+                   H2: tl.constexpr, BJ: tl.constexpr, KV: tl.constexpr, BKO: tl.constexpr):
         """One k tile of one matrix into its accumulators (see _gemv_tiles)."""
         off = j3 * cols + k[None]  # into [G, cols]
         scale = _scale_or_zero(s_ptr, sm_ptr, off, (j3 * cols + k0) % Ms, kks[None], mask, Ms, SMODE)
         zero = _scale_or_zero(z_ptr, zm_ptr, off, (j3 * cols + k0) % Mz, kkz[None], mask, Mz, ZMODE)
         xs = x[None] * scale  # [BJ, KV, BKO]
         zacc += tl.sum(xs * zero, axis=1)
-        acc0 = _gemv_plane(acc0, p0_ptr, rows0, k, mask, xs, opaque_zero, W1, W0)  # high plane: << W1
-        if W1 > 0:
-            acc1 = _gemv_plane(acc1, p1_ptr, rows1, k, mask, xs, opaque_zero, 0, W1)
+        if H2:
+            xs2 = _pack_xs(xs, BJ, BKO)
+            acc0 = _gemv_plane_h2(acc0, p0_ptr, rows0, kw, mask_w, xs2, W1, W0)
+            if W1 > 0:
+                acc1 = _gemv_plane_h2(acc1, p1_ptr, rows1, kw, mask_w, xs2, 0, W1)
+        else:
+            acc0 = _gemv_plane(acc0, p0_ptr, rows0, k, mask, xs, opaque_zero, W1, W0)  # high plane: << W1
+            if W1 > 0:
+                acc1 = _gemv_plane(acc1, p1_ptr, rows1, k, mask, xs, opaque_zero, 0, W1)
         return acc0, acc1, zacc
 
     @triton.jit
+    def _plane_sum(acc, H2: tl.constexpr):
+        """[p, R, BJ] float32 row sums of a plane's accumulator."""
+        if H2:  # fp16 pairs
+            y = tl.sum(_unpack_h2_sum(acc), axis=3)
+        else:
+            y = tl.sum(acc, axis=3)
+        return y
+
+    @triton.jit
     def _gemv_sum(acc0, acc1, zacc, W1: tl.constexpr, GS: tl.constexpr, NQ: tl.constexpr,
-                  BJ: tl.constexpr):
-        y = tl.reshape(tl.sum(acc0, axis=3), (GS // NQ, BJ))
+                  BJ: tl.constexpr, H2: tl.constexpr):
+        y = tl.reshape(_plane_sum(acc0, H2), (GS // NQ, BJ))
         if W1 > 0:
-            y += tl.reshape(tl.sum(acc1, axis=3), (GS // NQ, BJ))
+            y += tl.reshape(_plane_sum(acc1, H2), (GS // NQ, BJ))
         return y - tl.sum(zacc, axis=1)[None, :]
 
     @triton.jit
@@ -516,7 +620,8 @@ if triton is not None:
                     G, cols, Ms, Mz, k_per_split, part, pid_k,
                     TWO: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, GS: tl.constexpr,
                     SMODE: tl.constexpr, ZMODE: tl.constexpr,
-                    BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr, NQ: tl.constexpr):
+                    BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr, NQ: tl.constexpr,
+                     H2: tl.constexpr, EVEN: tl.constexpr):
         """x [cols] times one matrix a (and with TWO a second matrix b of the same format, in
         the same loop: twice the loads in flight) for one program's output rows: groups j in
         [pid*BJ, +BJ), 1/NQ of the GS rows of each (row part q), the columns of split pid_k.
@@ -538,13 +643,20 @@ if triton is not None:
         kks = kk % Ms if SMODE == 2 else kk
         kkz = kk % Mz if ZMODE == 2 else kk
         rows0 = _plane_rows(q, G, cols, j, GS, W0, NBB, NQ)
-        acc_a0 = tl.zeros((P0, GS // P0 // NQ, BJ, BKO), tl.float32)
+        kw = tl.arange(0, 2)[:, None] + tl.arange(0, BKO)[None, :] * 2  # [2, BKO] (H2: KV = 8)
+        if H2:
+            acc_a0 = tl.zeros((P0, GS // P0 // NQ, BJ, BKO), tl.int32)
+        else:
+            acc_a0 = tl.zeros((P0, GS // P0 // NQ, BJ, BKO), tl.float32)
         acc_b0 = acc_a0
         rows1 = rows0
         acc_a1 = tl.zeros((1, 1, 1, 1), tl.float32)  # no second plane
         if W1 > 0:
             rows1 = _plane_rows(q, G, cols, j, GS, W1, NBB, NQ)
-            acc_a1 = tl.zeros((8 // W1, NBB // NQ, BJ, BKO), tl.float32)
+            if H2:
+                acc_a1 = tl.zeros((8 // W1, NBB // NQ, BJ, BKO), tl.int32)
+            else:
+                acc_a1 = tl.zeros((8 // W1, NBB // NQ, BJ, BKO), tl.float32)
         acc_b1 = acc_a1
         zacc_a = tl.zeros((BJ, BKO), tl.float32)
         zacc_b = zacc_a
@@ -553,19 +665,29 @@ if triton is not None:
         k_hi = tl.minimum(k_lo + k_per_split, cols)
         for k0 in range(k_lo, k_hi, BK):
             k = k0 + kk  # [KV, BKO]
-            mask = (j3 < G) & (k < cols)[None]  # [BJ, KV, BKO]
-            x = tl.load(x_ptr + k, mask=k < cols, other=0.0).to(tl.float32)
-            acc_a0, acc_a1, zacc_a = _gemv_step(acc_a0, acc_a1, zacc_a, x, k, k0, mask, j3, kks, kkz,
-                                                rows0, rows1, opaque_zero, a0, a1, a_s, a_z, a_sm,
-                                                a_zm, cols, Ms, Mz, W0, W1, SMODE, ZMODE)
+            kw0 = k0 // 4 + kw  # 32-bit word offsets (H2: cols % 8 == 0)
+            if EVEN:  # every tile whole: constant masks, which the compiler drops
+                kmask = tl.full((KV, BKO), 1, tl.int1)
+                mask = tl.full((BJ, KV, BKO), 1, tl.int1)
+                mask_w = tl.full((BJ, 2, BKO), 1, tl.int1)
+            else:
+                kmask = k < cols
+                mask = (j3 < G) & kmask[None]  # [BJ, KV, BKO]
+                mask_w = (j3 < G) & (kw0 * 4 < cols)[None]
+            x = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+            acc_a0, acc_a1, zacc_a = _gemv_step(acc_a0, acc_a1, zacc_a, x, k, k0, mask, kw0, mask_w, j3,
+                                                kks, kkz, rows0, rows1, opaque_zero, a0, a1, a_s, a_z,
+                                                a_sm, a_zm, cols, Ms, Mz, W0, W1, SMODE, ZMODE,
+                                                H2, BJ, KV, BKO)
             if TWO:
-                acc_b0, acc_b1, zacc_b = _gemv_step(acc_b0, acc_b1, zacc_b, x, k, k0, mask, j3, kks,
-                                                    kkz, rows0, rows1, opaque_zero, b0, b1, b_s, b_z,
-                                                    b_sm, b_zm, cols, Ms, Mz, W0, W1, SMODE, ZMODE)
-        y_a = _gemv_sum(acc_a0, acc_a1, zacc_a, W1, GS, NQ, BJ)
+                acc_b0, acc_b1, zacc_b = _gemv_step(acc_b0, acc_b1, zacc_b, x, k, k0, mask, kw0, mask_w,
+                                                    j3, kks, kkz, rows0, rows1, opaque_zero, b0, b1,
+                                                    b_s, b_z, b_sm, b_zm, cols, Ms, Mz, W0, W1, SMODE,
+                                                    ZMODE, H2, BJ, KV, BKO)
+        y_a = _gemv_sum(acc_a0, acc_a1, zacc_a, W1, GS, NQ, BJ, H2)
         y_b = y_a
         if TWO:
-            y_b = _gemv_sum(acc_b0, acc_b1, zacc_b, W1, GS, NQ, BJ)
+            y_b = _gemv_sum(acc_b0, acc_b1, zacc_b, W1, GS, NQ, BJ, H2)
         # Flattened (s, t, a) = u, every plane alike: output row j + i*G with
         # i = (u // (NBB/NQ)) * NBB + q * NBB/NQ + u % (NBB/NQ).
         u = tl.arange(0, GS // NQ)
@@ -578,13 +700,14 @@ if triton is not None:
                      G, rows, cols, Ms, Mz, k_per_split, n_split,
                      W0: tl.constexpr, W1: tl.constexpr, GS: tl.constexpr, SPLIT: tl.constexpr,
                      SMODE: tl.constexpr, ZMODE: tl.constexpr,
-                     BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr, NQ: tl.constexpr):
+                     BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr, NQ: tl.constexpr,
+                     H2: tl.constexpr, EVEN: tl.constexpr):
         """out = x @ W.T for one matrix; grid (groups/BJ * NQ, column splits)."""
         pid_k = tl.program_id(1)
         y, _, n, j = _gemv_tiles(x_ptr, p0_ptr, p1_ptr, s_ptr, z_ptr, sm_ptr, zm_ptr,
                                  p0_ptr, p1_ptr, s_ptr, z_ptr, sm_ptr, zm_ptr,
                                  G, cols, Ms, Mz, k_per_split, tl.program_id(0), pid_k,
-                                 False, W0, W1, GS, SMODE, ZMODE, BJ, BKO, KV, NQ)
+                                 False, W0, W1, GS, SMODE, ZMODE, BJ, BKO, KV, NQ, H2, EVEN)
         _finish(y, n, n, (j < G)[None, :], out_ptr, ws_ptr, rows, cnt_ptr + tl.program_id(0), pid_k,
                 n_split, SPLIT)
 
@@ -622,12 +745,13 @@ if triton is not None:
                           ws_ptr, cnt_ptr, G, rows, cols, Ms, Mz, k_per_split, n_split,
                           W0: tl.constexpr, W1: tl.constexpr, GS: tl.constexpr, SPLIT: tl.constexpr,
                           SMODE: tl.constexpr, ZMODE: tl.constexpr,
-                          BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr, NQ: tl.constexpr):
+                          BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr, NQ: tl.constexpr,
+                     H2: tl.constexpr, EVEN: tl.constexpr):
         """out_a = x @ A.T and out_b = x @ B.T for two matrices of one format, in one loop."""
         pid_k = tl.program_id(1)
         ya, yb, n, j = _gemv_tiles(x_ptr, a0, a1, a_s, a_z, a_sm, a_zm, b0, b1, b_s, b_z, b_sm, b_zm,
                                    G, cols, Ms, Mz, k_per_split, tl.program_id(0), pid_k,
-                                   True, W0, W1, GS, SMODE, ZMODE, BJ, BKO, KV, NQ)
+                                   True, W0, W1, GS, SMODE, ZMODE, BJ, BKO, KV, NQ, H2, EVEN)
         _finish_pair(ya, yb, n, (j < G)[None, :], out_a, out_b, ws_ptr, cnt_ptr + tl.program_id(0),
                      pid_k, n_split, rows, SPLIT, False)
 
@@ -656,7 +780,8 @@ if triton is not None:
                        G, rows, cols, Ms, Mz, k_per_split, n_split,
                        W0: tl.constexpr, W1: tl.constexpr, GS: tl.constexpr, SPLIT: tl.constexpr,
                        SMODE: tl.constexpr, ZMODE: tl.constexpr,
-                       BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr, NQ: tl.constexpr):
+                       BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr, NQ: tl.constexpr,
+                     H2: tl.constexpr, EVEN: tl.constexpr):
         """act[kpos] = silu(x @ W1.T) * (x @ W3.T) for the expert at top-k position kpos
         (grid axis 2); W1 and W3 are read in the same loop. Split-K as _finish, per kpos."""
         pid_k, kpos = tl.program_id(1), tl.program_id(2)
@@ -669,7 +794,7 @@ if triton is not None:
             _at_slot(b_s, slot, slot_bytes), _at_slot(b_z, slot, slot_bytes),
             _at_slot(b_sm, slot, slot_bytes), _at_slot(b_zm, slot, slot_bytes),
             G, cols, Ms, Mz, k_per_split, tl.program_id(0), pid_k,
-            True, W0, W1, GS, SMODE, ZMODE, BJ, BKO, KV, NQ)
+            True, W0, W1, GS, SMODE, ZMODE, BJ, BKO, KV, NQ, H2, EVEN)
         cnt = cnt_ptr + kpos * tl.num_programs(0) + tl.program_id(0)
         _finish_pair(ya, yb, n, (j < G)[None, :], act_ptr + kpos * rows, act_ptr,
                      ws_ptr + kpos * n_split * 2 * rows, cnt, pid_k, n_split, rows, SPLIT, True)
@@ -680,7 +805,8 @@ if triton is not None:
                          G, rows, cols, Ms, Mz, k_per_split, n_split,
                          W0: tl.constexpr, W1: tl.constexpr, GS: tl.constexpr,
                          SMODE: tl.constexpr, ZMODE: tl.constexpr, TOPK: tl.constexpr,
-                         BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr, NQ: tl.constexpr):
+                         BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr, NQ: tl.constexpr,
+                     H2: tl.constexpr, EVEN: tl.constexpr):
         """out = sum over the top-k of weight[kpos] * (act[kpos] @ W2.T), grid axis 2 = kpos.
         Every (split, kpos) program stores a partial; the last one of a row tile adds them up as
         the eager path does: each expert's output rounded to out's dtype, times its weight,
@@ -693,7 +819,7 @@ if triton is not None:
             _at_slot(sm_ptr, slot, slot_bytes), _at_slot(zm_ptr, slot, slot_bytes),
             p0, p1, s_ptr, z_ptr, sm_ptr, zm_ptr,
             G, cols, Ms, Mz, k_per_split, tl.program_id(0), pid_k,
-            False, W0, W1, GS, SMODE, ZMODE, BJ, BKO, KV, NQ)
+            False, W0, W1, GS, SMODE, ZMODE, BJ, BKO, KV, NQ, H2, EVEN)
         mask = (j < G)[None, :]
         parts = TOPK * n_split
         tl.store(ws_ptr + (kpos * n_split + pid_k) * rows + n, y, mask=mask)
