@@ -219,16 +219,19 @@ def _split(cols: int, bk: int, n_tiles: int, target_programs: int, max_split: in
     return k_per_split, -(-cols // k_per_split)
 
 
-def gemv_config(rows: int, cols: int, bits: int, group_size: int, sms: int = 132) -> dict:
+def gemv_config(rows: int, cols: int, bits: int, group_size: int, sms: int = 132,
+                exact: bool = False) -> dict:
     """Launch parameters for one T == 1 matrix (tuned on an H200: docs/KERNELS.md).
-    BKO = 32 * num_warps: each thread owns one KV-wide column strip of every row of its group."""
+    BKO = 32 * num_warps: each thread owns one KV-wide column strip of every row of its group.
+    H2: the packed fp16 inner loop (its rounding, ~5e-4 relative, is below bf16's); `exact`
+    (float32 activations) keeps the float32 loop."""
     warps = 4
     kv = 8 if cols % 8 == 0 else 4
     # ~16 rows per thread (fewer registers, more warps); 8-bit decodes its 8-bit scales for
     # only 1 code per byte, so splitting rows (decoding NQ times) costs it more than it gains.
     nq = 1 if bits == 8 else min(_max_nq(bits, group_size), max(1, group_size // 16))
     return dict(BJ=1, BKO=32 * warps, KV=kv, NQ=nq, programs=4 * sms, num_warps=warps,
-                H2=_h2_fits(cols, kv))
+                H2=_h2_fits(cols, kv) and not exact)
 
 
 def _h2_fits(cols: int, kv: int) -> bool:
@@ -242,10 +245,10 @@ def _max_nq(bits: int, group_size: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def _gemv_launch(rows, cols, bits, group_size, sms, cfg_items, matrices=1):
+def _gemv_launch(rows, cols, bits, group_size, sms, cfg_items, matrices=1, exact=False):
     """Grid and constants of a GEMV over `matrices` same-shape matrices launched together
     (the routed experts of a token): the programs target is shared among them."""
-    cfg = dict(cfg_items) if cfg_items else gemv_config(rows, cols, bits, group_size, sms)
+    cfg = dict(cfg_items) if cfg_items else gemv_config(rows, cols, bits, group_size, sms, exact)
     G = rows // group_size
     nq = min(cfg.get("NQ", 1), _max_nq(bits, group_size))
     n_j = -(-G // cfg["BJ"]) * nq  # programs per column split
@@ -253,7 +256,7 @@ def _gemv_launch(rows, cols, bits, group_size, sms, cfg_items, matrices=1):
     k_per_split, split = _split(cols, bk, n_j, cfg.get("programs", 4 * sms) // matrices)
     even = G % cfg["BJ"] == 0 and cols % bk == 0  # (k_per_split is a multiple of bk)
     consts = dict(BJ=cfg["BJ"], BKO=cfg["BKO"], KV=cfg["KV"], NQ=nq, EVEN=even, num_warps=cfg.get("num_warps", 4),
-                  num_stages=cfg.get("num_stages", 1), H2=cfg.get("H2", _h2_fits(cols, cfg["KV"])))
+                  num_stages=cfg.get("num_stages", 1), H2=cfg.get("H2", _h2_fits(cols, cfg["KV"]) and not exact))
     return n_j, split, k_per_split, bk, consts
 
 
@@ -261,7 +264,7 @@ def gemv(x: torch.Tensor, w: QMatrix, out: torch.Tensor, cfg: dict | None = None
     """out [1, rows] = x [1, cols] @ dequantize(w).T, one launch (the fused GEMV)."""
     n_j, split, k_per_split, bk, consts = _gemv_launch(
         w.rows, w.cols, w.bits, w.group_size, _sm_count(x.device),
-        tuple(sorted(cfg.items())) if cfg else None)
+        tuple(sorted(cfg.items())) if cfg else None, 1, x.dtype == torch.float32)
     if split > 1:
         ws = _scratch.get("partials", split * w.rows, torch.float32, x.device)
         cnt = _scratch.get("counters", n_j, torch.int32, x.device, zero=True)
@@ -304,7 +307,8 @@ def gemv_pair(x: torch.Tensor, a: QMatrix, b: QMatrix, out_a: torch.Tensor, out_
     """out_a [1, rows] = x @ A.T and out_b = x @ B.T in one launch (pair_supported(a, b)):
     a token's key and value projections."""
     n_j, split, k_per_split, bk, consts = _gemv_launch(a.rows, a.cols, a.bits, a.group_size,
-                                                       _sm_count(x.device), None, 2)
+                                                       _sm_count(x.device), None, 2,
+                                                       x.dtype == torch.float32)
     ws = _scratch.get("partials", split * 2 * a.rows, torch.float32, x.device)
     cnt = _scratch.get("counters", n_j, torch.int32, x.device, zero=True)
     _gemv_pair_kernel[(n_j, split)](x, out_a, out_b, *_common_args(a), *_common_args(b), ws, cnt,
@@ -332,7 +336,7 @@ def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tenso
     # up: silu(w1 x) * w3 x for every routed expert, into act [k, F]
     up_cfg, down_cfg = (tuple(sorted(c.items())) for c in cfg) if cfg else (None, None)
     n_j, split, k_per_split, bk, consts = _gemv_launch(
-        w1.rows, w1.cols, w1.bits, w1.group_size, sms, up_cfg, 2 * topk)
+        w1.rows, w1.cols, w1.bits, w1.group_size, sms, up_cfg, 2 * topk, h.dtype == torch.float32)
     ws = _scratch.get("partials", topk * split * 2 * w1.rows, torch.float32, h.device)
     cnt = _scratch.get("counters", topk * n_j, torch.int32, h.device, zero=True)
     _moe_up_kernel[(n_j, split, topk)](x, act, ids, table, slot_bytes, *_common_args(w1), *_common_args(w3),
@@ -340,7 +344,7 @@ def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tenso
                                        **_format(w1, bk), **consts)
     # down: the weighted sum of w2 act[k]
     n_j, split, k_per_split, bk, consts = _gemv_launch(
-        w2.rows, w2.cols, w2.bits, w2.group_size, sms, down_cfg, topk)
+        w2.rows, w2.cols, w2.bits, w2.group_size, sms, down_cfg, topk, h.dtype == torch.float32)
     ws = _scratch.get("partials", topk * split * w2.rows, torch.float32, h.device)
     cnt = _scratch.get("counters", n_j, torch.int32, h.device, zero=True)
     _moe_down_kernel[(n_j, split, topk)](act, out, ids, weights, table, slot_bytes, *_common_args(w2), ws, cnt,
