@@ -431,14 +431,9 @@ if triton is not None:
         """Scale or zero as float32, shaped like `off` (offsets into [G, cols]).
         row_base = (j * cols + k0) % M per group row, kk = k - k0 (for MODE 2: kk % M);
         value f = j * cols + k has meta pair f % M = row_base + kk (wrapped once for MODE 2)."""
-        return _meta_decode(tl.load(q_ptr + off, mask=mask, other=0), meta_ptr, row_base, kk, mask, M, MODE)
-
-    @triton.jit
-    def _meta_decode(q, meta_ptr, row_base, kk, mask, M, MODE: tl.constexpr):
-        """_scale_or_zero of already loaded values q."""
         if MODE == 0:  # plain float tensor
-            return q.to(tl.float32)
-        q = _as_float(q.to(tl.int32))
+            return tl.load(q_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        q = _as_float(tl.load(q_ptr + off, mask=mask, other=0).to(tl.int32))
         if MODE == 3:
             m0 = tl.load(meta_ptr).to(tl.float32)
             m1 = tl.load(meta_ptr + 1).to(tl.float32)
@@ -528,22 +523,17 @@ if triton is not None:
         return lo + hi
 
     @triton.jit
-    def _plane_words(plane_ptr, row_off, kw, mask_w):
-        """A thread's two 32-bit words (8 columns) of each of its byte rows of a plane:
-        (lo, hi) [1, R, BJ, BKO] int32. row_off [BJ, 1, 1, R] byte-row offsets, kw [2, BKO] word
-        offsets, mask_w [BJ, 2, BKO]."""
+    def _gemv_plane_h2(acc, plane_ptr, row_off, kw, mask_w, xs2, HIGH: tl.constexpr, W: tl.constexpr):
+        """_gemv_plane in packed fp16 for KV = 8: acc [p, R, BJ, BKO] int32 (two fp16 partial
+        sums each), kw [2, BKO] offsets of a thread's two 32-bit words, mask_w [BJ, 2, BKO],
+        xs2 = _pack_xs(xs). A word holds columns c..c+3: bytes 0 and 2 sit in the low bits of the
+        two fp16 lanes (times xs of c, c+2), bytes 1 and 3 do after a shift by 8 (c+1, c+3)."""
+        P: tl.constexpr = 8 // W
         words = plane_ptr.to(tl.pointer_type(tl.int32)) + row_off // 4
         b = tl.load(words + kw[None, :, :, None], mask=mask_w[:, :, :, None], other=0)  # [BJ, 2, BKO, R]
         lo, hi = tl.split(tl.permute(b, (3, 0, 2, 1)))  # [R, BJ, BKO] each
-        return lo[None], hi[None]
-
-    @triton.jit
-    def _gemv_plane_h2(acc, lo, hi, xs2, HIGH: tl.constexpr, W: tl.constexpr):
-        """_gemv_plane in packed fp16 for KV = 8: acc [p, R, BJ, BKO] int32 (two fp16 partial
-        sums each) += the codes of words (lo, hi) (_plane_words) times xs2 = _pack_xs(xs).
-        A word holds columns c..c+3: bytes 0 and 2 sit in the low bits of the two fp16 lanes
-        (times xs of c, c+2), bytes 1 and 3 do after a shift by 8 (times xs of c+1, c+3)."""
-        P: tl.constexpr = 8 // W
+        lo = lo[None]
+        hi = hi[None]
         shift = (8 - W * (tl.arange(0, P) + 1))[:, None, None, None]
         mask = ((1 << W) - 1) << shift
         magic = (25 + HIGH - shift) << 10  # fp16 2**(10 + HIGH - shift): LSB weighs 2**(HIGH - shift)
@@ -554,33 +544,6 @@ if triton is not None:
         acc = _h2_code_fma(lo >> 8, mask, magic, o0[None, None], acc)
         acc = _h2_code_fma(hi, mask, magic, e1[None, None], acc)
         return _h2_code_fma(hi >> 8, mask, magic, o1[None, None], acc)
-
-    @triton.jit
-    def _tile_raw(p0_ptr, p1_ptr, s_ptr, z_ptr, off, kw, mask, mask_w, rows0, rows1, W1: tl.constexpr):
-        """Every byte of one matrix that one k tile needs, loaded (the H2 loop loads tile t+1
-        before it computes tile t): plane words (lo, hi) of both planes, raw scale and zero."""
-        sq = tl.load(s_ptr + off, mask=mask, other=0)
-        zq = tl.load(z_ptr + off, mask=mask, other=0)
-        lo0, hi0 = _plane_words(p0_ptr, rows0, kw, mask_w)
-        lo1, hi1 = lo0, hi0
-        if W1 > 0:
-            lo1, hi1 = _plane_words(p1_ptr, rows1, kw, mask_w)
-        return sq, zq, lo0, hi0, lo1, hi1
-
-    @triton.jit
-    def _h2_step(acc0, acc1, zacc, x, sq, zq, lo0, hi0, lo1, hi1, k0, mask, j3, kks, kkz, sm_ptr, zm_ptr,
-                 cols, Ms, Mz, W0: tl.constexpr, W1: tl.constexpr, SMODE: tl.constexpr,
-                 ZMODE: tl.constexpr, BJ: tl.constexpr, BKO: tl.constexpr):
-        """_gemv_step of the packed fp16 loop, from a tile's loaded bytes (_tile_raw)."""
-        scale = _meta_decode(sq, sm_ptr, (j3 * cols + k0) % Ms, kks[None], mask, Ms, SMODE)
-        zero = _meta_decode(zq, zm_ptr, (j3 * cols + k0) % Mz, kkz[None], mask, Mz, ZMODE)
-        xs = x[None] * scale  # [BJ, KV, BKO]
-        zacc += tl.sum(xs * zero, axis=1)
-        xs2 = _pack_xs(xs, BJ, BKO)
-        acc0 = _gemv_plane_h2(acc0, lo0, hi0, xs2, W1, W0)  # high plane: << W1
-        if W1 > 0:
-            acc1 = _gemv_plane_h2(acc1, lo1, hi1, xs2, 0, W1)
-        return acc0, acc1, zacc
 
     @triton.jit
     def _pack_xs(xs, BJ: tl.constexpr, BKO: tl.constexpr):
@@ -618,35 +581,26 @@ if triton is not None:
         return acc + tl.sum(code * xs[None, None], axis=3)
 
     @triton.jit
-    def _gemv_step(acc0, acc1, zacc, x, k, k0, mask, j3, kks, kkz, rows0, rows1, opaque_zero,
+    def _gemv_step(acc0, acc1, zacc, x, k, k0, mask, kw, mask_w, j3, kks, kkz, rows0, rows1, opaque_zero,
                    p0_ptr, p1_ptr, s_ptr, z_ptr, sm_ptr, zm_ptr, cols, Ms, Mz,
-                   W0: tl.constexpr, W1: tl.constexpr, SMODE: tl.constexpr, ZMODE: tl.constexpr):
+                   W0: tl.constexpr, W1: tl.constexpr, SMODE: tl.constexpr, ZMODE: tl.constexpr,
+                   H2: tl.constexpr, BJ: tl.constexpr, KV: tl.constexpr, BKO: tl.constexpr):
         """One k tile of one matrix into its accumulators (see _gemv_tiles)."""
         off = j3 * cols + k[None]  # into [G, cols]
         scale = _scale_or_zero(s_ptr, sm_ptr, off, (j3 * cols + k0) % Ms, kks[None], mask, Ms, SMODE)
         zero = _scale_or_zero(z_ptr, zm_ptr, off, (j3 * cols + k0) % Mz, kkz[None], mask, Mz, ZMODE)
         xs = x[None] * scale  # [BJ, KV, BKO]
         zacc += tl.sum(xs * zero, axis=1)
-        acc0 = _gemv_plane(acc0, p0_ptr, rows0, k, mask, xs, opaque_zero, W1, W0)  # high plane: << W1
-        if W1 > 0:
-            acc1 = _gemv_plane(acc1, p1_ptr, rows1, k, mask, xs, opaque_zero, 0, W1)
-        return acc0, acc1, zacc
-
-    @triton.jit
-    def _tile_masks(k0, kk, kw, j3, G, cols, EVEN: tl.constexpr, BJ: tl.constexpr, KV: tl.constexpr,
-                    BKO: tl.constexpr):
-        """Columns k [KV, BKO] of the tile at k0, the masks of its loads (constant when every
-        tile is whole: the compiler then drops them) and its offsets into [G, cols]."""
-        k = k0 + kk
-        if EVEN:
-            kmask = tl.full((KV, BKO), 1, tl.int1)
-            mask = tl.full((BJ, KV, BKO), 1, tl.int1)
-            mask_w = tl.full((BJ, 2, BKO), 1, tl.int1)
+        if H2:
+            xs2 = _pack_xs(xs, BJ, BKO)
+            acc0 = _gemv_plane_h2(acc0, p0_ptr, rows0, kw, mask_w, xs2, W1, W0)
+            if W1 > 0:
+                acc1 = _gemv_plane_h2(acc1, p1_ptr, rows1, kw, mask_w, xs2, 0, W1)
         else:
-            kmask = k < cols
-            mask = (j3 < G) & kmask[None]  # [BJ, KV, BKO]
-            mask_w = (j3 < G) & ((k0 // 4 + kw) * 4 < cols)[None]
-        return k, kmask, mask, mask_w, j3 * cols + k[None]
+            acc0 = _gemv_plane(acc0, p0_ptr, rows0, k, mask, xs, opaque_zero, W1, W0)  # high plane: << W1
+            if W1 > 0:
+                acc1 = _gemv_plane(acc1, p1_ptr, rows1, k, mask, xs, opaque_zero, 0, W1)
+        return acc0, acc1, zacc
 
     @triton.jit
     def _plane_sum(acc, H2: tl.constexpr):
@@ -713,52 +667,27 @@ if triton is not None:
         opaque_zero = k_per_split >> 31  # 0: k_per_split > 0
         k_lo = pid_k * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, cols)
-        if H2:
-            # Software pipelined: tile t+1's bytes are requested before tile t is computed, so a
-            # warp's loads are in flight while it computes (the loop is latency-bound otherwise).
-            # The last "next" tile is the last tile again (an L2 hit, no masks needed).
-            k_last = k_lo + (k_hi - 1 - k_lo) // BK * BK
-            k, kmask, mask, mask_w, off = _tile_masks(k_lo, kk, kw, j3, G, cols, EVEN, BJ, KV, BKO)
-            x = tl.load(x_ptr + k, mask=kmask, other=0.0)
-            sa, za, la0, ha0, la1, ha1 = _tile_raw(a0, a1, a_s, a_z, off, k_lo // 4 + kw, mask, mask_w,
-                                                   rows0, rows1, W1)
-            sb, zb, lb0, hb0, lb1, hb1 = sa, za, la0, ha0, la1, ha1
+        for k0 in range(k_lo, k_hi, BK):
+            k = k0 + kk  # [KV, BKO]
+            kw0 = k0 // 4 + kw  # 32-bit word offsets (H2: cols % 8 == 0)
+            if EVEN:  # every tile whole: constant masks, which the compiler drops
+                kmask = tl.full((KV, BKO), 1, tl.int1)
+                mask = tl.full((BJ, KV, BKO), 1, tl.int1)
+                mask_w = tl.full((BJ, 2, BKO), 1, tl.int1)
+            else:
+                kmask = k < cols
+                mask = (j3 < G) & kmask[None]  # [BJ, KV, BKO]
+                mask_w = (j3 < G) & (kw0 * 4 < cols)[None]
+            x = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+            acc_a0, acc_a1, zacc_a = _gemv_step(acc_a0, acc_a1, zacc_a, x, k, k0, mask, kw0, mask_w, j3,
+                                                kks, kkz, rows0, rows1, opaque_zero, a0, a1, a_s, a_z,
+                                                a_sm, a_zm, cols, Ms, Mz, W0, W1, SMODE, ZMODE,
+                                                H2, BJ, KV, BKO)
             if TWO:
-                sb, zb, lb0, hb0, lb1, hb1 = _tile_raw(b0, b1, b_s, b_z, off, k_lo // 4 + kw, mask, mask_w,
-                                                       rows0, rows1, W1)
-            for k0 in range(k_lo, k_hi, BK):
-                kn = tl.minimum(k0 + BK, k_last)
-                k_n, kmask_n, mask_n, mask_wn, off_n = _tile_masks(kn, kk, kw, j3, G, cols, EVEN, BJ, KV, BKO)
-                x_n = tl.load(x_ptr + k_n, mask=kmask_n, other=0.0)
-                sa_n, za_n, la0_n, ha0_n, la1_n, ha1_n = _tile_raw(a0, a1, a_s, a_z, off_n, kn // 4 + kw,
-                                                                   mask_n, mask_wn, rows0, rows1, W1)
-                sb_n, zb_n, lb0_n, hb0_n, lb1_n, hb1_n = sa_n, za_n, la0_n, ha0_n, la1_n, ha1_n
-                if TWO:
-                    sb_n, zb_n, lb0_n, hb0_n, lb1_n, hb1_n = _tile_raw(b0, b1, b_s, b_z, off_n, kn // 4 + kw,
-                                                                       mask_n, mask_wn, rows0, rows1, W1)
-                tl.debug_barrier()  # keeps ptxas from sinking those loads below the compute
-                xf = x.to(tl.float32)
-                acc_a0, acc_a1, zacc_a = _h2_step(acc_a0, acc_a1, zacc_a, xf, sa, za, la0, ha0, la1, ha1,
-                                                  k0, mask, j3, kks, kkz, a_sm, a_zm, cols, Ms, Mz,
-                                                  W0, W1, SMODE, ZMODE, BJ, BKO)
-                if TWO:
-                    acc_b0, acc_b1, zacc_b = _h2_step(acc_b0, acc_b1, zacc_b, xf, sb, zb, lb0, hb0, lb1, hb1,
-                                                      k0, mask, j3, kks, kkz, b_sm, b_zm, cols, Ms, Mz,
-                                                      W0, W1, SMODE, ZMODE, BJ, BKO)
-                x, mask = x_n, mask_n
-                sa, za, la0, ha0, la1, ha1 = sa_n, za_n, la0_n, ha0_n, la1_n, ha1_n
-                sb, zb, lb0, hb0, lb1, hb1 = sb_n, zb_n, lb0_n, hb0_n, lb1_n, hb1_n
-        else:
-            for k0 in range(k_lo, k_hi, BK):
-                k, kmask, mask, mask_w, off = _tile_masks(k0, kk, kw, j3, G, cols, EVEN, BJ, KV, BKO)
-                x = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
-                acc_a0, acc_a1, zacc_a = _gemv_step(acc_a0, acc_a1, zacc_a, x, k, k0, mask, j3, kks, kkz,
-                                                    rows0, rows1, opaque_zero, a0, a1, a_s, a_z, a_sm,
-                                                    a_zm, cols, Ms, Mz, W0, W1, SMODE, ZMODE)
-                if TWO:
-                    acc_b0, acc_b1, zacc_b = _gemv_step(acc_b0, acc_b1, zacc_b, x, k, k0, mask, j3, kks,
-                                                        kkz, rows0, rows1, opaque_zero, b0, b1, b_s, b_z,
-                                                        b_sm, b_zm, cols, Ms, Mz, W0, W1, SMODE, ZMODE)
+                acc_b0, acc_b1, zacc_b = _gemv_step(acc_b0, acc_b1, zacc_b, x, k, k0, mask, kw0, mask_w,
+                                                    j3, kks, kkz, rows0, rows1, opaque_zero, b0, b1,
+                                                    b_s, b_z, b_sm, b_zm, cols, Ms, Mz, W0, W1, SMODE,
+                                                    ZMODE, H2, BJ, KV, BKO)
         y_a = _gemv_sum(acc_a0, acc_a1, zacc_a, W1, GS, NQ, BJ, H2)
         y_b = y_a
         if TWO:
