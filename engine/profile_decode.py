@@ -82,7 +82,7 @@ def profile(layers: int, expert_bits: int, log=print) -> dict:
         "embedding copy": lambda: g.x.copy_(F.embedding(g.tok, m.embed)),
     }
     res = {name: graph_us(fn) for name, fn in pieces.items()}
-    res["whole token (one graph)"] = graph_us(lambda: g.token_segment(256), reps=10)
+    res["whole token (one graph)"] = graph_us(g.token_segment, reps=10)
     per_layer = res["layer_segment (all of attention + routing)"] + res["moe_decode (2 experts)"]
     res["sum: layers x (layer_segment + moe_decode) + head"] = cfg.num_layers * per_layer + res[
         "head (norm + lm_head + float)"]
