@@ -289,3 +289,51 @@ def test_gemv_pair_equals_two_gemvs(rows, cols, bits, g):
     for _ in range(2):  # the split-K counters are reset for the next launch
         K.gemv_pair(x, a, b, ya, yb)
         assert rel_err(ya, K.qlinear(x, a, "fused")) <= 1e-3 and rel_err(yb, K.qlinear(x, b, "fused")) <= 1e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# The packed fp16 decode loop (bf16/fp16 activations) against the float32 loop and the reference
+
+
+RUNS_FUSED = torch.cuda.is_available() or (K.triton is not None and K._interpreting())
+FUSED_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not RUNS_FUSED, reason="needs CUDA (or the Triton interpreter)")
+@pytest.mark.parametrize("rows,cols,bits,g", [(64, 3000, 2, 16), (64, 4096, 3, 64), (128, 2048, 4, 32),
+                                              (64, 4096, 2, 16), (256, 64, 8, 64)])
+@pytest.mark.parametrize("meta", list(META))
+def test_packed_fp16_loop_matches_the_reference(rows, cols, bits, g, meta):
+    """Ragged and whole tiles, several k tiles per program (programs=1: no split), one matrix
+    and two in one loop (gemv_pair); fp16 activations (the interpreter's bf16 truncates)."""
+    kw = dict(META[meta])
+    mg = kw.pop("meta_group", 128)
+    qa = random_qmatrix(rows, cols, bits, g, meta_group=mg, device=FUSED_DEVICE, seed=1, **kw)
+    qb = random_qmatrix(rows, cols, bits, g, meta_group=mg, device=FUSED_DEVICE, seed=2, **kw)
+    x = torch.randn(1, cols, device=FUSED_DEVICE).half()
+    want_a = K.qlinear(x.float(), qa, "reference")
+    want_b = K.qlinear(x.float(), qb, "reference")
+    for packed in (True, False):
+        cfg = dict(K.gemv_config(rows, cols, bits, g, K._sm_count(x.device)), H2=packed, programs=1)
+        y = torch.full((1, rows), float("nan"), device=FUSED_DEVICE).half()
+        K.gemv(x, qa, y, cfg)
+        assert rel_err(y.float(), want_a) < (3e-3 if packed else 1e-3)
+    ya, yb = (torch.full((1, rows), float("nan"), device=FUSED_DEVICE).half() for _ in range(2))
+    K.gemv_pair(x, qa, qb, ya, yb)  # the default: packed where the format allows
+    assert rel_err(ya.float(), want_a) < 3e-3 and rel_err(yb.float(), want_b) < 3e-3
+
+
+def test_float32_activations_keep_the_float32_loop():
+    assert K.gemv_config(14336, 4096, 2, 16)["H2"]
+    assert not K.gemv_config(14336, 4096, 2, 16, exact=True)["H2"]
+    assert not K.gemv_config(64, 100, 2, 16)["H2"]  # 100 columns: not whole 8-byte words
+
+
+@pytest.mark.skipif(K.triton is None or K._interpreting(), reason="needs Triton, not its interpreter (compiles for sm_90 without a GPU)")
+def test_packed_loop_needs_fewer_instructions_per_tile():
+    from engine.kernel_sass import compile_gemv, loop_report
+    packed = loop_report(compile_gemv(14336, 4096, 2, packed=True))
+    plain = loop_report(compile_gemv(14336, 4096, 2, packed=False))
+    assert packed["opcodes"].get("HFMA2", 0) >= 64  # 128 weights per thread, two per HFMA2
+    assert packed["loop_instructions"] < 0.75 * plain["loop_instructions"]
