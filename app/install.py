@@ -240,6 +240,7 @@ def run_install(req: InstallRequest, backend: SetupBackend, report: Callable[[In
             raise
         check()
 
+    just_converted = False
     if converted:
         dest = Path(req.dest)  # converted before a restart; only the check is left
     elif req.needs_convert:
@@ -264,15 +265,17 @@ def run_install(req: InstallRequest, backend: SetupBackend, report: Callable[[In
             check()
             raise
         check()
+        just_converted = True
     else:
         dest = src
 
-    report(InstallProgress("verify", None, "Checking every file against the manifest"))
-    bad = backend.verify(dest)
-    if bad:
-        from engine.errors import UserError
+    if not just_converted:  # a conversion hashed the new store itself before moving it into place
+        report(InstallProgress("verify", None, "Checking every file against the manifest"))
+        bad = backend.verify(dest)
+        if bad:
+            from engine.errors import UserError
 
-        raise UserError(f"The model at {dest} failed verification ({'; '.join(bad[:3])}); download it again.", 1)
+            raise UserError(f"The model at {dest} failed verification ({'; '.join(bad[:3])}); download it again.", 1)
     if req.delete_download and req.source == "catalog" and req.needs_convert:
         report(InstallProgress("done", None, "Deleting the downloaded copy"))
         if downloads_root is None:

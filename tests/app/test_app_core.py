@@ -96,8 +96,15 @@ def test_run_install_download_then_convert(tmp_path):
     backend = fake_setup_backend(tmp_path)
     req = InstallRequest(source="catalog", name="x", repo_id="tiny/mixtral", src_path=str(tmp_path / "dl"),
                          needs_convert=True, expert_bits=3, dest=str(tmp_path / "st"))
-    steps = []
+    steps, verified = [], []
+    verify = backend.verify
+    backend.verify = lambda path: verified.append(path) or verify(path)
     path = run_install(req, backend, lambda p: steps.append(p.step), threading.Event())
     assert path == tmp_path / "st" and (path / "manifest.json").exists()
     assert steps[0] == "download" and "convert" in steps and steps[-1] == "done"
+    assert "verify" not in steps and not verified, "the conversion already hashed the new store"
+    # after a restart the finished store is only checked, once
+    steps.clear()
+    assert run_install(req, backend, lambda p: steps.append(p.step), threading.Event()) == path
+    assert "convert" not in steps and "verify" in steps and verified == [path]
     assert InstallRequest.from_dict(req.to_dict() | {"unknown": 1}) == req

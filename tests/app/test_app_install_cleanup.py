@@ -61,9 +61,18 @@ def test_download_kept_when_unticked(tmp_path):
 def test_download_kept_when_verification_fails(tmp_path):
     from engine.errors import UserError
 
+    def convert(*_, **__):  # as engine.convert does when the new store's hashes do not match
+        raise UserError("The converted store failed verification (experts.safetensors: wrong sha256); "
+                        "check the disk and run again.")
+
     root = tmp_path / "models"
-    backend = dataclasses.replace(fake_setup_backend(tmp_path), verify=lambda p: ["experts/0.bin: wrong sha256"])
     req = catalog_request(root)
+    with pytest.raises(UserError, match="failed verification"):
+        install(req, fake_setup_backend(tmp_path, convert=convert), root)
+    assert (Path(req.src_path) / "model.safetensors").is_file()
+    # a finished store that fails its check after a restart keeps the download too
+    make_store(Path(req.dest))
+    backend = dataclasses.replace(fake_setup_backend(tmp_path), verify=lambda p: ["experts/0.bin: wrong sha256"])
     with pytest.raises(UserError, match="failed verification"):
         install(req, backend, root)
     assert (Path(req.src_path) / "model.safetensors").is_file()

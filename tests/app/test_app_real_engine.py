@@ -66,7 +66,7 @@ def test_wizard_downloads_converts_and_the_chat_streams_from_the_real_engine(lau
     steps = []
     install.task.progress.connect(lambda p: steps.append(p.step))
     qtbot.waitUntil(install.isComplete, timeout=60000)
-    assert {"download", "convert", "verify"} <= set(steps)
+    assert {"download", "convert"} <= set(steps) and "verify" not in steps  # converting verifies
     store = data_dir / "models" / "tiny--mixtral-2bit"
     assert wizard.store_path == store and (store / "manifest.json").is_file()
     wizard.next()
