@@ -58,13 +58,15 @@ class ModeResult:
 
 
 def random_qmatrix(rows: int, cols: int, spec: quant.QuantSpec, device, gen) -> quant.QMatrix:
-    """Random codes; scales about 0.004-0.009 and zeros about mid-range, as HQQ produces for
-    weights of standard deviation ~0.01 (Mixtral's are 0.01-0.02)."""
+    """Random codes; zeros anywhere in the code range and scales of 0.012-0.027 / (levels), as
+    HQQ produces for weights of standard deviation ~0.01 (Mixtral's are 0.01-0.02): 0.004-0.009
+    at 2-bit."""
     f = quant.field_shapes(rows, cols, spec)
     t = {k: torch.randint(0, 256, shape, dtype=torch.uint8, device=device, generator=gen)
          for k, (dtype, shape) in f.items() if dtype == torch.uint8}
     levels = 2 ** spec.bits - 1
-    t["scale_meta"] = torch.tensor([[2e-5], [-200.0]], dtype=torch.float16, device=device).expand(f["scale_meta"][1]).contiguous()
+    t["scale_meta"] = torch.tensor([[6e-5 / levels], [-200.0]], dtype=torch.float16,
+                                   device=device).expand(f["scale_meta"][1]).contiguous()
     t["zero_meta"] = torch.tensor([[levels / 255], [0.0]], dtype=torch.float16, device=device).expand(f["zero_meta"][1]).contiguous()
     return quant.QMatrix.from_tensors({"rows": rows, "cols": cols, "bits": spec.bits,
                                        "group_size": spec.group_size}, t)
@@ -94,22 +96,27 @@ def synthetic_model(cfg: ModelConfig, expert_bits: int, attn_bits: int, device, 
     fields, stride = store_mod.expert_layout(cfg, eq)
     host = torch.empty((cfg.num_layers, cfg.num_experts, stride), dtype=torch.uint8, pin_memory=True)
     for layer in range(cfg.num_layers):
-        packed = []
-        for _ in range(cfg.num_experts):
-            tensors = {}
-            for m in store_mod.EXPERT_MATRICES:
-                qm = random_qmatrix(*store_mod.expert_shape(cfg, m), es, device, gen)
-                tensors.update({f"{m}.{k}": v for k, v in qm.tensors().items()})
-            packed.append(pack_on_device(tensors, fields, stride, device))
-        host[layer].copy_(torch.stack(packed))
+        host[layer].copy_(torch.stack([random_expert(cfg, es, fields, stride, device, gen)
+                                       for _ in range(cfg.num_experts)]))
     return dense, dense_bytes, host, fields, eq
 
 
-def pack_on_device(tensors: dict, fields: list[dict], stride: int, device) -> torch.Tensor:
+def random_expert(cfg: ModelConfig, spec: quant.QuantSpec, fields: list[dict], stride: int, device,
+                  gen) -> torch.Tensor:
+    """One random expert packed as the store lays it out: uint8 [stride] on `device`."""
     buf = torch.zeros(stride, dtype=torch.uint8, device=device)
+    tensors = {}
+    for m in store_mod.EXPERT_MATRICES:
+        qm = random_qmatrix(*store_mod.expert_shape(cfg, m), spec, device, gen)
+        tensors.update({f"{m}.{k}": v for k, v in qm.tensors().items()})
     for f in fields:
         buf[f["offset"]:f["offset"] + f["nbytes"]] = tensors[f["name"]].contiguous().view(torch.uint8).reshape(-1)
     return buf
+
+
+def expert_views(cfg: ModelConfig, fields: list[dict], eq: dict):
+    """buf -> the QMatrix views (w1, w3, w2) of the expert packed in buf (an ExpertCache's make_views)."""
+    return lambda buf: store_mod.view_expert(buf, fields, eq, cfg)
 
 
 def pinned_bandwidth(device, nbytes: int = 1 << 30) -> float:
@@ -144,14 +151,11 @@ def cache_size_for(budget: int | None, cfg, dense_bytes, stride, context, device
 
 def run_mode(cfg, dense, host, fields, eq, device, policy, k, prefetch, kernels, prompt, new_tokens,
              graphs=True):
-    def views(buf):
-        return store_mod.view_expert(buf, fields, eq, cfg)
-
     torch.cuda.synchronize(device)
     gc.collect()  # the previous mode's cache and graphs
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    cache = ExpertCache(host, k, device, views, policy=policy)
+    cache = ExpertCache(host, k, device, expert_views(cfg, fields, eq), policy=policy)
     model = OffloadedMixtral(cfg, dense, cache, device, torch.bfloat16, kernels)
     model.prefetch_depth = prefetch
     model.setup_kv(len(prompt) + new_tokens)

@@ -24,12 +24,13 @@ import time
 import torch
 
 from . import kernels as K
-from .quant import EXPERT_SPECS as QUANT_SPECS, QMatrix, dequantize, meta_groups, pack_codes
+from .quant import ATTN_SPECS, EXPERT_SPECS as QUANT_SPECS, QMatrix, dequantize, meta_groups, pack_codes
 
 # Mixtral-8x7B matrices: expert w1/w3 (and w2, the down projection), attention q/o and k/v.
 SHAPES = {"w1 14336x4096": (14336, 4096), "w2 4096x14336": (4096, 14336),
           "q 4096x4096": (4096, 4096), "kv 1024x4096": (1024, 4096)}
-SPECS = {2: (16, 128), 3: (64, 128), 4: (64, 128), 8: (64, 256)}  # bits: (group, meta group)
+# bits: (group, meta group), the store's formats (8-bit: attention's)
+SPECS = {b: (q.group_size, q.meta_group) for b, q in {**QUANT_SPECS, 8: ATTN_SPECS[8]}.items()}
 TARGET_US = {2: 20.0, 3: 30.0, 4: 30.0}  # issue 3: one expert matrix at batch 1
 
 
@@ -345,15 +346,9 @@ def moe_timing(log=print, sweep: bool = False) -> list[dict]:
         eq = {"bits": bits, "group_size": es.group_size, "meta_group": es.meta_group}
         gen = torch.Generator(device="cuda").manual_seed(bits)
         fields, stride = store.expert_layout(cfg, eq)
-        slots = []
-        for _ in range(cfg.num_experts):
-            tensors = {}
-            for m in store.EXPERT_MATRICES:
-                qm = bench.random_qmatrix(*store.expert_shape(cfg, m), es, "cuda", gen)
-                tensors.update({f"{m}.{k}": v for k, v in qm.tensors().items()})
-            slots.append(bench.pack_on_device(tensors, fields, stride, "cuda"))
-        slots = torch.stack(slots)
-        views = [store.view_expert(slots[e], fields, eq, cfg) for e in range(cfg.num_experts)]
+        slots = torch.stack([bench.random_expert(cfg, es, fields, stride, "cuda", gen)
+                             for _ in range(cfg.num_experts)])
+        views = [bench.expert_views(cfg, fields, eq)(slot) for slot in slots]
         table = torch.arange(cfg.num_experts, dtype=torch.int32, device="cuda")
         ids = torch.tensor([3, 6], device="cuda")
         weights = torch.tensor([0.6, 0.4], device="cuda")

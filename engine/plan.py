@@ -458,6 +458,15 @@ _UNIT_NAMES = ("prefetch_recall", "overlap_efficiency", "gpu_kernel_efficiency",
 _FIT_MIN, _FIT_MAX = 1e-12, 1e6
 
 
+def log_errors(observations: list[dict], c: Coefficients) -> list[float]:
+    """log(predicted / measured) per run with "measured_tokens_per_s"."""
+    return [math.log(predict_observation(o, c) / o["measured_tokens_per_s"]) for o in observations]
+
+
+def rms(values: list[float]) -> float:
+    return math.sqrt(sum(e * e for e in values) / len(values))
+
+
 def fit_coefficients(observations: list[dict], names: tuple[str, ...] = FIT_NAMES,
         start: Coefficients = DEFAULT, rounds: int = 200) -> tuple[Coefficients, float]:
     """Refit `names` to runs with "measured_tokens_per_s"; returns (coefficients, RMS log error).
@@ -474,10 +483,7 @@ def fit_coefficients(observations: list[dict], names: tuple[str, ...] = FIT_NAME
     Pure Python; about 0.1 s for a few dozen runs and 5 names.
     """
     def residuals(c: Coefficients) -> list[float]:
-        return [math.log(predict_observation(o, c) / o["measured_tokens_per_s"]) for o in observations]
-
-    def rms(r: list[float]) -> float:
-        return math.sqrt(sum(e * e for e in r) / len(r))
+        return log_errors(observations, c)
 
     best, best_loss = start, rms(residuals(start))
     if rounds <= 0 or not names or not observations:

@@ -138,9 +138,7 @@ def compare(bench_reports: list[dict], mode: str = "full", kernels: str = "fused
 
 
 def rms_log_error(observations: list[dict], coeffs: plan.Coefficients) -> float:
-    errs = [math.log(plan.predict_observation(o, coeffs) / o["measured_tokens_per_s"])
-            for o in observations]
-    return math.sqrt(sum(e * e for e in errs) / len(errs))
+    return plan.rms(plan.log_errors(observations, coeffs))
 
 
 def refit(bench_reports: list[dict], modes=("lru", "full"), kernels: str = "fused",
@@ -169,8 +167,8 @@ def refit(bench_reports: list[dict], modes=("lru", "full"), kernels: str = "fuse
         for i, held_out in enumerate(obs):
             others = obs[:i] + obs[i + 1:] + (plan.paper_calibration() if with_paper else [])
             c, _ = plan.fit_coefficients(others, names)
-            errs.append(math.log(plan.predict_observation(held_out, c) / held_out["measured_tokens_per_s"]))
-        out["leave_one_out_rms_log_error"] = math.sqrt(sum(e * e for e in errs) / len(errs))
+            errs += plan.log_errors([held_out], c)
+        out["leave_one_out_rms_log_error"] = plan.rms(errs)
     return out
 
 

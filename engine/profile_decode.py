@@ -49,10 +49,7 @@ def profile(layers: int, expert_bits: int, log=print) -> dict:
     s = bench.build(layers=layers, expert_bits=expert_bits, log=log)
     cfg = s.cfg
 
-    def views(buf):
-        return bench.store_mod.view_expert(buf, s.fields, s.eq, cfg)
-
-    cache = ExpertCache(s.host, cfg.num_experts, s.device, views)
+    cache = ExpertCache(s.host, cfg.num_experts, s.device, bench.expert_views(cfg, s.fields, s.eq))
     m = OffloadedMixtral(cfg, s.dense, cache, s.device, torch.bfloat16, "fused")
     m.setup_kv(256)
     m.use_cuda_graphs()
