@@ -268,7 +268,7 @@ def test_fit_coefficients_recovers_a_known_model(truth, start):
     assert P.fit_coefficients(rows, start=start, rounds=0)[1] > 0.1  # the start is far off
     t0 = time.perf_counter()
     fitted, err = P.fit_coefficients(rows, start=start)
-    assert time.perf_counter() - t0 < 1.0
+    assert time.perf_counter() - t0 < 10.0  # ~0.1 s; generous, CI machines are shared
     assert err < 0.005
     # and it predicts hardware it was not fitted on
     for hw, k in ((gpu(10, 16e9, 500e9), 3), (gpu(48, 30e9, 2e12), 8)):
