@@ -330,6 +330,7 @@ def test_float32_activations_keep_the_float32_loop():
     assert not K.gemv_config(64, 100, 2, 16)["H2"]  # 100 columns: not whole 8-byte words
 
 
+@pytest.mark.gpu  # runs wherever Triton is (no GPU needed): the GPU machine, a developer's
 @pytest.mark.skipif(K.triton is None or K._interpreting(), reason="needs Triton, not its interpreter (compiles for sm_90 without a GPU)")
 def test_packed_loop_needs_fewer_instructions_per_tile():
     from engine.kernel_sass import compile_gemv, loop_report
