@@ -7,39 +7,13 @@ import random
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
 from app.catalog import CatalogEntry
 from app.engine_backend import EngineBackend, LoadOptions, Sampling
 from app.setup_backend import PlanSummary, SetupBackend
-
-
-@dataclass
-class FakeStats:
-    tokens_per_s: float = 0.0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    first_token_s: float = 0.0
-    cache_hits: int = 0
-    cache_misses: int = 0
-    prefetch_issued: int = 0
-    prefetch_used: int = 0
-    bytes_h2d: int = 0
-    peak_vram_bytes: int = 0
-    new_tokens: int = 0
-    prompt_tokens: int = 0
-    vram_budget_bytes: int = 0
-    h2d_gb_per_s: float = 0.0
-
-
-@dataclass
-class FakeTrace:
-    selected: list = field(default_factory=list)
-    resident_before: list = field(default_factory=list)
-    num_layers: int = 4
-    num_experts: int = 8
+from engine.generate import ExpertTrace, GenerationStats
 
 
 def default_reply(messages: list[dict], sampling) -> str:
@@ -79,7 +53,7 @@ class FakeEngine:
         rng = random.Random(sampling.seed or 0)
         layers, experts, k = self.config.num_layers, self.config.num_experts, self.config.top_k
         caches = [OrderedDict() for _ in range(layers)]
-        trace = FakeTrace(num_layers=layers, num_experts=experts)
+        trace = ExpertTrace(num_layers=layers, num_experts=experts)
         hits = misses = 0
         start = time.monotonic()
         for i, word in enumerate(words[: sampling.max_new_tokens]):
@@ -112,7 +86,7 @@ class FakeEngine:
         elapsed = max(time.monotonic() - start, 1e-6)
         n = len(trace.selected)
         self.last_trace = trace
-        self.last_stats = FakeStats(tokens_per_s=n / elapsed, decode_s=elapsed, first_token_s=0.05,
+        self.last_stats = GenerationStats(tokens_per_s=n / elapsed, decode_s=elapsed, first_token_s=0.05,
                                     cache_hits=hits, cache_misses=misses, prefetch_issued=misses,
                                     prefetch_used=misses // 2, bytes_h2d=misses * 66_000_000,
                                     peak_vram_bytes=9_100_000_000, new_tokens=n,

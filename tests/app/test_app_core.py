@@ -12,7 +12,8 @@ from app.hardware_words import describe_hardware
 from app.install import InstallRequest, download_progress, run_install
 from app.setup_backend import PlanSummary
 from app.stats_format import fmt_duration, stats_items
-from tests.app.fakes import NO_GPU, RTX_3060, FakeTrace, fake_setup_backend
+from engine.generate import ExpertTrace
+from tests.app.fakes import NO_GPU, RTX_3060, fake_setup_backend
 
 
 def test_errors_become_one_sentence_and_an_action():
@@ -44,15 +45,15 @@ def test_stats_items_words():
 
 
 def test_trace_summary_marks_hits_misses_and_residency():
-    trace = FakeTrace(num_layers=2, num_experts=4,
-                      selected=[[(0, 1), (2, 3)], [(0, 2), (2, 3)]],
-                      resident_before=[[(), ()], [(0, 1), (2, 3)]])
+    trace = ExpertTrace(num_layers=2, num_experts=4,
+                        selected=[[(0, 1), (2, 3)], [(0, 2), (2, 3)]],
+                        resident_before=[[(), ()], [(0, 1), (2, 3)]])
     s = summarize_trace(trace)
     assert s.num_tokens == 2 and s.counts[0] == [2, 1, 1, 0]
     assert s.cells[0][0] == [Cell.MISS, Cell.HIT]
     assert s.cells[0][1] == [Cell.MISS, Cell.RESIDENT]
     assert s.layer_hit_rate(1) == 0.5 and s.hit_rate() == 0.375
-    assert summarize_trace(FakeTrace()) is None
+    assert summarize_trace(ExpertTrace(4, 8)) is None
 
 
 def test_hardware_words():
