@@ -22,6 +22,9 @@ and ORed into the mantissa of a power of two chosen so that one float subtractio
 exact code; x * scale is computed once per (group, column) and shared by the rows, and the
 zero point is subtracted once per group after the loop:
   y[j + i G] = sum_k (x_k s_jk) c_(j+iG)k - sum_k x_k s_jk z_jk.
+For bf16/fp16 activations the same trick runs on two fp16 lanes at once (inline PTX: lop3,
+sub.f16x2, fma.rn.f16x2: two weights per instruction; partial sums in fp16 per thread, summed
+in float32 at the end); float32 activations keep the float32 loop (gemv_config's H2).
 When G alone gives too few programs the columns are split; the last program of a group block
 (an atomic counter) sums the partials in a fixed order, so one launch does it all and the
 result is deterministic.
