@@ -13,12 +13,15 @@ from app.wizard.wizard import Page, completion_flag
 
 
 def steps_for(req: InstallRequest) -> list[str]:
+    """The steps run_install will go through, as the page lists them."""
     if req.source == "demo":
         return []
-    steps = ["download"] if req.source == "catalog" else []
-    if req.needs_convert:
-        steps.append("convert")
-    return steps + ["verify"]
+    download = ["download"] if req.source == "catalog" else []
+    if not req.needs_convert:
+        return download + ["verify"]
+    if (Path(req.dest) / "manifest.json").is_file():
+        return ["verify"]  # converted before a restart: only the check is left
+    return download + ["convert"]  # a conversion verifies the store it writes
 
 
 def progress_words(p: InstallProgress) -> str:
