@@ -250,16 +250,17 @@ def _max_nq(bits: int, group_size: int) -> int:
 @functools.lru_cache(maxsize=4096)
 def _gemv_launch(rows, cols, bits, group_size, sms, cfg_items, matrices=1, exact=False):
     """Grid and constants of a GEMV over `matrices` same-shape matrices launched together
-    (the routed experts of a token): the programs target is shared among them."""
-    cfg = dict(cfg_items) if cfg_items else gemv_config(rows, cols, bits, group_size, sms, exact)
+    (the routed experts of a token): the programs target is shared among them. cfg_items
+    override gemv_config's defaults; the packed loop only where its 8-column words fit."""
+    cfg = {**gemv_config(rows, cols, bits, group_size, sms, exact), **dict(cfg_items or ())}
     G = rows // group_size
-    nq = min(cfg.get("NQ", 1), _max_nq(bits, group_size))
+    nq = min(cfg["NQ"], _max_nq(bits, group_size))
     n_j = -(-G // cfg["BJ"]) * nq  # programs per column split
     bk = cfg["BKO"] * cfg["KV"]
-    k_per_split, split = _split(cols, bk, n_j, cfg.get("programs", 4 * sms) // matrices)
+    k_per_split, split = _split(cols, bk, n_j, cfg["programs"] // matrices)
     even = G % cfg["BJ"] == 0 and cols % bk == 0  # (k_per_split is a multiple of bk)
-    consts = dict(BJ=cfg["BJ"], BKO=cfg["BKO"], KV=cfg["KV"], NQ=nq, EVEN=even, num_warps=cfg.get("num_warps", 4),
-                  num_stages=cfg.get("num_stages", 1), H2=cfg.get("H2", _h2_fits(cols, cfg["KV"]) and not exact))
+    consts = dict(BJ=cfg["BJ"], BKO=cfg["BKO"], KV=cfg["KV"], NQ=nq, EVEN=even, num_warps=cfg["num_warps"],
+                  num_stages=cfg.get("num_stages", 1), H2=cfg["H2"] and _h2_fits(cols, cfg["KV"]))
     return n_j, split, k_per_split, bk, consts
 
 
@@ -628,7 +629,7 @@ if triton is not None:
                     TWO: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, GS: tl.constexpr,
                     SMODE: tl.constexpr, ZMODE: tl.constexpr,
                     BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr, NQ: tl.constexpr,
-                     H2: tl.constexpr, EVEN: tl.constexpr):
+                    H2: tl.constexpr, EVEN: tl.constexpr):
         """x [cols] times one matrix a (and with TWO a second matrix b of the same format, in
         the same loop: twice the loads in flight) for one program's output rows: groups j in
         [pid*BJ, +BJ), 1/NQ of the GS rows of each (row part q), the columns of split pid_k.
@@ -753,7 +754,7 @@ if triton is not None:
                           W0: tl.constexpr, W1: tl.constexpr, GS: tl.constexpr, SPLIT: tl.constexpr,
                           SMODE: tl.constexpr, ZMODE: tl.constexpr,
                           BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr, NQ: tl.constexpr,
-                     H2: tl.constexpr, EVEN: tl.constexpr):
+                          H2: tl.constexpr, EVEN: tl.constexpr):
         """out_a = x @ A.T and out_b = x @ B.T for two matrices of one format, in one loop."""
         pid_k = tl.program_id(1)
         ya, yb, n, j = _gemv_tiles(x_ptr, a0, a1, a_s, a_z, a_sm, a_zm, b0, b1, b_s, b_z, b_sm, b_zm,
@@ -788,7 +789,7 @@ if triton is not None:
                        W0: tl.constexpr, W1: tl.constexpr, GS: tl.constexpr, SPLIT: tl.constexpr,
                        SMODE: tl.constexpr, ZMODE: tl.constexpr,
                        BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr, NQ: tl.constexpr,
-                     H2: tl.constexpr, EVEN: tl.constexpr):
+                       H2: tl.constexpr, EVEN: tl.constexpr):
         """act[kpos] = silu(x @ W1.T) * (x @ W3.T) for the expert at top-k position kpos
         (grid axis 2); W1 and W3 are read in the same loop. Split-K as _finish, per kpos."""
         pid_k, kpos = tl.program_id(1), tl.program_id(2)
@@ -813,7 +814,7 @@ if triton is not None:
                          W0: tl.constexpr, W1: tl.constexpr, GS: tl.constexpr,
                          SMODE: tl.constexpr, ZMODE: tl.constexpr, TOPK: tl.constexpr,
                          BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr, NQ: tl.constexpr,
-                     H2: tl.constexpr, EVEN: tl.constexpr):
+                         H2: tl.constexpr, EVEN: tl.constexpr):
         """out = sum over the top-k of weight[kpos] * (act[kpos] @ W2.T), grid axis 2 = kpos.
         Every (split, kpos) program stores a partial; the last one of a row tile adds them up as
         the eager path does: each expert's output rounded to out's dtype, times its weight,
