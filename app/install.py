@@ -13,7 +13,6 @@ from typing import Any, Callable
 
 from app.setup_backend import SetupBackend
 from app.stats_format import fmt_bytes
-from engine.hf_cache import hf_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +122,8 @@ def deletable_download(target: Path, downloads_root: Path, keep: list[Path]) -> 
     root = Path(os.path.realpath(downloads_root))
     if real == root or not real.is_relative_to(root):
         return f"{target} is not inside the app's downloads folder {downloads_root}"
+    from engine.hf_cache import hf_cache_dir  # the app starts without the engine
+
     cache = Path(os.path.realpath(hf_cache_dir()))
     if real.is_relative_to(cache) or cache.is_relative_to(real):
         return f"{target} is part of the Hugging Face cache"
@@ -206,6 +207,23 @@ def delete_download(req: InstallRequest, store: Path, downloads_root: Path) -> C
     return Cleanup(freed_bytes=freed, deleted=deleted, notice=" ".join(notices))
 
 
+def already_converted(req: InstallRequest) -> bool:
+    """A conversion of req finished before a restart: only the store's check is left."""
+    return req.needs_convert and (Path(req.dest) / "manifest.json").is_file()
+
+
+def install_steps(req: InstallRequest) -> list[str]:
+    """The steps run_install will report for req, in order, decided before it starts."""
+    if req.source == "demo":
+        return []
+    if already_converted(req):
+        return ["verify"]
+    fetch = req.source == "catalog" or bool(req.needs_convert and req.tokenizer_repo_id
+                                             and not _has_tokenizer(Path(req.src_path)))
+    # a conversion verifies the store it writes
+    return (["download"] if fetch else []) + (["convert"] if req.needs_convert else ["verify"])
+
+
 def run_install(req: InstallRequest, backend: SetupBackend, report: Callable[[InstallProgress], None],
                 cancel: threading.Event, downloads_root: Path | None = None) -> Path:
     """Bring the model of `req` to a verified store and return the store's path.
@@ -226,7 +244,7 @@ def run_install(req: InstallRequest, backend: SetupBackend, report: Callable[[In
         return Path(path)
 
     src = Path(req.src_path)
-    converted = req.needs_convert and (Path(req.dest) / "manifest.json").is_file()
+    converted = already_converted(req)
     if req.source == "catalog" and not converted:  # a finished store needs no download (it may be deleted)
         report(InstallProgress("download", 0.0, "Connecting"))
         kwargs: dict = {"revision": req.revision, "progress": lambda p: report(download_progress(p)),
@@ -240,7 +258,6 @@ def run_install(req: InstallRequest, backend: SetupBackend, report: Callable[[In
             raise
         check()
 
-    just_converted = False
     if converted:
         dest = Path(req.dest)  # converted before a restart; only the check is left
     elif req.needs_convert:
@@ -265,11 +282,10 @@ def run_install(req: InstallRequest, backend: SetupBackend, report: Callable[[In
             check()
             raise
         check()
-        just_converted = True
     else:
         dest = src
 
-    if not just_converted:  # a conversion hashed the new store itself before moving it into place
+    if converted or not req.needs_convert:  # a conversion hashed its new store before moving it in
         report(InstallProgress("verify", None, "Checking every file against the manifest"))
         bad = backend.verify(dest)
         if bad:

@@ -6,22 +6,10 @@ from pathlib import Path
 
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWizardPage
 
-from app.install import InstallProgress, InstallRequest, run_install, step_title
+from app.install import InstallProgress, InstallRequest, install_steps, run_install, step_title
 from app.stats_format import fmt_bytes, fmt_duration
 from app.task_runner import TaskRunner
 from app.wizard.wizard import Page, completion_flag
-
-
-def steps_for(req: InstallRequest) -> list[str]:
-    """The steps run_install will go through, as the page lists them."""
-    if req.source == "demo":
-        return []
-    download = ["download"] if req.source == "catalog" else []
-    if not req.needs_convert:
-        return download + ["verify"]
-    if (Path(req.dest) / "manifest.json").is_file():
-        return ["verify"]  # converted before a restart: only the check is left
-    return download + ["convert"]  # a conversion verifies the store it writes
 
 
 def progress_words(p: InstallProgress) -> str:
@@ -46,6 +34,7 @@ class InstallPage(QWizardPage):
         self.done = False
         self.resuming = False
         self.last: InstallProgress | None = None
+        self.step_list: list[str] = []
         self._complete = completion_flag(self, "installed")
         self.setTitle("Getting the model")
         self.setSubTitle("Downloaded files are checked against the hub; a stopped download continues later.")
@@ -94,6 +83,7 @@ class InstallPage(QWizardPage):
         self.message.clear()
         self.resume_button.hide()
         self.cancel_button.show()
+        self.step_list = install_steps(req)  # once: the store appearing at the end changes no step
         self._show_steps(None)
         if req.source in ("catalog", "hf_cache") or req.needs_convert:
             self.w.remember_pending(req)
@@ -113,9 +103,8 @@ class InstallPage(QWizardPage):
             self.message.setText("Stopping…")
 
     def _show_steps(self, current: str | None) -> None:
-        steps = steps_for(self.w.request)
         words = []
-        for step in steps:
+        for step in self.step_list:
             title = step_title(step, self.w.request)
             words.append(f"<b>{title}</b>" if step == current else title)
         self.steps.setText(" → ".join(words))

@@ -111,22 +111,21 @@ def test_run_install_download_then_convert(tmp_path):
     assert InstallRequest.from_dict(req.to_dict() | {"unknown": 1}) == req
 
 
-def test_the_install_page_lists_the_steps_run_install_takes(tmp_path):
-    from app.wizard.install_page import steps_for
+def test_install_steps_are_the_steps_run_install_takes(tmp_path):
+    from app.install import install_steps
 
     convert = InstallRequest(source="catalog", name="x", repo_id="tiny/mixtral", src_path=str(tmp_path / "dl"),
                              needs_convert=True, expert_bits=2, dest=str(tmp_path / "st"))
-    assert steps_for(convert) == ["download", "convert"]  # converting verifies what it writes
     ready_made = InstallRequest(source="catalog", name="x", repo_id="tiny/mixtral-store",
                                 src_path=str(tmp_path / "st2"))
-    assert steps_for(ready_made) == ["download", "verify"]
+    assert install_steps(ready_made) == ["download", "verify"]
+    folder = InstallRequest(source="folder", name="x", src_path=str(tmp_path / "ckpt"), needs_convert=True,
+                            tokenizer_repo_id="tiny/tokenizer", dest=str(tmp_path / "st3"))
+    assert install_steps(folder) == ["download", "convert"]  # the tokenizer it lacks is fetched
     backend = fake_setup_backend(tmp_path)
-    steps = []
-    run_install(convert, backend, lambda p: steps.append(p.step), threading.Event())
-    assert [s for s in dict.fromkeys(steps) if s != "done"] == steps_for(InstallRequest(**{
-        **convert.to_dict(), "dest": str(tmp_path / "elsewhere")}))
-    # restarted after the conversion finished: only the check is left, and it is what runs
-    steps.clear()
-    assert steps_for(convert) == ["verify"]
-    run_install(convert, backend, lambda p: steps.append(p.step), threading.Event())
-    assert [s for s in dict.fromkeys(steps) if s != "done"] == ["verify"]
+    for expected in (["download", "convert"],  # converting verifies what it writes
+                     ["verify"]):  # restarted after the conversion finished: only the check is left
+        assert install_steps(convert) == expected
+        steps = []
+        run_install(convert, backend, lambda p: steps.append(p.step), threading.Event())
+        assert [s for s in dict.fromkeys(steps) if s != "done"] == expected

@@ -161,6 +161,8 @@ def test_cancel_then_resume_after_restart(launch, qtbot, tmp_path, data_dir):
     install = wizard.pages[Page.INSTALL]
     assert install.what.text().startswith("Resuming")
     qtbot.waitUntil(install.isComplete, timeout=5000)
+    # the steps listed are the ones that ran, also once the new store exists
+    assert install.steps.text() == "Downloading → Converting"
     assert fetch.resumed_from == [500], "continued from the bytes kept on disk"
     assert again.settings.get(Key.PENDING_INSTALL) is None
     next_page(wizard, qtbot, Page.CACHE)
