@@ -23,6 +23,7 @@ import torch
 
 from engine import quant, store
 from engine.errors import UserError
+from engine.generate import resolve_device
 from engine.model import ModelConfig
 from engine.safetensors_io import DTYPE_NAMES, FormatError, StreamingWriter, read_header, read_tensor
 
@@ -72,9 +73,9 @@ def read_index(src: Path) -> tuple[dict[str, str], list[str]]:
     index = src / "model.safetensors.index.json"
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError):
+        files = sorted(set(weight_map.values()))  # not a dict of file names: damaged too
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise UserError(f"{index} is missing or damaged; download the checkpoint again.") from None
-    files = sorted(set(weight_map.values()))
     missing = [f for f in files if not (src / f).is_file()]
     if missing:
         raise UserError(f"{src} is missing {len(missing)} of {len(files)} shards named by "
@@ -231,7 +232,6 @@ def convert_checkpoint(src, dest, expert_bits: int, attn_bits: int, device: str 
             store.matrix_fields(*store.attn_shape(cfg, m), aq)
     except ValueError as e:
         raise UserError(f"This model's shapes do not fit the chosen quantization: {e}.") from None
-    from engine.generate import resolve_device  # the engine's own device rule
     dev = resolve_device(device)
     check_destination(dest)
     tmp = store.temp_sibling(dest)

@@ -67,7 +67,8 @@ def test_interrupted_conversion_leaves_no_complete_looking_folder(tiny_checkpoin
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("case", ["not_mixtral", "missing_shard", "no_folder", "dest_exists", "no_tokenizer"])
+@pytest.mark.parametrize("case", ["not_mixtral", "missing_shard", "no_folder", "dest_exists", "no_tokenizer",
+                                  "damaged_index"])
 def test_bad_checkpoints_get_one_sentence_and_exit_2(tmp_path, case):
     src = tmp_path / "ck"
     make_checkpoint(src, shard="60KB")
@@ -85,12 +86,15 @@ def test_bad_checkpoints_get_one_sentence_and_exit_2(tmp_path, case):
         (dest / "precious.txt").write_text("keep me")
     elif case == "no_tokenizer":
         (src / "tokenizer.json").unlink()
+    elif case == "damaged_index":  # valid JSON, but no mapping of tensor names to files
+        (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["model-1.safetensors"]}))
     r = run_cli("convert", str(src), str(dest), "--expert-bits", "16", "--attn-bits", "16")
     assert r.returncode == 2, r.stderr
     msg = r.stderr.strip()
     assert msg.startswith("moeferry: ") and "Traceback" not in msg and msg.count("\n") == 0, msg
     expected = {"not_mixtral": "not Mixtral", "missing_shard": "missing 1 of", "no_folder": "not a folder",
-                "dest_exists": "already exists", "no_tokenizer": "no tokenizer"}[case]
+                "dest_exists": "already exists", "no_tokenizer": "no tokenizer",
+                "damaged_index": "missing or damaged"}[case]
     assert expected in msg
     if case == "dest_exists":
         assert (dest / "precious.txt").read_text() == "keep me"
