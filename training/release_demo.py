@@ -65,7 +65,13 @@ def store_bytes(path: Path) -> int:
 
 
 def ensure_store(ckpt: Path, dest: Path, expert_bits: int, attn_bits: int) -> Path:
-    if not (dest / "manifest.json").is_file():
+    """dest converted from ckpt, reusing a store made from this very checkpoint (as its manifest
+    records) after the checkpoint was last written."""
+    manifest = dest / "manifest.json"
+    reusable = (manifest.is_file()
+                and json.loads(manifest.read_text())["source"]["path"] == str(ckpt.resolve())
+                and manifest.stat().st_mtime > max(p.stat().st_mtime for p in ckpt.glob("*.safetensors")))
+    if not reusable:
         if dest.exists():
             shutil.rmtree(dest)
         t0 = time.time()
@@ -162,7 +168,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    args.work = args.work / args.ckpt.resolve().name  # stores of another checkpoint are not reused
     args.work.mkdir(parents=True, exist_ok=True)
     shipped = demo_store_path()
     if not args.keep_store:
