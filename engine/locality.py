@@ -239,7 +239,10 @@ def text_path(text_file: str | None) -> Path:
     return path
 
 
-def load_text_ids(tokenizer, text_file: str | None, max_tokens: int = DEFAULT_MAX_TOKENS) -> torch.Tensor:
+def load_text_ids(tokenizer, text_file: str | None, max_tokens: int | None = None) -> torch.Tensor:
+    """Token ids of the text (the demo's held-out text by default), at most max_tokens
+    (default DEFAULT_MAX_TOKENS)."""
+    max_tokens = max_tokens or DEFAULT_MAX_TOKENS
     path = text_path(text_file)
     try:
         text = path.read_text(encoding="utf-8")
@@ -271,7 +274,7 @@ def cli_locality(store: str, text_file: str | None, json_out: bool, plot: str | 
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as e:
         raise UserError(f"Cannot load the tokenizer of {path} ({e}); run `moeferry verify {path}`.") from None
-    ids = load_text_ids(tokenizer, text_file, max_tokens or DEFAULT_MAX_TOKENS)
+    ids = load_text_ids(tokenizer, text_file, max_tokens)
     report = measure_locality(model, ids)
     if plot:
         plot_report(report, plot, title=f"Expert locality, {path.name}, {report.tokens} tokens")

@@ -89,7 +89,8 @@ PAPER_CODE = Coefficients()  # the paper's released code: fit on paper_calibrati
 # MoE Ferry's own engine, fit by hand on its `moeferry bench` runs (docs/bench/*.json: H200,
 # 2-bit, budgets 8/12/16 GiB and none, 2026-11-30, third session): a token costs the resident
 # compute (fused kernels at ~33 % of HBM bandwidth; ~0.03 ms per layer of routing sync and
-# graph launches, none when every expert is resident) plus the expert copies at the measured
+# graph launches: a blend, as the model charges it whether or not experts move, while a fully
+# resident cache really runs without the sync) plus the expert copies at the measured
 # pinned rate; the copies were not hidden behind compute there (prefetch on random-weight
 # routing bought no time), so almost no overlap is assumed.
 DEFAULT = replace(PAPER_CODE, overlap_efficiency=0.02, gpu_layer_overhead_s=0.03e-3,
