@@ -17,4 +17,4 @@ def test_a_random_expert_unpacks_to_mixtral_like_weights():
             assert (views[name].rows, views[name].cols) == store.expert_shape(cfg, name)
             w = quant.dequantize(views[name], torch.float32)
             # HQQ on weights of std ~0.01 (Mixtral's are 0.01-0.02): zero-centred, similar spread
-            assert 0.003 < float(w.std()) < 0.03 and abs(float(w.mean())) < 0.003, (bits, name)
+            assert 0.005 < float(w.std()) < 0.015 and abs(float(w.mean())) < 0.003, (bits, name)

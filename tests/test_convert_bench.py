@@ -29,9 +29,9 @@ def test_report_fields(tiny_run):
     assert r["expert_matrices"] == 2 * 8 * 3
     assert r["s_per_expert_matrix"] == pytest.approx(r["experts_s"] / 48)
     assert r["convert_s"] > 0 and r["experts_s"] > 0 and r["attention_s"] > 0
-    # the phases are timed apart and the rest (manifest, verify, install) is what remains: so
-    # the timed phases must not overlap or double count (the remainder stays >= 0)
-    assert min(r["fixed_s"], r["attention_s"], r["experts_s"], r["finish_s"]) >= 0
+    # every phase is found in the conversion's progress messages (a renamed message would
+    # leave its phase at 0) and the rest (manifest, verify, install) takes time too
+    assert min(r["fixed_s"], r["attention_s"], r["experts_s"], r["finish_s"]) > 0
     assert r["per_layer_s"] == pytest.approx((r["convert_s"] - r["fixed_s"]) / 2)
     assert r["extrapolated_32_layers_s"] == pytest.approx(r["fixed_s"] + 32 * r["per_layer_s"])
     assert r["extrapolation"].startswith("t(32) = t_fixed + 32 * (t_total - t_fixed) / 2")

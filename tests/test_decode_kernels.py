@@ -1,18 +1,14 @@
 """engine.decode_kernels against the eager maths of engine.model (GPU; the CPU runs them only
 under TRITON_INTERPRET=1, in float32)."""
 
-import os
-
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine import kernels
 from engine.kernel_bench import rel_err
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    not (torch.cuda.is_available() or (kernels.triton is not None and os.environ.get("TRITON_INTERPRET") == "1")),
-    reason="needs CUDA (or the Triton interpreter)")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not kernels.fused_available(),
+                                                  reason="needs CUDA (or the Triton interpreter)")]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])  # the interpreter's bf16 truncates
 
@@ -41,8 +37,10 @@ def test_add_rms_norm(dtype, with_delta):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("pos,window", [(0, None), (63, None), (64, None), (257, None), (257, 100), (20, 100)])
 def test_rope_attention_matches_the_eager_attention(dtype, pos, window):
+    from types import SimpleNamespace
+
     from engine.decode_kernels import rope_attention
-    from engine.model import apply_rope, rope_cos_sin
+    from engine.model import OffloadedMixtral, rope_cos_sin
     heads, kv_heads, D, cap = 8, 2, 64, 300
     g = torch.Generator().manual_seed(pos)
     inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
@@ -52,17 +50,16 @@ def test_rope_attention_matches_the_eager_attention(dtype, pos, window):
     v = torch.randn(kv_heads, D, generator=g).to(DEVICE, dtype)
     kc = torch.randn(cap, kv_heads, D, generator=g).to(DEVICE, dtype)
     vc = torch.randn(cap, kv_heads, D, generator=g).to(DEVICE, dtype)
-    # the eager path (model.attention with pos): rotate, write row pos, masked SDPA
-    want_q = apply_rope(q[None], cos[pos:pos + 1], sin[pos:pos + 1])[0]
+    # the eager path: model.attention with pos (rotate, write row pos, masked SDPA), its
+    # projections replaced by the q, k, v above and no output projection
     want_kc, want_vc = kc.clone(), vc.clone()
-    want_kc[pos] = apply_rope(k[None], cos[pos:pos + 1], sin[pos:pos + 1])[0]
-    want_vc[pos] = v
-    kpos = torch.arange(cap, device=DEVICE)
-    mask = kpos <= pos
-    if window:
-        mask &= pos - kpos < window
-    want = F.scaled_dot_product_attention(want_q[:, None], want_kc.transpose(0, 1), want_vc.transpose(0, 1),
-                                          attn_mask=mask[None], enable_gqa=True)[:, 0].reshape(-1)
+    model = SimpleNamespace(cfg=SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_dim=D,
+                                                sliding_window=window),
+                            kv=SimpleNamespace(k=want_kc[None], v=want_vc[None]),
+                            linear=lambda x, w: x if w is None else w)
+    layer = {"q_proj": q.reshape(1, -1), "k_proj": k.reshape(1, -1), "v_proj": v.reshape(1, -1), "o_proj": None}
+    want = OffloadedMixtral.attention(model, 0, layer, q.reshape(1, -1), cos[pos:pos + 1], sin[pos:pos + 1], pos,
+                                      pos=torch.tensor([pos], device=DEVICE), span=cap).reshape(-1)
     q0 = q.clone()
     out = torch.empty(heads * D, device=DEVICE, dtype=dtype)
     rope_attention(q, k, v, cos, sin, torch.tensor([pos], device=DEVICE), kc, vc, window, out)

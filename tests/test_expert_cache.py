@@ -7,9 +7,9 @@ from engine.expert_cache import ExpertCache
 L, E, B = 2, 6, 16
 
 
-def make_cache(k):
+def make_cache(k, policy="lru"):
     host = torch.arange(L * E, dtype=torch.uint8)[:, None].repeat(1, B).view(L, E, B)  # expert id in every byte
-    return ExpertCache(host, k, torch.device("cpu"), lambda buf: buf)
+    return ExpertCache(host, k, torch.device("cpu"), lambda buf: buf, policy=policy)
 
 
 def use(cache, layer, expert):
@@ -84,8 +84,7 @@ def test_the_device_slot_table_follows_every_load():
     holds each resident expert's bytes."""
     gen = torch.Generator().manual_seed(1)
     for policy, k in (("lru", 2), ("lru", 4), ("naive", 2)):
-        cache = make_cache(k) if policy == "lru" else ExpertCache(
-            make_cache(1).host, k, torch.device("cpu"), lambda buf: buf, policy="naive")
+        cache = make_cache(k, policy)
         for _ in range(100):
             layer = int(torch.randint(L, (1,), generator=gen))
             needed = torch.randperm(E, generator=gen)[:2].tolist()
@@ -95,16 +94,20 @@ def test_the_device_slot_table_follows_every_load():
             cache.prefetch((layer + 1) % L, torch.randperm(E, generator=gen)[:2].tolist())
             cache.sync_table(layer)
             assert layer not in cache.table_dirty
-            for e in needed:
+            for e in set(needed) | set(cache.lru[layer]):  # this step's experts and all resident
                 slot = int(cache.table[layer, e])
                 assert int(cache.slots[layer, slot, 0]) == layer * E + e
 
 
 def test_a_fully_resident_or_no_copy_cache_has_a_fixed_table():
-    full = make_cache(E)
-    no_copy = ExpertCache(make_cache(1).host, 3, torch.device("cpu"), lambda buf: buf, policy="no-copy")
-    for cache, want in ((full, torch.arange(E)), (no_copy, torch.arange(E) % 3)):
+    for cache, want in ((make_cache(E), torch.arange(E)), (make_cache(3, "no-copy"), torch.arange(E) % 3)):
         for layer in range(L):
             cache.sync_table(layer)
             assert cache.table[layer].tolist() == want.tolist()
         assert not cache.table_dirty
+        for layer in range(L):  # using and prefetching experts changes nothing
+            for e in range(E):
+                _, slot = cache.acquire(layer, e)
+                cache.release(layer, slot)
+            cache.prefetch(layer, list(range(E)))
+            assert not cache.table_dirty and cache.table_host[layer].tolist() == want.tolist()

@@ -8,12 +8,12 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine import kernels as K
 from engine.kernel_bench import random_qmatrix, rel_err
 from engine.quant import QMatrix, dequantize
 
+FUSED_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the Triton interpreter
 FORMATS = [(2, 16), (3, 64), (4, 64), (8, 64), (2, 32), (3, 16), (4, 8)]  # (bits, group size)
 META = {"8bit": dict(meta8=True), "8bit-M1": dict(meta8=True, meta_group=1 << 40),
         "fp16": dict(meta8=False)}
@@ -216,9 +216,9 @@ def packed_expert_slots(hidden, ffn, bits, g, meta8, n_slots, device, seed=0):
     slots = torch.empty(n_slots, stride, dtype=torch.uint8)
     for s in range(n_slots):
         tensors = {}
-        for name in store.EXPERT_MATRICES:
+        for m, name in enumerate(store.EXPERT_MATRICES):
             rows, cols = store.expert_shape(cfg, name)
-            qm = random_qmatrix(rows, cols, bits, g, meta8=meta8, seed=seed * 1000 + s * 10 + len(tensors))
+            qm = random_qmatrix(rows, cols, bits, g, meta8=meta8, seed=seed * 1000 + s * 3 + m)
             tensors.update({f"{name}.{k}": v for k, v in qm.tensors().items()})
         slots[s] = store.pack_expert(tensors, fields, stride)
     slots = slots.to(device)
@@ -226,12 +226,16 @@ def packed_expert_slots(hidden, ffn, bits, g, meta8, n_slots, device, seed=0):
 
 
 def per_expert_moe(h, ids, weights, slot_of, views, kernels):
-    """model.moe's decode arithmetic: experts in ascending id order, out.add_(bf16(y * w))."""
+    """model.moe's decode arithmetic: experts in ascending id order, out.add_(bf16(y * w)),
+    each expert through the model's own OffloadedMixtral.expert."""
+    from types import SimpleNamespace
+
+    from engine.model import OffloadedMixtral
+    model = SimpleNamespace(linear=lambda x, w: K.qlinear(x, w, kernels))
     out = torch.zeros_like(h)
     ids_host = ids.tolist()
     for e in sorted(ids_host):
-        w = views(slot_of[e])
-        y = K.qlinear(F.silu(K.qlinear(h, w["w1"], kernels)) * K.qlinear(h, w["w3"], kernels), w["w2"], kernels)
+        y = OffloadedMixtral.expert(model, views(slot_of[e]), h)
         out.add_((y * weights[ids_host.index(e)]).to(out.dtype))
     return out
 
@@ -261,12 +265,14 @@ def check_moe_decode(device, hidden, ffn, bits, g, meta8, topk, dtype, seed=0):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not K.fused_available(), reason="needs CUDA (or the Triton interpreter)")
 @pytest.mark.parametrize("bits,g,meta8", [(2, 16, True), (3, 64, True), (4, 64, True), (2, 16, False), (4, 32, False)])
 @pytest.mark.parametrize("topk", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_moe_decode_matches_the_per_expert_path(bits, g, meta8, topk, dtype):
-    check_moe_decode("cuda", 256, 512, bits, g, meta8, topk, dtype, seed=bits + topk)
+    if FUSED_DEVICE == "cpu" and dtype != torch.float32:
+        pytest.skip("the Triton interpreter's bf16 truncates")
+    check_moe_decode(FUSED_DEVICE, 256, 512, bits, g, meta8, topk, dtype, seed=bits + topk)
 
 
 @pytest.mark.gpu
@@ -285,22 +291,21 @@ def test_gemv_pair_equals_two_gemvs(rows, cols, bits, g):
     b = random_qmatrix(rows, cols, bits, g, device="cuda", seed=2)
     assert K.pair_supported(a, b) and not K.pair_supported(a, random_qmatrix(rows, cols, bits, g, meta8=False, device="cuda"))
     x = torch.randn(1, cols, device="cuda", dtype=torch.bfloat16)
-    ya, yb = (torch.full((1, rows), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    want_a, want_b = K.qlinear(x, a, "fused"), K.qlinear(x, b, "fused")
     for _ in range(2):  # the split-K counters are reset for the next launch
+        ya, yb = (torch.full((1, rows), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2))
         K.gemv_pair(x, a, b, ya, yb)
-        assert rel_err(ya, K.qlinear(x, a, "fused")) <= 1e-3 and rel_err(yb, K.qlinear(x, b, "fused")) <= 1e-3
+        assert rel_err(ya, want_a) <= 1e-3 and rel_err(yb, want_b) <= 1e-3
 
 
 # ---------------------------------------------------------------------------------------------
 # The packed fp16 decode loop (bf16/fp16 activations) against the float32 loop and the reference
 
 
-RUNS_FUSED = torch.cuda.is_available() or (K.triton is not None and K._interpreting())
-FUSED_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not RUNS_FUSED, reason="needs CUDA (or the Triton interpreter)")
+@pytest.mark.skipif(not K.fused_available(), reason="needs CUDA (or the Triton interpreter)")
 @pytest.mark.parametrize("rows,cols,bits,g", [(64, 3000, 2, 16), (64, 4096, 3, 64), (128, 2048, 4, 32),
                                               (64, 4096, 2, 16), (256, 64, 8, 64)])
 @pytest.mark.parametrize("meta", list(META))
@@ -314,12 +319,15 @@ def test_packed_fp16_loop_matches_the_reference(rows, cols, bits, g, meta):
     x = torch.randn(1, cols, device=FUSED_DEVICE).half()
     want_a = K.qlinear(x.float(), qa, "reference")
     want_b = K.qlinear(x.float(), qb, "reference")
+    sms = K._sm_count(x.device)
     for packed in (True, False):
-        cfg = dict(K.gemv_config(rows, cols, bits, g, K._sm_count(x.device)), H2=packed, programs=1)
+        cfg = dict(K.gemv_config(rows, cols, bits, g, sms), H2=packed, programs=1)
+        assert K._gemv_launch(rows, cols, bits, g, sms, tuple(sorted(cfg.items())))[4]["H2"] == packed
         y = torch.full((1, rows), float("nan"), device=FUSED_DEVICE).half()
         K.gemv(x, qa, y, cfg)
         assert rel_err(y.float(), want_a) < (3e-3 if packed else 1e-3)
     ya, yb = (torch.full((1, rows), float("nan"), device=FUSED_DEVICE).half() for _ in range(2))
+    assert K._gemv_launch(rows, cols, bits, g, sms, None, 2)[4]["H2"]
     K.gemv_pair(x, qa, qb, ya, yb)  # the default: packed where the format allows
     assert rel_err(ya.float(), want_a) < 3e-3 and rel_err(yb.float(), want_b) < 3e-3
 
@@ -328,6 +336,10 @@ def test_float32_activations_keep_the_float32_loop():
     assert K.gemv_config(14336, 4096, 2, 16)["H2"]
     assert not K.gemv_config(14336, 4096, 2, 16, exact=True)["H2"]
     assert not K.gemv_config(64, 100, 2, 16)["H2"]  # 100 columns: not whole 8-byte words
+    # what a launch uses: gemv passes exact=True for float32 x; a forced H2 that cannot fit falls back
+    assert K._gemv_launch(14336, 4096, 2, 16, 132, None, 1, False)[4]["H2"]
+    assert not K._gemv_launch(14336, 4096, 2, 16, 132, None, 1, True)[4]["H2"]
+    assert not K._gemv_launch(64, 104, 2, 16, 132, (("H2", True), ("KV", 4)))[4]["H2"]
 
 
 @pytest.mark.gpu  # runs wherever Triton is (no GPU needed): the GPU machine, a developer's

@@ -67,6 +67,17 @@ def test_interrupted_conversion_leaves_no_complete_looking_folder(tiny_checkpoin
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_conversion_that_does_not_verify_is_not_installed(tiny_checkpoint, tmp_path, monkeypatch):
+    """The app skips its own check after a conversion: the conversion's check must hold."""
+    import engine.store as store
+    from engine.errors import UserError
+
+    monkeypatch.setattr(store, "verify_store", lambda path, progress=None: ["experts.safetensors: wrong sha256"])
+    with pytest.raises(UserError, match="failed verification"):
+        convert_checkpoint(tiny_checkpoint[0], tmp_path / "dest", 2, 4, "cpu")
+    assert list(tmp_path.iterdir()) == [], "neither the store nor its temporary folder stays"
+
+
 @pytest.mark.parametrize("case", ["not_mixtral", "missing_shard", "no_folder", "dest_exists", "no_tokenizer",
                                   "damaged_index"])
 def test_bad_checkpoints_get_one_sentence_and_exit_2(tmp_path, case):

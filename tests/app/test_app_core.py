@@ -114,18 +114,21 @@ def test_run_install_download_then_convert(tmp_path):
 def test_install_steps_are_the_steps_run_install_takes(tmp_path):
     from app.install import install_steps
 
+    def steps_run(req) -> list[str]:
+        steps = []
+        run_install(req, backend, lambda p: steps.append(p.step), threading.Event())
+        return [s for s in dict.fromkeys(steps) if s != "done"]
+
+    backend = fake_setup_backend(tmp_path)
     convert = InstallRequest(source="catalog", name="x", repo_id="tiny/mixtral", src_path=str(tmp_path / "dl"),
                              needs_convert=True, expert_bits=2, dest=str(tmp_path / "st"))
     ready_made = InstallRequest(source="catalog", name="x", repo_id="tiny/mixtral-store",
                                 src_path=str(tmp_path / "st2"))
-    assert install_steps(ready_made) == ["download", "verify"]
     folder = InstallRequest(source="folder", name="x", src_path=str(tmp_path / "ckpt"), needs_convert=True,
                             tokenizer_repo_id="tiny/tokenizer", dest=str(tmp_path / "st3"))
-    assert install_steps(folder) == ["download", "convert"]  # the tokenizer it lacks is fetched
-    backend = fake_setup_backend(tmp_path)
-    for expected in (["download", "convert"],  # converting verifies what it writes
-                     ["verify"]):  # restarted after the conversion finished: only the check is left
-        assert install_steps(convert) == expected
-        steps = []
-        run_install(convert, backend, lambda p: steps.append(p.step), threading.Event())
-        assert [s for s in dict.fromkeys(steps) if s != "done"] == expected
+    for req, expected in ((ready_made, ["download", "verify"]),
+                          (folder, ["download", "convert"]),  # the tokenizer it lacks is fetched
+                          (convert, ["download", "convert"]),  # converting verifies what it writes
+                          (convert, ["verify"])):  # restarted after the conversion: only the check
+        assert install_steps(req) == expected
+        assert steps_run(req) == expected
