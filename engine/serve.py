@@ -46,7 +46,6 @@ from typing import Callable
 from aiohttp import web
 
 from engine.errors import UserError
-from engine.generate import SamplingSettings, detokenize
 from engine.openai_api import (SSE_DONE, ApiError, ApiRequest, StopMatcher, chunk_body, error_body, fold_system,
                                model_body, models_body, moeferry_extra, new_id, parse_request, response_body, sse,
                                usage_body)
@@ -141,6 +140,8 @@ def check_room(req: ApiRequest, prompt_tokens: int, context: int) -> int:
 
 def generate_reply(engine, job: Job, ids: list[int], max_new: int) -> str:
     """Stream the reply's text to job.emit; return the finish reason."""
+    from engine.generate import SamplingSettings, detokenize  # torch: not needed to refuse bad options
+
     req = job.request
     sampling = SamplingSettings(req.temperature, req.top_p, max_new, req.seed)
     stop = StopMatcher(req.stop)
@@ -413,13 +414,13 @@ def check_exposure(host: str, api_key: str | None, no_auth: bool) -> str:
 def cli_serve(args) -> int:
     """`moeferry serve STORE ...` until Ctrl+C."""
     from engine.cli import ProgressLine
-    from engine.generate import load_engine
 
     if args.queue_size < 1 or not 0 <= args.port <= 65535:
         raise UserError("--queue-size must be 1 or more and --port between 0 (any free port) and 65535.")
     api_key = args.api_key if args.api_key is not None else os.environ.get(KEY_ENV)
     warning = check_exposure(args.host, api_key, args.no_auth)
     logging.basicConfig(level=logging.INFO, format="moeferry serve: %(message)s", stream=sys.stderr)
+    from engine.generate import load_engine
     engine = load_engine(args.store, device=args.device, dtype=args.dtype, cache_experts=args.cache_experts,
                          vram_budget=args.vram_budget, prefetch=args.prefetch, kernels=args.kernels,
                          progress=ProgressLine())
