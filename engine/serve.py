@@ -178,6 +178,7 @@ class Scheduler:
     def __init__(self, runner: Callable[[Job], None], max_waiting: int):
         self.runner, self.max_waiting = runner, max_waiting
         self.waiting: collections.deque[Job] = collections.deque()
+        self.current: Job | None = None
         self.cond = threading.Condition()
         self.closed = False
         self.thread = threading.Thread(target=self._loop, name="moeferry-api-queue", daemon=True)
@@ -199,14 +200,16 @@ class Scheduler:
                     self.cond.wait()
                 if self.closed:
                     return
-                job = self.waiting.popleft()
+                job = self.current = self.waiting.popleft()
             self.runner(job)
+            self.current = None
 
     def close(self) -> None:
         with self.cond:
             self.closed = True
-            for job in self.waiting:
-                job.cancel.set()
+            for job in [*self.waiting, self.current]:
+                if job is not None:
+                    job.cancel.set()
             self.waiting.clear()
             self.cond.notify_all()
 
