@@ -69,6 +69,7 @@ class MainWindow(QMainWindow):
         self.setStatusBar(self.status)
         self.local_api = LocalApi(controller.host, self)
         self.api_label = QLabel()
+        self.api_label.setContentsMargins(12, 0, 6, 0)
         self.api_label.hide()
         self.status.addWidget(self.api_label)
         self._build_menu()

@@ -39,7 +39,9 @@ class LocalApiPanel(QGroupBox):
         self.port.setKeyboardTracking(False)  # one restart when the number is typed, not one per digit
         self.key = QLineEdit()
         self.key.setEchoMode(QLineEdit.EchoMode.PasswordEchoOnEdit)
-        self.key.setPlaceholderText("None: any program on this computer may use it")
+        self.key.setPlaceholderText("Optional")
+        self.key.setToolTip("Programs must send this key (Authorization: Bearer KEY); empty: any program on "
+                            "this computer may use the API")
         self.url = QLineEdit()
         self.url.setReadOnly(True)
         copy_url = QPushButton("Copy")
