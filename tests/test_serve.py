@@ -63,7 +63,7 @@ class Server:
         raise AssertionError(f"no line matching {pattern!r} within {timeout} s: {self.lines}")
 
     def client(self, key: str = "unused", **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=key, timeout=60, **kw)
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=key, **{"timeout": 60, **kw})
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -258,6 +258,19 @@ def test_a_client_leaving_mid_stream_stops_its_generation(server, client):
     assert time.monotonic() - t0 < 4  # 900 tokens take ~8 s on this machine; the cancelled run did not go on
     line = server.wait_for(r"completion: .* cancelled")
     assert int(re.search(r"(\d+) new", line).group(1)) < 100
+
+
+@pytest.mark.slow
+def test_a_client_leaving_before_a_whole_reply_stops_its_generation(server):
+    before = len([ln for ln in server.lines if "cancelled" in ln])
+    impatient = server.client(max_retries=0, timeout=0.6)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(model="demo", prompt=LONG_PROMPT, temperature=0, max_tokens=900)
+    end = time.monotonic() + 5
+    while len([ln for ln in server.lines if "cancelled" in ln]) == before and time.monotonic() < end:
+        time.sleep(0.05)
+    line = [ln for ln in server.lines if "cancelled" in ln][-1:]
+    assert line and int(re.search(r"(\d+) new", line[0]).group(1)) < 300  # ~60 at 0.6 s; 900 if not stopped
 
 
 @pytest.mark.slow
