@@ -245,6 +245,12 @@ def make_app(scheduler: Scheduler, info: Callable[[], ModelInfo | None], api_key
         except web.HTTPException as e:
             words = HTTP_WORDS.get(e.status, e.reason)
             return web.json_response(error_body(words, "invalid_request_error"), status=e.status)
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise  # the client left: nobody to answer
+        except Exception as e:  # noqa: BLE001 - an error object, never a traceback
+            log.error("%s %s failed: %s: %s", request.method, request.path, type(e).__name__, e)
+            return web.json_response(error_body(f"The server failed ({type(e).__name__}); see its log.",
+                                                "server_error"), status=500)
 
     async def models(_request):
         m = current()
