@@ -28,12 +28,20 @@ LONG_PROMPT = "def f(x):"  # the demo rambles on after this without an end-of-te
 QUESTION = "What is a list in Python?"
 
 
+def repo_files() -> dict[str, int]:
+    """Every file of the repository but git's and Python's caches, with its mtime (ns)."""
+    skip = {".git", "__pycache__", ".pytest_cache", ".ruff_cache", ".venv"}
+    return {str(p.relative_to(ROOT)): p.stat().st_mtime_ns for p in ROOT.rglob("*")
+            if p.is_file() and not skip & set(p.relative_to(ROOT).parts)}
+
+
 class Server:
     """`python -m engine.cli serve demo ...` with its stderr collected line by line."""
 
     def __init__(self, home: Path, *args: str, env: dict | None = None, device: str = "cpu"):
         home.mkdir(parents=True, exist_ok=True)
         self.home = home
+        self.repo_before = repo_files()
         full_env = {k: v for k, v in os.environ.items() if k != "MOEFERRY_API_KEY"}
         full_env.update(PYTHONPATH=str(ROOT), HOME=str(home), TMPDIR=str(home), XDG_CACHE_HOME=str(home / ".cache"),
                         HF_HOME=str(home / ".hf"), PYTHONDONTWRITEBYTECODE="1", HF_HUB_OFFLINE="1", **(env or {}))
@@ -390,8 +398,8 @@ def test_bad_requests_get_openai_error_objects(server, client):
 @pytest.mark.slow
 def test_the_server_wrote_no_files(server, client):
     client.chat.completions.create(model="demo", messages=chat_messages(), max_tokens=4)
-    written = [p for p in server.home.rglob("*")]
-    assert written == []
+    assert list(server.home.rglob("*")) == []  # its HOME, TMPDIR and caches
+    assert repo_files() == server.repo_before  # nor the repository it runs in (the demo store included)
 
 
 # ---------------------------------------------------------------------------------------------
