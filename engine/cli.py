@@ -58,11 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="serve the model with a local OpenAI-compatible API")
     s.add_argument("store")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (another than 127.0.0.1 needs a key)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (any but 127.0.0.1 needs a key)")
     s.add_argument("--port", type=int, default=8080, help="port to listen on (0: any free port)")
-    s.add_argument("--api-key", help="require this key (Authorization: Bearer KEY); or set MOEFERRY_API_KEY")
+    s.add_argument("--api-key", metavar="KEY", help="require this key (Authorization: Bearer KEY); or set "
+                                                    "MOEFERRY_API_KEY")
     s.add_argument("--no-auth", action="store_true", help="serve another address without a key")
-    s.add_argument("--queue-size", type=int, default=8, help="requests that may wait; more get 429")
+    s.add_argument("--queue-size", type=int, default=8, help="requests that may wait (one is served at a "
+                                                             "time); more get 429")
     s.add_argument("--device", default="auto")
     s.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
     s.add_argument("--cache-experts", type=int)
