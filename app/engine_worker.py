@@ -33,6 +33,7 @@ class LoadedInfo:
     options: LoadOptions
     num_experts: int = 8
     note: str = ""  # e.g. the engine fell back to pageable memory
+    max_context: int = 0  # tokens; what the local API checks max_tokens against
 
 
 @dataclass
@@ -55,6 +56,7 @@ class EngineWorker(QObject):
     load_failed = Signal(object)   # ErrorInfo
     pieces = Signal(int, str)      # request id, new text
     reply_done = Signal(object)    # ReplyResult (error set when it failed)
+    api_busy = Signal(bool)        # a local API request is being served
 
     def __init__(self, backend: EngineBackend):
         super().__init__()
@@ -76,7 +78,8 @@ class EngineWorker(QObject):
         self._options, self._prefetch, self._cache = opts, opts.prefetch, opts.cache_experts
         config = getattr(self._engine, "config", None)
         self.loaded.emit(LoadedInfo(opts, getattr(config, "num_experts", 8) or 8,
-                                    str(getattr(self._engine, "note", "") or "")))
+                                    str(getattr(self._engine, "note", "") or ""),
+                                    int(getattr(self._engine, "max_context", 0) or 0)))
 
     @Slot(object)
     def generate(self, req: GenerateRequest) -> None:
@@ -116,6 +119,17 @@ class EngineWorker(QObject):
                                          getattr(self._engine, "last_stats", None),
                                          getattr(self._engine, "last_trace", None)))
 
+    @Slot(object)
+    def serve_job(self, job) -> None:
+        """One local API request (engine.serve.Job), between the chat's requests."""
+        from engine.serve import run_job
+
+        self.api_busy.emit(True)
+        try:
+            run_job(self._engine, job)
+        finally:
+            self.api_busy.emit(False)
+
     @Slot()
     def shutdown(self) -> None:
         self._close_engine()
@@ -135,6 +149,7 @@ class EngineHost(QObject):
 
     _load = Signal(object)
     _generate = Signal(object)
+    _serve = Signal(object)
     _shutdown = Signal()
 
     def __init__(self, backend: EngineBackend, parent: QObject | None = None):
@@ -145,6 +160,7 @@ class EngineHost(QObject):
         self.worker.moveToThread(self.thread)
         self._load.connect(self.worker.load)
         self._generate.connect(self.worker.generate)
+        self._serve.connect(self.worker.serve_job)
         self._shutdown.connect(self.worker.shutdown)
         self._next_id = 0
         self._current: GenerateRequest | None = None
@@ -160,6 +176,12 @@ class EngineHost(QObject):
         self._current = req
         self._generate.emit(req)
         return req
+
+    def run_api_job(self, job) -> None:
+        """Run a local API request on the engine thread, after what is queued there; returns when
+        it is done. Called from the API's queue thread, never the UI thread."""
+        self._serve.emit(job)
+        job.done.wait()
 
     def stop(self) -> None:
         if self._current is not None:

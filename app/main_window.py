@@ -7,13 +7,14 @@ from pathlib import Path
 
 from PySide6.QtCore import QByteArray, Qt, QTimer
 from PySide6.QtGui import QAction, QCloseEvent, QGuiApplication, QKeySequence
-from PySide6.QtWidgets import (QApplication, QFileDialog, QMainWindow, QScrollArea, QSplitter, QTabWidget,
-                               QWidget)
+from PySide6.QtWidgets import (QApplication, QFileDialog, QLabel, QMainWindow, QScrollArea, QSplitter,
+                               QTabWidget, QWidget)
 
 from app.chat_controller import ChatController
 from app.errors import Action, ErrorInfo
 from app.history import export_markdown
 from app.install import InstallRequest
+from app.local_api import LocalApi
 from app.paths import models_dir
 from app.settings import Key
 from app.setup_backend import SetupBackend
@@ -66,6 +67,11 @@ class MainWindow(QMainWindow):
         self.setCentralWidget(self.splitter)
         self.status = StatusStrip()
         self.setStatusBar(self.status)
+        self.local_api = LocalApi(controller.host, self)
+        self.api_label = QLabel()
+        self.api_label.setContentsMargins(12, 0, 6, 0)
+        self.api_label.hide()
+        self.status.addWidget(self.api_label)
         self._build_menu()
 
         self._save_timer = QTimer(self)
@@ -100,6 +106,9 @@ class MainWindow(QMainWindow):
         c.error.connect(self.show_error)
         c.model_state.connect(self.status.set_model_state)
         c.model_loaded.connect(self._model_loaded)
+        c.model_ready.connect(lambda ok: None if ok else self.local_api.set_model(None))
+        self.local_api.state_changed.connect(self.settings_panel.local_api.set_state)
+        self.local_api.status_text.connect(self._api_status)
 
         self.settings_panel.load(self.settings)
         geometry = self.settings.get(Key.WINDOW_GEOMETRY)
@@ -109,6 +118,7 @@ class MainWindow(QMainWindow):
         last = self.settings.get(Key.LAST_CONVERSATION)
         first = self.history.conversations()
         c.show_conversation(last if self.history.get(last) else (first[0].id if first else ""))
+        self.local_api.apply(self.settings)
 
     def _build_menu(self) -> None:
         bar = self.menuBar()
@@ -200,6 +210,7 @@ class MainWindow(QMainWindow):
             self._show_conversation(self.controller.current_id)  # re-render with the new colors
         self._save_timer.start()
         self.controller.apply_settings()
+        self.local_api.apply(self.settings)
 
     # Model set-up and errors
     def open_wizard(self, request: InstallRequest | None = None):
@@ -215,8 +226,14 @@ class MainWindow(QMainWindow):
 
     def _model_loaded(self, info) -> None:
         self.settings_panel.load(self.settings, info.num_experts)
+        self.local_api.set_model(info)
+        self.settings_panel.local_api.set_model_id(Path(info.options.store).name)
         if info.note:
             self.chat.notice.show_notice(info.note)
+
+    def _api_status(self, text: str) -> None:
+        self.api_label.setText(text)
+        self.api_label.setVisible(bool(text))
 
     def _model_installed(self) -> None:
         self.settings_panel.load(self.settings)
@@ -289,6 +306,7 @@ class MainWindow(QMainWindow):
             self.wizard.stop_tasks()
         for task in list(self._tasks):
             task.stop(2000)
+        self.local_api.stop()
         self.controller.shutdown(5000)
         self._save_timer.stop()
         self.settings.set(Key.WINDOW_GEOMETRY, bytes(self.saveGeometry().toHex()).decode())

@@ -35,6 +35,9 @@ class Key(str, Enum):
     THEME = "theme"                    # system | light | dark
     LAST_CONVERSATION = "last_conversation"
     WINDOW_GEOMETRY = "window_geometry"  # hex of QWidget.saveGeometry()
+    API_ENABLED = "api_enabled"        # serve the loaded model on 127.0.0.1 (engine/serve.py)
+    API_PORT = "api_port"
+    API_KEY = "api_key"                # "" = no key asked for
 
 
 DEFAULTS: dict[Key, Any] = {
@@ -53,6 +56,9 @@ DEFAULTS: dict[Key, Any] = {
     Key.THEME: "system",
     Key.LAST_CONVERSATION: "",
     Key.WINDOW_GEOMETRY: "",
+    Key.API_ENABLED: False,
+    Key.API_PORT: 8080,
+    Key.API_KEY: "",
 }
 
 _CHOICES = {Key.DEVICE: ("auto", "cpu", "cuda"), Key.THEME: ("system", "light", "dark")}
@@ -64,6 +70,7 @@ _RANGES = {
     Key.TOP_P: (0.01, 1.0),
     Key.MAX_NEW_TOKENS: (1, 32768),
     Key.SEED: (-1, 2**31 - 1),
+    Key.API_PORT: (1024, 65535),
 }
 
 

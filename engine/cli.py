@@ -56,6 +56,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kernels", default="auto", choices=("auto", "reference", "fused"))
     s.add_argument("--json", action="store_true")
 
+    s = sub.add_parser("serve", help="serve the model with a local OpenAI-compatible API")
+    s.add_argument("store")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (any but 127.0.0.1 needs a key)")
+    s.add_argument("--port", type=int, default=8080, help="port to listen on (0: any free port)")
+    s.add_argument("--api-key", metavar="KEY", help="require this key (Authorization: Bearer KEY); or set "
+                                                    "MOEFERRY_API_KEY")
+    s.add_argument("--no-auth", action="store_true", help="serve another address without a key")
+    s.add_argument("--queue-size", type=int, default=8, help="requests that may wait (one is served at a "
+                                                             "time); more get 429")
+    s.add_argument("--device", default="auto")
+    s.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+    s.add_argument("--cache-experts", type=int)
+    s.add_argument("--vram-budget")
+    s.add_argument("--prefetch", type=int, default=1)
+    s.add_argument("--kernels", default="auto", choices=("auto", "reference", "fused"))
+
     # bench and demo parse their own options (engine/bench.py, engine/demo.py)
     sub.add_parser("bench", help="the offloading benchmark (synthetic full-size Mixtral)", add_help=False)
     sub.add_parser("demo", help="the embedded demo model: its path, a self-test, the locality study",
@@ -108,6 +124,9 @@ def run(args) -> int:
         return cmd_verify(args)
     if args.command == "generate":
         return cmd_generate(args)
+    if args.command == "serve":
+        from engine.serve import cli_serve
+        return cli_serve(args)
     if args.command == "bench":
         from engine.bench import cli_bench
         return cli_bench(args.rest)

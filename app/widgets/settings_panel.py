@@ -13,6 +13,7 @@ from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QFormLayout, QGroupBox
                                QPushButton, QScrollArea, QSpinBox, QVBoxLayout, QWidget)
 
 from app.settings import Key, Settings
+from app.widgets.local_api_panel import LocalApiPanel
 
 THEMES = [("Follow the system", "system"), ("Light", "light"), ("Dark", "dark")]
 BIT_WIDTHS = (2, 3, 4)
@@ -110,7 +111,9 @@ class SettingsPanel(QScrollArea):
         self.note = QLabel("Changes apply from the next message.")
         self.note.setObjectName("muted")
         self.note.setWordWrap(True)
-        for group in (model, speed, sampling, look):
+        self.local_api = LocalApiPanel()
+        self.local_api.changed.connect(self.changed)
+        for group in (model, speed, sampling, look, self.local_api):
             layout.addWidget(group)
         layout.addWidget(self.note)
         layout.addStretch(1)
@@ -159,6 +162,7 @@ class SettingsPanel(QScrollArea):
         for w in (self.convert_bits, self.convert_button, self.convert_label):
             w.setVisible(can_convert)
         self.source_gone.setVisible(not sources and any(e.get("source_deleted") for e in installed))
+        self.local_api.load(settings)
         del blockers
 
     def _variant_changed(self, _index: int) -> None:
