@@ -1,0 +1,386 @@
+"""Routing traces and forced routing: what the benchmark feeds the router's place.
+
+A `RoutingTrace` is the one representation of routing in the code base: per layer, per
+token, the chosen experts (best first) with their renormalised weights, and the
+prefetcher's guesses for 1..D layers ahead.
+
+    ids      int  [L, T, k]     expert ids, best first
+    weights  f32  [L, T, k]     their routing weights (sum 1 per token and layer)
+    guesses  int  [D, L, T, m]  guesses[d-1, l, t]: the experts of layer l+d guessed while layer l
+                                ran (layer l+d's router on layer l's residual stream); -1 where
+                                l+d >= L
+
+File format (version 1): one safetensors file, tensors "ids" (U8, or I16 past 255 experts),
+"weights" (F16), "guesses" (same type as ids; the filler -1 is stored as the type's 255 / -1),
+and a header "__metadata__" of strings: format, version, num_experts, note.
+
+Forced routing replaces only the router's choice (ids, weights) and the prefetcher's guesses;
+attention, experts, copies, the cache and CUDA graphs run as in real decoding. A routing
+source is set on `OffloadedMixtral.routing`; the model calls `begin(T)` at the start of each
+forward and `choose(model, i, x, weights, ids, guesses)` once per layer, which returns the
+(weights, ids, guesses) to use. Sources:
+  * `UniformRouting`: each token's top-k per layer drawn uniformly without replacement,
+    independent from token to token; weights a softmax of random logits; the guess for layer
+    i+d holds each of that layer's true experts with probability R**d, else a wrong expert;
+  * `TraceRouting`: a recorded trace replayed token by token (see `map_trace` for traces of
+    smaller models);
+  * `ModelRouting`: the model's own router, observed (for the guess recall it reaches);
+  * `TraceRecorder`: the model's own router, recorded into a RoutingTrace.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.errors import UserError
+
+FORMAT, VERSION = "moeferry-routing-trace", 1
+
+
+@dataclass
+class RoutingTrace:
+    ids: np.ndarray
+    weights: np.ndarray
+    guesses: np.ndarray
+    num_experts: int
+    note: str = ""
+
+    @property
+    def num_layers(self) -> int:
+        return self.ids.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.ids.shape[1]
+
+    @property
+    def top_k(self) -> int:
+        return self.ids.shape[2]
+
+    @property
+    def depth(self) -> int:
+        return self.guesses.shape[0]
+
+    def guesses_at(self, d: int) -> np.ndarray:
+        """[L - d, T, m]: what layer l guessed for layer l + d (locality's layout)."""
+        return self.guesses[d - 1, :self.num_layers - d]
+
+    def tokens(self, start: int, stop: int) -> "RoutingTrace":
+        return RoutingTrace(self.ids[:, start:stop], self.weights[:, start:stop],
+                            self.guesses[:, :, start:stop], self.num_experts, self.note)
+
+    # -- file ---------------------------------------------------------------------------------
+
+    def save(self, path: str | Path) -> None:
+        from safetensors.numpy import save_file
+        dt = np.uint8 if self.num_experts < 255 else np.int16
+        save_file({"ids": self.ids.astype(dt), "weights": self.weights.astype(np.float16),
+                   "guesses": self.guesses.astype(dt)}, str(path),
+                  metadata={"format": FORMAT, "version": str(VERSION),
+                            "num_experts": str(self.num_experts), "note": self.note})
+
+    @classmethod
+    def load(cls, path: str | Path) -> "RoutingTrace":
+        from safetensors import safe_open
+        try:
+            with safe_open(str(path), "np") as f:
+                meta = f.metadata() or {}
+                t = {k: f.get_tensor(k) for k in ("ids", "weights", "guesses")}
+        except FileNotFoundError:
+            raise UserError(f"{path} does not exist; give a trace written by `moeferry trace`.") from None
+        except Exception as e:  # noqa: BLE001 - safetensors raises several types for a bad file
+            raise UserError(f"{path} is not a routing trace ({type(e).__name__}); give a file written "
+                            f"by `moeferry trace`.") from None
+        if meta.get("format") != FORMAT or meta.get("version") != str(VERSION):
+            raise UserError(f"{path} is not a version-{VERSION} routing trace; record it again with "
+                            f"`moeferry trace`.")
+        guesses = t["guesses"].astype(np.int64)
+        if t["guesses"].dtype == np.uint8:
+            guesses[guesses == 255] = -1
+        return cls(t["ids"].astype(np.int64), t["weights"].astype(np.float32), guesses,
+                   int(meta["num_experts"]), meta.get("note", ""))
+
+
+# ---------------------------------------------------------------------------------------------
+# Mapping a trace onto a model with more layers or experts
+
+
+def map_trace(trace: RoutingTrace, num_layers: int, num_experts: int, top_k: int, seed: int = 0,
+              block: int = 64) -> RoutingTrace:
+    """The trace as a model of num_layers x num_experts would see it.
+
+    Layers: target layer l replays source layer l mod L_src with the experts relabelled by a
+    fixed random permutation per target layer (the same one for the guesses of that layer), so
+    every target layer keeps its source layer's load, LRU hit ratios and guess recall. A guess
+    that would cross a repetition (target l+d maps to source layer (l mod L_src)+d >= L_src)
+    has no recording; it is made from the true experts with the trace's own recall at distance
+    d (`stated_recall_guess`).
+    Experts: with E = J * E_src, source expert e becomes e + E_src * j, with j drawn per
+    (target layer, block of `block` tokens): each copy carries 1/J of its source expert's load
+    on average, within a block locality is kept, and the guesses of the same token and layer use
+    the same j, so the guess recall is unchanged.
+    """
+    L0, E0 = trace.num_layers, trace.num_experts
+    if top_k != trace.top_k:
+        raise UserError(f"The trace routes {trace.top_k} experts per token and this model {top_k}; "
+                        f"record a trace on a model with top-{top_k} routing.")
+    if num_experts % E0 or num_layers < 1:
+        raise UserError(f"A trace of {E0} experts per layer maps only onto a multiple of {E0} experts "
+                        f"(this model has {num_experts}); record a trace on this model.")
+    rng = np.random.default_rng(seed)
+    J, T, D = num_experts // E0, trace.num_tokens, trace.depth
+    blocks = -(-T // block)
+    perm = np.stack([rng.permutation(E0) for _ in range(num_layers)])  # [L, E0]
+    offset = E0 * np.repeat(rng.integers(0, J, size=(num_layers, blocks)), block, axis=1)[:, :T]  # [L, T]
+
+    def relabel(e: np.ndarray, layer: int) -> np.ndarray:
+        return np.where(e < 0, -1, perm[layer][np.maximum(e, 0)] + offset[layer][:, None])
+
+    src = np.arange(num_layers) % L0
+    ids = np.stack([relabel(trace.ids[s], l) for l, s in enumerate(src)])
+    guesses = np.full((D, num_layers, T, trace.guesses.shape[3]), -1)
+    recall = [trace_recall(trace, d) for d in range(1, D + 1)]
+    for d in range(1, D + 1):
+        for l in range(num_layers - d):
+            s = src[l]
+            if s + d < L0:
+                guesses[d - 1, l] = relabel(trace.guesses[d - 1, s], l + d)
+            else:
+                guesses[d - 1, l] = stated_recall_guess(ids[l + d], num_experts, recall[d - 1],
+                                                        trace.guesses.shape[3], rng)
+    weights = np.stack([trace.weights[s] for s in src])
+    return RoutingTrace(ids, weights, guesses, num_experts,
+                        f"{trace.note} (mapped from {L0} layers x {E0} experts to {num_layers} x {num_experts})")
+
+
+def stated_recall_guess(true: np.ndarray, num_experts: int, recall: float, m: int, rng) -> np.ndarray:
+    """Guesses [T, m] for true experts [T, k]: position j holds true[:, j] with probability
+    `recall`, else an expert outside the true set (m > k: the rest wrong too)."""
+    T, k = true.shape
+    out = np.full((T, m), -1)
+    for t in range(T):
+        wrong = [e for e in rng.permutation(num_experts) if e not in true[t]]
+        for j in range(m):
+            out[t, j] = true[t, j] if j < k and rng.random() < recall else wrong.pop()
+    return out
+
+
+def trace_recall(trace: RoutingTrace, d: int, m: int | None = None) -> float:
+    """Share of the experts used at layer l+d found among the m (default k) guesses made at l."""
+    from engine.locality import prefetch_recall
+    if d > trace.depth or d >= trace.num_layers:
+        return 0.0
+    return prefetch_recall(trace.guesses_at(d), trace.ids[d:], m or trace.top_k)
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing sources (OffloadedMixtral.routing)
+
+
+class GuessScore:
+    """Guess recall reached, per distance: true experts of layer l+d found among the guesses
+    made at layer l, over decoded tokens."""
+
+    def __init__(self):
+        self.found: dict[int, int] = {}
+        self.total: dict[int, int] = {}
+
+    def add(self, ids: list[list[int]], guesses: list[list[list[int]]]) -> None:
+        """ids[l] the token's experts at layer l; guesses[l][d-1] what layer l guessed for l+d."""
+        for l, per_d in enumerate(guesses):
+            for d, guess in enumerate(per_d, start=1):
+                if l + d < len(ids):
+                    self.found[d] = self.found.get(d, 0) + len(set(guess) & set(ids[l + d]))
+                    self.total[d] = self.total.get(d, 0) + len(ids[l + d])
+
+    def recall(self) -> dict[int, float]:
+        return {d: self.found[d] / self.total[d] for d in sorted(self.total) if self.total[d]}
+
+
+class TableRouting:
+    """A forced routing given as per-token tables; `next_tables(T)` makes them."""
+
+    forces = True
+
+    def __init__(self, top_k: int, device):
+        self.k, self.device = top_k, torch.device(device)
+        self.score = GuessScore()
+        self.tokens = 0  # tokens routed so far
+
+    def begin(self, T: int) -> None:
+        ids, weights, guesses = self.next_tables(T)  # [L, T, k], [L, T, k], [L, D, k] (last token)
+        self.tokens += T
+        if T == 1:
+            self.score.add(ids[:, 0].tolist(), guesses.tolist())
+        self.ids = torch.as_tensor(ids, dtype=torch.long).to(self.device)
+        self.weights = torch.as_tensor(weights, dtype=torch.float32).to(self.device)
+        self.guesses = torch.as_tensor(guesses, dtype=torch.long).to(self.device)
+
+    def recall(self) -> dict[int, float]:
+        return self.score.recall()
+
+    def choose(self, model, i: int, x, weights, ids, guesses):
+        depth = 0 if guesses is None else guesses.shape[0]
+        return self.weights[i], self.ids[i], self.guesses[i, :depth] if depth else None
+
+    def token_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [L, k], ids [L, k]) of the one token of this step."""
+        return self.weights[:, 0], self.ids[:, 0]
+
+
+class UniformRouting(TableRouting):
+    def __init__(self, num_layers: int, num_experts: int, top_k: int, device, recall: float = 0.85,
+                 depth: int = 1, seed: int = 0):
+        super().__init__(top_k, device)
+        self.L, self.E, self.stated, self.D = num_layers, num_experts, recall, max(depth, 1)
+        self.rng = np.random.default_rng(seed)
+
+    def next_tables(self, T: int):
+        L, E, k, rng = self.L, self.E, self.k, self.rng
+        ids = np.argsort(rng.random((L, T, E)), axis=-1)[..., :k]  # k distinct, uniform
+        logits = rng.standard_normal((L, T, k))
+        w = np.exp(logits - logits.max(-1, keepdims=True))
+        w = -np.sort(-(w / w.sum(-1, keepdims=True)), axis=-1)  # best first, like top-k
+        guesses = np.zeros((L, self.D, k), dtype=np.int64)
+        for d in range(1, self.D + 1):
+            for l in range(L - d):
+                guesses[l, d - 1] = stated_recall_guess(ids[l + d, -1:], E, self.stated ** d, k, rng)[0]
+        return ids, w, guesses
+
+    def describe(self) -> str:
+        return (f"uniform (top-{self.k} of {self.E} drawn uniformly per token and layer; prefetch guesses "
+                f"hold each true expert with probability {self.stated:g}^d, d layers ahead)")
+
+
+class TraceRouting(TableRouting):
+    def __init__(self, trace: RoutingTrace, device, path: str = ""):
+        super().__init__(trace.top_k, device)
+        self.trace, self.path = trace, path
+
+    def next_tables(self, T: int):
+        t0 = self.tokens
+        if t0 + T > self.trace.num_tokens:
+            raise UserError(f"The trace holds {self.trace.num_tokens} tokens and this run needs "
+                            f"{t0 + T}; record a longer trace or lower --prompt-len / --new-tokens.")
+        tr = self.trace
+        ids, w = tr.ids[:, t0:t0 + T], tr.weights[:, t0:t0 + T]
+        g = tr.guesses[:, :, t0 + T - 1, :tr.top_k].transpose(1, 0, 2)  # [L, D, k]
+        return ids, w, np.where(g < 0, 0, g)
+
+    def describe(self) -> str:
+        return f"trace {self.path} ({self.trace.note})"
+
+
+class ModelRouting:
+    """The model's own router, unchanged; the guess recall it reaches is counted (one extra
+    host read per layer, at the point where dispatch reads the routing anyway)."""
+
+    forces = False
+
+    def __init__(self):
+        self.score = GuessScore()
+        self.ids: list = []
+        self.guesses: list = []
+
+    def begin(self, T: int) -> None:
+        self.flush()
+        self.decoding = T == 1
+
+    def flush(self) -> None:
+        """Score the token whose routing was seen last."""
+        if self.ids:
+            self.score.add(self.ids, self.guesses)
+        self.ids, self.guesses = [], []
+
+    def recall(self) -> dict[int, float]:
+        self.flush()
+        return self.score.recall()
+
+    def choose(self, model, i: int, x, weights, ids, guesses):
+        if self.decoding:
+            self.ids.append(ids[-1].tolist())
+            self.guesses.append(guesses.tolist() if guesses is not None else [])
+        return weights, ids, guesses
+
+    def describe(self) -> str:
+        return "model (the random-weight router's own choice: degenerate, a few experts take most tokens)"
+
+
+class TraceRecorder:
+    """Records the model's own routing of every token (and its guesses 1..depth layers ahead,
+    for every token, as the prefetcher would make them) into arrays; `trace()` builds the
+    RoutingTrace."""
+
+    forces = False
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.rows: list[list] = []  # per forward: per layer (ids [T, k], weights, guesses [D, T, k])
+
+    def begin(self, T: int) -> None:
+        self.rows.append([])
+
+    def choose(self, model, i: int, x, weights, ids, guesses):
+        L = model.cfg.num_layers
+        g = torch.full((self.depth,) + tuple(ids.shape), -1, dtype=torch.long)
+        for d in range(1, self.depth + 1):
+            if i + d < L:
+                g[d - 1] = model.guess_ids(i + d, x).cpu()
+        self.rows[-1].append((ids.cpu(), weights.float().cpu(), g))
+        return weights, ids, guesses
+
+    def trace(self, num_experts: int, note: str) -> RoutingTrace:
+        cat = lambda n, dim: torch.cat([torch.stack([layer[n] for layer in step], 0) for step in self.rows], dim)  # noqa: E731
+        return RoutingTrace(cat(0, 1).numpy(), cat(1, 1).numpy(), cat(2, 2).transpose(0, 1).numpy(),
+                            num_experts, note)
+
+
+def parse_routing(text: str, cfg, device, recall: float, depth: int, seed: int = 0):
+    """--routing MODE -> a routing source (None for `model` when nothing is to be counted)."""
+    if text == "uniform":
+        return UniformRouting(cfg.num_layers, cfg.num_experts, cfg.top_k, device, recall, depth, seed)
+    if text == "model":
+        return ModelRouting()
+    if text.startswith("trace:"):
+        path = text[len("trace:"):]
+        trace = RoutingTrace.load(path)
+        if (trace.num_layers, trace.num_experts) != (cfg.num_layers, cfg.num_experts):
+            trace = map_trace(trace, cfg.num_layers, cfg.num_experts, cfg.top_k, seed)
+        return TraceRouting(trace, device, path)
+    raise UserError(f"Unknown --routing {text!r}; use uniform, model or trace:PATH.")
+
+
+def trace_stats(trace: RoutingTrace) -> dict:
+    """A trace's own statistics: per-layer expert load, LRU hit ratio for 1..E cached, guess
+    recall for 1..D layers ahead."""
+    from engine.locality import lru_hit_ratio
+    E = trace.num_experts
+    load = [np.bincount(layer.reshape(-1), minlength=E) / layer.size for layer in trace.ids]
+    return {"tokens": trace.num_tokens, "layers": trace.num_layers, "num_experts": E,
+            "top_k": trace.top_k, "note": trace.note,
+            "expert_load": [[round(float(v), 4) for v in row] for row in load],
+            "lru_hit_ratio": {c: lru_hit_ratio(trace.ids, c) for c in range(1, E + 1)},
+            "guess_recall": {d: trace_recall(trace, d) for d in range(1, trace.depth + 1)
+                             if d < trace.num_layers}}
+
+
+def stats_markdown(s: dict) -> str:
+    lines = [f"Trace: {s['tokens']} tokens, {s['layers']} layers, {s['num_experts']} experts, top-{s['top_k']}. "
+             f"{s['note']}", "",
+             "| cached experts per layer | " + " | ".join(str(c) for c in s["lru_hit_ratio"]) + " |",
+             "|---|" + "---|" * len(s["lru_hit_ratio"]),
+             "| LRU hit ratio | " + " | ".join(f"{v:.3f}" for v in s["lru_hit_ratio"].values()) + " |", "",
+             "Guess recall (top-k guessed d layers ahead): "
+             + ", ".join(f"d={d}: {v:.3f}" for d, v in s["guess_recall"].items()), "",
+             "Expert load per layer (share of routed slots, experts 0..E-1):"]
+    lines += [f"  layer {l}: " + " ".join(f"{v:.3f}" for v in row) for l, row in enumerate(s["expert_load"])]
+    return "\n".join(lines) + "\n"
+
+
+def json_stats(s: dict) -> str:
+    return json.dumps(s, indent=1)
