@@ -56,6 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kernels", default="auto", choices=("auto", "reference", "fused"))
     s.add_argument("--json", action="store_true")
 
+    s = sub.add_parser("trace", help="record a routing trace of a model on a text (for `bench --routing trace:PATH`)")
+    s.add_argument("store")
+    s.add_argument("--text", required=True, help="UTF-8 text file; paragraphs are separated by blank lines")
+    s.add_argument("--out", required=True, help="the trace file to write (safetensors)")
+    s.add_argument("--max-tokens", type=int, help="at most this many tokens of the text (default 131,072)")
+    s.add_argument("--device", default="auto")
+    s.add_argument("--json", action="store_true", help="print the trace's statistics as JSON")
+
     # bench and demo parse their own options (engine/bench.py, engine/demo.py)
     sub.add_parser("bench", help="the offloading benchmark (synthetic full-size Mixtral)", add_help=False)
     sub.add_parser("demo", help="the embedded demo model: its path, a self-test, the locality study",
@@ -108,6 +116,9 @@ def run(args) -> int:
         return cmd_verify(args)
     if args.command == "generate":
         return cmd_generate(args)
+    if args.command == "trace":
+        from engine.routing import cli_trace
+        return cli_trace(args.store, args.text, args.out, args.max_tokens, args.device, args.json)
     if args.command == "bench":
         from engine.bench import cli_bench
         return cli_bench(args.rest)

@@ -241,10 +241,13 @@ class OffloadedMixtral:
         out = [self.guess_ids(j, x[-1:]) for j in range(i + 1, min(i + 1 + self.prefetch_depth, self.cfg.num_layers))]
         return torch.cat(out) if out else None
 
-    def guess_ids(self, j: int, x: torch.Tensor) -> torch.Tensor:
-        """Layer j's router on the residual stream x [T, H] (of an earlier layer): ids [T, k]."""
+    def guess_ids(self, j: int, x: torch.Tensor, m: int | None = None) -> torch.Tensor:
+        """Layer j's router on the residual stream x [T, H] (of an earlier layer): its m best
+        experts [T, m] (default top_k, as `route` ranks them)."""
         layer = self.layers[j]
-        return self.route(layer, rms_norm(x, layer["moe_norm"], self.cfg.rms_norm_eps))[1]
+        h = rms_norm(x, layer["moe_norm"], self.cfg.rms_norm_eps)
+        probs = torch.softmax(F.linear(h, layer["router"]).float(), dim=-1)
+        return torch.topk(probs, m or self.cfg.top_k, dim=-1).indices
 
     def linear(self, x: torch.Tensor, w) -> torch.Tensor:
         return qlinear(x, w, self.kernels)

@@ -31,6 +31,7 @@ forward and `choose(model, i, x, weights, ids, guesses)` once per layer, which r
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,8 +80,9 @@ class RoutingTrace:
     def save(self, path: str | Path) -> None:
         from safetensors.numpy import save_file
         dt = np.uint8 if self.num_experts < 255 else np.int16
-        save_file({"ids": self.ids.astype(dt), "weights": self.weights.astype(np.float16),
-                   "guesses": self.guesses.astype(dt)}, str(path),
+        arrays = {"ids": self.ids.astype(dt), "weights": self.weights.astype(np.float16),
+                  "guesses": self.guesses.astype(dt)}
+        save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(path),
                   metadata={"format": FORMAT, "version": str(VERSION),
                             "num_experts": str(self.num_experts), "note": self.note})
 
@@ -318,19 +320,19 @@ class TraceRecorder:
 
     forces = False
 
-    def __init__(self, depth: int):
-        self.depth = depth
-        self.rows: list[list] = []  # per forward: per layer (ids [T, k], weights, guesses [D, T, k])
+    def __init__(self, depth: int, guesses: int):
+        self.depth, self.m = depth, guesses
+        self.rows: list[list] = []  # per forward: per layer (ids [T, k], weights, guesses [D, T, m])
 
     def begin(self, T: int) -> None:
         self.rows.append([])
 
     def choose(self, model, i: int, x, weights, ids, guesses):
         L = model.cfg.num_layers
-        g = torch.full((self.depth,) + tuple(ids.shape), -1, dtype=torch.long)
+        g = torch.full((self.depth, ids.shape[0], self.m), -1, dtype=torch.long)
         for d in range(1, self.depth + 1):
             if i + d < L:
-                g[d - 1] = model.guess_ids(i + d, x).cpu()
+                g[d - 1] = model.guess_ids(i + d, x, self.m).cpu()
         self.rows[-1].append((ids.cpu(), weights.float().cpu(), g))
         return weights, ids, guesses
 
@@ -384,3 +386,55 @@ def stats_markdown(s: dict) -> str:
 
 def json_stats(s: dict) -> str:
     return json.dumps(s, indent=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Recording: `moeferry trace`
+
+TRACE_DEPTH, TRACE_GUESSES, TRACE_WINDOW = 3, 3, 512
+
+
+def record_trace(engine, ids: torch.Tensor, note: str, window: int = TRACE_WINDOW,
+                 depth: int = TRACE_DEPTH) -> RoutingTrace:
+    """Run the engine's model over token ids [N] in windows of `window` tokens (each a fresh
+    context, as one prompt) and record its routing: the experts and weights its routers chose,
+    and the guesses its prefetcher would make 1..depth layers ahead (the best
+    max(top_k, TRACE_GUESSES) of layer l+d's router on the residual stream that enters layer
+    l's experts) for every token."""
+    model, cfg = engine.model, engine.config
+    depth = min(depth, cfg.num_layers - 1)
+    recorder = TraceRecorder(max(depth, 1), min(cfg.num_experts, max(cfg.top_k, TRACE_GUESSES)))
+    old, model.routing = model.routing, recorder
+    try:
+        for start in range(0, len(ids), window):
+            chunk = ids[start:start + window].to(engine.device)
+            model.setup_kv(len(chunk))
+            model.forward(chunk, 0)
+    finally:
+        model.routing = old
+        engine.cached_ids = []  # the KV cache holds the last window now
+    trace = recorder.trace(cfg.num_experts, note)
+    return RoutingTrace(trace.ids, trace.weights, trace.guesses[:depth], trace.num_experts, note)
+
+
+def cli_trace(store: str, text: str, out: str, max_tokens: int | None, device: str = "auto",
+              as_json: bool = False) -> int:
+    """`moeferry trace STORE --text FILE --out PATH`: record and save a trace; print its statistics."""
+    from engine.generate import load_engine
+    from engine.locality import load_text_ids, text_path
+
+    text_path(text)  # before the slow part
+    if max_tokens is not None and max_tokens < 16:
+        raise UserError("--max-tokens must be at least 16.")
+    if not Path(out).parent.is_dir():
+        raise UserError(f"The folder of {out} does not exist; create it or give another --out.")
+    engine = load_engine(store, device=device, cuda_graphs=False)
+    ids = load_text_ids(engine.tokenizer, text, max_tokens)
+    note = (f"recorded by `moeferry trace` from the store {engine.store.path.name} on the first {len(ids)} "
+            f"tokens of {text}, {TRACE_WINDOW}-token windows")
+    trace = record_trace(engine, ids, note)
+    trace.save(out)
+    s = trace_stats(trace)
+    print(json_stats(s) if as_json else stats_markdown(s), end="" if not as_json else "\n")
+    print(f"Wrote {out} ({Path(out).stat().st_size / 1e3:.0f} kB).", file=sys.stderr)
+    return 0
