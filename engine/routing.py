@@ -30,6 +30,7 @@ forward and `choose(model, i, x, weights, ids, guesses)` once per layer, which r
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from dataclasses import dataclass
@@ -350,11 +351,21 @@ def parse_routing(text: str, cfg, device, recall: float, depth: int, seed: int =
         return ModelRouting()
     if text.startswith("trace:"):
         path = text[len("trace:"):]
-        trace = RoutingTrace.load(path)
-        if (trace.num_layers, trace.num_experts) != (cfg.num_layers, cfg.num_experts):
-            trace = map_trace(trace, cfg.num_layers, cfg.num_experts, cfg.top_k, seed)
+        trace = mapped_trace(path, cfg.num_layers, cfg.num_experts, cfg.top_k, seed)
+        if depth > trace.depth:
+            raise UserError(f"The trace holds guesses for {trace.depth} layers ahead and --prefetch is {depth}; "
+                            f"lower --prefetch.")
         return TraceRouting(trace, device, path)
     raise UserError(f"Unknown --routing {text!r}; use uniform, model or trace:PATH.")
+
+
+@functools.lru_cache(maxsize=4)
+def mapped_trace(path: str, num_layers: int, num_experts: int, top_k: int, seed: int) -> RoutingTrace:
+    """The trace at `path`, mapped onto the model when its shape differs (read once per run)."""
+    trace = RoutingTrace.load(path)
+    if (trace.num_layers, trace.num_experts) != (num_layers, num_experts):
+        trace = map_trace(trace, num_layers, num_experts, top_k, seed)
+    return trace
 
 
 def trace_stats(trace: RoutingTrace) -> dict:

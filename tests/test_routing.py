@@ -313,3 +313,30 @@ def test_graphs_honour_forced_routing(budget):
     assert graphed_ids == eager_ids  # the forced experts, token by token and layer by layer
     for a, b in zip(eager, graphed):  # bfloat16, different kernels: equal to rounding
         assert float((b - a).norm() / a.norm()) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_paced_copies_run_at_the_paced_rate():
+    """ExpertCache(pace_cycles=...) copies at the paced rate, and the bytes still arrive."""
+    import time
+
+    from engine.expert_cache import ExpertCache, pace_cycles, sleep_cycles_per_s
+
+    dev = torch.device("cuda")
+    nbytes = 64 << 20
+    host = torch.randint(0, 255, (1, 8, nbytes), dtype=torch.uint8)
+    link = bench.pinned_bandwidth(dev)
+    target = link / 3
+    cache = ExpertCache(host, 2, dev, lambda buf: buf,
+                        pace_cycles=pace_cycles(nbytes, target, link, sleep_cycles_per_s(dev)))
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for e in range(8):  # every one a miss
+        _, slot = cache.acquire(0, e)
+        cache.release(0, slot)
+    torch.cuda.synchronize()
+    rate = 8 * nbytes / (time.perf_counter() - t)
+    assert rate == pytest.approx(target, rel=0.15)
+    assert cache.stats.misses == 8
+    assert torch.equal(cache.slots[0, cache.lru[0][7]].cpu(), host[0, 7])
