@@ -198,31 +198,68 @@ class GuessScore:
         for l, per_d in enumerate(guesses):
             for d, guess in enumerate(per_d, start=1):
                 if l + d < len(ids):
-                    self.found[d] = self.found.get(d, 0) + len(set(guess) & set(ids[l + d]))
-                    self.total[d] = self.total.get(d, 0) + len(ids[l + d])
+                    self.add_counts(d, len(set(guess) & set(ids[l + d])), len(ids[l + d]))
+
+    def add_counts(self, d: int, found: int, total: int) -> None:
+        self.found[d] = self.found.get(d, 0) + int(found)
+        self.total[d] = self.total.get(d, 0) + int(total)
 
     def recall(self) -> dict[int, float]:
         return {d: self.found[d] / self.total[d] for d in sorted(self.total) if self.total[d]}
 
 
+def found_counts(ids: np.ndarray, guesses: np.ndarray) -> np.ndarray:
+    """ids [L, T, k], guesses [L, T, D, k] -> [T, D]: true experts of layer l+d (all l) found
+    among the guesses made at layer l."""
+    L, T, k = ids.shape
+    out = np.zeros((T, guesses.shape[2]), dtype=np.int64)
+    for d in range(1, min(guesses.shape[2], L - 1) + 1):
+        true, g = ids[d:], guesses[:L - d, :, d - 1]  # [L-d, T, k] each
+        out[:, d - 1] = (true[..., :, None] == g[..., None, :]).any(-1).sum((0, 2))
+    return out
+
+
 class TableRouting:
-    """A forced routing given as per-token tables; `next_tables(T)` makes them."""
+    """A forced routing given as tables that `next_tables(n)` makes for the next n tokens:
+    ids [L, n, k], weights [L, n, k], guesses [L, n, D, k]. Decoded tokens are drawn CHUNK at a
+    time and sent to the device at once, so a token costs the host only a slice."""
 
     forces = True
+    CHUNK = 64
 
     def __init__(self, top_k: int, device):
         self.k, self.device = top_k, torch.device(device)
         self.score = GuessScore()
         self.tokens = 0  # tokens routed so far
+        self.chunk = None  # (ids, weights, guesses) on the device, found counts [n, D], next row
+        self.row = 0
 
     def begin(self, T: int) -> None:
-        ids, weights, guesses = self.next_tables(T)  # [L, T, k], [L, T, k], [L, D, k] (last token)
+        if T > 1:  # a prompt: its own tables, guesses of its last token
+            ids, weights, guesses, _ = self.upload(T)
+            self.ids, self.weights, self.guesses = ids, weights, guesses[:, -1]
+        else:
+            if self.chunk is None or self.row == self.chunk[0].shape[1]:
+                self.chunk, self.row = self.upload(self.chunk_size()), 0
+            ids, weights, guesses, found = self.chunk
+            r = self.row
+            self.ids, self.weights, self.guesses = ids[:, r:r + 1], weights[:, r:r + 1], guesses[:, r]
+            L = ids.shape[0]
+            for d in range(1, found.shape[1] + 1):
+                if d < L:
+                    self.score.add_counts(d, found[r, d - 1], self.k * (L - d))
+            self.row += 1
         self.tokens += T
-        if T == 1:
-            self.score.add(ids[:, 0].tolist(), guesses.tolist())
-        self.ids = torch.as_tensor(ids, dtype=torch.long).to(self.device)
-        self.weights = torch.as_tensor(weights, dtype=torch.float32).to(self.device)
-        self.guesses = torch.as_tensor(guesses, dtype=torch.long).to(self.device)
+
+    def upload(self, n: int):
+        ids, weights, guesses = self.next_tables(n)
+        return (torch.as_tensor(ids, dtype=torch.long).to(self.device),
+                torch.as_tensor(weights, dtype=torch.float32).to(self.device),
+                torch.as_tensor(np.maximum(guesses, 0), dtype=torch.long).to(self.device),
+                found_counts(ids, guesses))
+
+    def chunk_size(self) -> int:
+        return self.CHUNK
 
     def recall(self) -> dict[int, float]:
         return self.score.recall()
@@ -243,16 +280,22 @@ class UniformRouting(TableRouting):
         self.L, self.E, self.stated, self.D = num_layers, num_experts, recall, max(depth, 1)
         self.rng = np.random.default_rng(seed)
 
-    def next_tables(self, T: int):
-        L, E, k, rng = self.L, self.E, self.k, self.rng
-        ids = np.argsort(rng.random((L, T, E)), axis=-1)[..., :k]  # k distinct, uniform
-        logits = rng.standard_normal((L, T, k))
+    def next_tables(self, n: int):
+        L, E, k, D, rng = self.L, self.E, self.k, self.D, self.rng
+        ids = np.argsort(rng.random((L, n, E)), axis=-1)[..., :k]  # k distinct, uniform
+        logits = rng.standard_normal((L, n, k))
         w = np.exp(logits - logits.max(-1, keepdims=True))
         w = -np.sort(-(w / w.sum(-1, keepdims=True)), axis=-1)  # best first, like top-k
-        guesses = np.zeros((L, self.D, k), dtype=np.int64)
-        for d in range(1, self.D + 1):
-            for l in range(L - d):
-                guesses[l, d - 1] = stated_recall_guess(ids[l + d, -1:], E, self.stated ** d, k, rng)[0]
+        # the guess made at layer l for layer l+d: each true expert kept with probability R^d,
+        # else replaced by one of the other experts (distinct, in random order)
+        target = np.stack([np.roll(ids, -d, axis=0) for d in range(1, D + 1)], axis=2)  # [L, n, D, k]
+        perm = np.argsort(rng.random((L, n, D, E)), axis=-1)
+        is_true = (perm[..., :, None] == target[..., None, :]).any(-1)
+        wrong = np.take_along_axis(perm, np.argsort(is_true, axis=-1, kind="stable"), -1)[..., :k]
+        keep = rng.random((L, n, D, k)) < self.stated ** np.arange(1, D + 1)[:, None]
+        guesses = np.where(keep, target, wrong)
+        for d in range(1, D + 1):
+            guesses[L - d:, :, d - 1] = -1  # no layer l+d
         return ids, w, guesses
 
     def describe(self) -> str:
@@ -264,16 +307,19 @@ class TraceRouting(TableRouting):
     def __init__(self, trace: RoutingTrace, device, path: str = ""):
         super().__init__(trace.top_k, device)
         self.trace, self.path = trace, path
+        self.drawn = 0  # tokens of the trace handed out (chunks run ahead of `tokens`)
 
-    def next_tables(self, T: int):
-        t0 = self.tokens
-        if t0 + T > self.trace.num_tokens:
-            raise UserError(f"The trace holds {self.trace.num_tokens} tokens and this run needs "
-                            f"{t0 + T}; record a longer trace or lower --prompt-len / --new-tokens.")
-        tr = self.trace
-        ids, w = tr.ids[:, t0:t0 + T], tr.weights[:, t0:t0 + T]
-        g = tr.guesses[:, :, t0 + T - 1, :tr.top_k].transpose(1, 0, 2)  # [L, D, k]
-        return ids, w, np.where(g < 0, 0, g)
+    def chunk_size(self) -> int:
+        return max(1, min(self.CHUNK, self.trace.num_tokens - self.drawn))  # a shorter last chunk
+
+    def next_tables(self, n: int):
+        tr, t0 = self.trace, self.drawn
+        if t0 + n > tr.num_tokens:
+            raise UserError(f"The trace holds {tr.num_tokens} tokens and this run needs more; record a "
+                            f"longer trace or lower --prompt-len / --new-tokens.")
+        self.drawn += n
+        guesses = tr.guesses[:, :, t0:t0 + n, :tr.top_k].transpose(1, 2, 0, 3)  # [L, n, D, k]
+        return tr.ids[:, t0:t0 + n], tr.weights[:, t0:t0 + n], guesses
 
     def describe(self) -> str:
         return f"trace {self.path} ({self.trace.note})"

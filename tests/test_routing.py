@@ -340,3 +340,18 @@ def test_paced_copies_run_at_the_paced_rate():
     assert rate == pytest.approx(target, rel=0.15)
     assert cache.stats.misses == 8
     assert torch.equal(cache.slots[0, cache.lru[0][7]].cpu(), host[0, 7])
+
+
+def test_a_trace_replays_to_its_last_token_and_no_further(synthetic):
+    src = skewed_trace(layers=3, tokens=70)
+    source = routing.TraceRouting(src, "cpu")
+    source.begin(4)  # a prompt
+    assert (source.ids.numpy() == src.ids[:, :4]).all()
+    for t in range(4, 70):  # decoded tokens, drawn a chunk at a time
+        source.begin(1)
+        assert (source.ids[:, 0].numpy() == src.ids[:, t]).all()
+        assert (source.guesses.numpy() == np.maximum(src.guesses[:, :, t, :2].transpose(1, 0, 2), 0)).all()
+    with pytest.raises(UserError, match="holds 70 tokens"):
+        source.begin(1)
+    decoded = src.tokens(4, 70)
+    assert source.recall() == pytest.approx({d: routing.trace_recall(decoded, d) for d in (1, 2)})
