@@ -142,13 +142,18 @@ def markdown_tables(r: LocalityReport) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_report(r: LocalityReport, path: str | Path, title: str = "") -> None:
+def pyplot():
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         raise UserError("--plot needs matplotlib; install it with `pip install matplotlib`.") from None
+    return plt
+
+
+def plot_report(r: LocalityReport, path: str | Path, title: str = "") -> None:
+    plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     sizes = list(r.lru_hit_ratio)
     a.plot(sizes, list(r.lru_hit_ratio.values()), "o-", label="trained model")
@@ -227,6 +232,8 @@ def cli_locality(store: str, text_file: str | None, json_out: bool, plot: str | 
                  max_tokens: int | None = None) -> int:
     """`moeferry demo locality`: measure expert locality of a store's model on text."""
     path = text_path(text_file)
+    if plot:
+        pyplot()  # before the slow part
     report = measure_locality(store, str(path), max_tokens)
     if plot:
         plot_report(report, plot, title=f"Expert locality, {store}, {report.tokens} tokens")
