@@ -11,6 +11,10 @@ The routed experts run in one of three ways, fastest first:
     host's routing sync has made sure they are in place;
   * otherwise one graph per (layer, cache slot, top-k position) and expert.
 The host part (which experts to copy, LRU, prefetch) is the model's own `dispatch`.
+A forced routing (`model.routing`, engine/routing.py: the benchmark's uniform or replayed
+routing) overwrites, on the device, the `ids`/`weights`/`guesses` a layer graph wrote before
+`dispatch` reads them; the one-graph path is captured with copies from `forced_ids` /
+`forced_weights`, which the host fills before each replay.
 
 Graphs read and write fixed buffers (`x`, `h`, `out`, `weights`, `ids`, `guesses`, `logits`)
 and the token position from a device tensor, so they replay at any position. Each graph is
