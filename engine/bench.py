@@ -400,9 +400,9 @@ def conditions_line(report: dict) -> str:
     uniform = ", ".join(f"{v:.3f} ({k})" for k, v in ro["uniform_hit_ratio"].items())
     text = f"Routing: {ro['description']}; a cache of K of E experts hits K/E = {uniform} under uniform routing."
     if "trace" in ro:
-        t = ro["trace"]
-        text += (f" The replayed tokens' own LRU hit ratio at {report['cache_experts']} cached: "
-                 f"{t['lru_hit_ratio'][report['cache_experts']]:.3f}; guess recall "
+        t, k = ro["trace"], report["cache_experts"]
+        hit = t["lru_hit_ratio"].get(k, t["lru_hit_ratio"].get(str(k)))  # JSON keys are strings
+        text += (f" The replayed tokens' own LRU hit ratio at {k} cached: {hit:.3f}; guess recall "
                  + ", ".join(f"{v:.3f} (d={d})" for d, v in t["guess_recall"].items()) + ".")
     text += f" Link: measured {link['measured_gb_per_s']:.1f} GB/s"
     if link.get("paced_gb_per_s"):
