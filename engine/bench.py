@@ -443,8 +443,13 @@ def cli_bench(argv: list[str]) -> int:
             or (a.cpu_threads is not None and a.cpu_threads < 1):
         raise UserError("--guess-recall must be in [0, 1], --h2d-gbps above 0 and --cpu-threads 1 or more.")
     cond = Conditions(a.routing, a.guess_recall, a.h2d_gbps)
-    routing_mod.parse_routing(a.routing, ModelConfig(**{**MIXTRAL, "num_layers": a.layers}), "cpu",
-                              a.guess_recall, a.prefetch)  # a bad --routing fails before the build
+    # a bad --routing (or a trace too short for the run) fails before the build
+    source = routing_mod.parse_routing(a.routing, ModelConfig(**{**MIXTRAL, "num_layers": a.layers}), "cpu",
+                                       a.guess_recall, a.prefetch)
+    need = max(int(x) for x in str(a.prompt_len).split(",")) + a.new_tokens
+    if isinstance(source, routing_mod.TraceRouting) and source.trace.num_tokens < need:
+        raise UserError(f"The trace holds {source.trace.num_tokens} tokens and this run needs {need}; record "
+                        f"a longer trace or lower --prompt-len / --new-tokens.")
     if a.cpu_threads:
         torch.set_num_threads(a.cpu_threads)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731

@@ -281,6 +281,8 @@ def test_cli_bench_checks_its_routing_before_anything_else():
     assert r.returncode == 2 and "Unknown --routing 'zipf'" in r.stderr
     r = run_cli("bench", "--routing", "trace:/nonexistent.safetensors")
     assert r.returncode == 2 and "does not exist" in r.stderr
+    r = run_cli("bench", "--routing", f"trace:{SHIPPED}", "--prompt-len", "2000")
+    assert r.returncode == 2 and "The trace holds 1536 tokens and this run needs 2064" in r.stderr
     r = run_cli("bench", "--guess-recall", "1.5")
     assert r.returncode == 2 and "--guess-recall" in r.stderr
 
