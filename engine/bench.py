@@ -8,6 +8,14 @@ no cache), lru (cache, no prefetch), full (cache + prefetch), each with the refe
 
 The bound for each mode: max(bytes moved per token / pinned bandwidth measured in this run,
 resident compute time per token measured in this run with nothing moving).
+
+Random weights do not route like a trained model, so the router's choice is forced
+(engine/routing.py, `--routing`): `uniform` (the default and the headline: no locality, the
+cache's worst case; prefetch guesses right with the stated probability `--guess-recall`),
+`trace:PATH` (a recorded trace, mapped onto 32 layers if it has fewer) or `model` (the random
+router itself, only to show how degenerate it is). `--h2d-gbps` paces the expert copies to a
+slower link and `--cpu-threads` limits torch's CPU threads; every report states routing, link
+and threads next to its figures.
 """
 
 from __future__ import annotations
@@ -22,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from engine import quant, store as store_mod
+from engine import quant, routing as routing_mod, store as store_mod
 from engine.errors import UserError
-from engine.expert_cache import ExpertCache
-from engine.generate import fmt_bytes, parse_size, workspace_bytes
+from engine.expert_cache import ExpertCache, pace_cycles, sleep_cycles_per_s
+from engine.generate import compute_ready, fmt_bytes, parse_size, workspace_bytes
 from engine.model import KVCache, ModelConfig, OffloadedMixtral
 
 MIXTRAL = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
@@ -51,6 +59,7 @@ class ModeResult:
     achieved_over_bound: float
     peak_vram_bytes: int
     under_budget: bool
+    guess_recall: dict  # distance -> share of true experts the prefetch guesses held (decode)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,12 +81,12 @@ def random_qmatrix(rows: int, cols: int, spec: quant.QuantSpec, device, gen) -> 
                                        "group_size": spec.group_size}, t)
 
 
-def synthetic_model(cfg: ModelConfig, expert_bits: int, attn_bits: int, device, seed: int = 0):
-    """(dense weights on device, host experts uint8 [L, E, stride] pinned, expert fields, quantization)."""
+def synthetic_model(cfg: ModelConfig, expert_bits: int, attn_bits: int, device, seed: int = 0,
+                    dtype=torch.bfloat16):
+    """(dense weights on device, host experts uint8 [L, E, stride] (pinned on CUDA), expert fields, quantization)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     es, as_ = quant.EXPERT_SPECS[expert_bits], quant.ATTN_SPECS[attn_bits]
     eq = {"bits": expert_bits, "group_size": es.group_size, "meta_group": es.meta_group}
-    dtype = torch.bfloat16
     dense = {"model.embed_tokens.weight": torch.randn(cfg.vocab_size, cfg.hidden_size, device=device,
                                                       dtype=dtype, generator=gen) * 0.02,
              "model.norm.weight": torch.ones(cfg.hidden_size, device=device, dtype=dtype),
@@ -94,7 +103,8 @@ def synthetic_model(cfg: ModelConfig, expert_bits: int, attn_bits: int, device, 
     dense_bytes = sum(w.nbytes() if isinstance(w, quant.QMatrix) else w.numel() * w.element_size()
                       for w in dense.values())
     fields, stride = store_mod.expert_layout(cfg, eq)
-    host = torch.empty((cfg.num_layers, cfg.num_experts, stride), dtype=torch.uint8, pin_memory=True)
+    host = torch.empty((cfg.num_layers, cfg.num_experts, stride), dtype=torch.uint8,
+                       pin_memory=torch.device(device).type == "cuda")
     for layer in range(cfg.num_layers):
         host[layer].copy_(torch.stack([random_expert(cfg, es, fields, stride, device, gen)
                                        for _ in range(cfg.num_experts)]))
@@ -133,6 +143,21 @@ def pinned_bandwidth(device, nbytes: int = 1 << 30) -> float:
     return nbytes / sorted(times[1:])[2]
 
 
+def paced_copy_rate(device, nbytes: int, cycles: int) -> float:
+    """Bytes/s of back-to-back paced copies of nbytes (copy then spin, as the cache does)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(8):
+        dst.copy_(src, non_blocking=True)
+        if cycles:
+            torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return 8 * nbytes / (start.elapsed_time(end) / 1e3)
+
+
 # ---------------------------------------------------------------------------------------------
 # Running one mode
 
@@ -149,36 +174,9 @@ def cache_size_for(budget: int | None, cfg, dense_bytes, stride, context, device
     return int(min(k, cfg.num_experts))
 
 
-def run_mode(cfg, dense, host, fields, eq, device, policy, k, prefetch, kernels, prompt, new_tokens,
-             graphs=True):
-    torch.cuda.synchronize(device)
-    gc.collect()  # the previous mode's cache and graphs
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    cache = ExpertCache(host, k, device, expert_views(cfg, fields, eq), policy=policy)
-    model = OffloadedMixtral(cfg, dense, cache, device, torch.bfloat16, kernels)
-    model.prefetch_depth = prefetch
-    model.setup_kv(len(prompt) + new_tokens)
-    model.use_cuda_graphs(graphs and kernels == "fused")  # the reference path stays eager, as HQQ's
-    if model.graphs is not None:
-        model.graphs.prepare(len(prompt) + new_tokens)  # captured before the clock starts
-    t0 = time.perf_counter()
-    logits = model.forward(torch.tensor(prompt, device=device), 0)
-    tok = int(logits[-1].argmax())
-    first = time.perf_counter() - t0
-    before = asdict(cache.stats)
-    t1 = time.perf_counter()
-    for n in range(new_tokens - 1):
-        logits = model.forward(torch.tensor([tok], device=device), len(prompt) + n)
-        tok = int(logits[-1].argmax())
-    torch.cuda.synchronize(device)
-    decode = time.perf_counter() - t1
-    after = asdict(cache.stats)
-    d = {key: after[key] - before[key] for key in after}
-    peak = torch.cuda.max_memory_allocated(device)
-    model.graphs = None  # break the model <-> graphs cycle so the slots go now
-    del model, cache
-    return first, decode, d, peak
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @dataclass
@@ -193,27 +191,112 @@ class Synthetic:
     pinned_bytes_per_s: float
     expert_bits: int
     attn_bits: int
+    dtype: torch.dtype = torch.bfloat16
+
+    def model(self, policy: str, k: int, prefetch: int, kernels: str, pace: int = 0) -> OffloadedMixtral:
+        # the CPU (tests) dequantizes an expert once per load, as the engine does there
+        decode = None if self.device.type == "cuda" else lambda w: {m: compute_ready(v, self.dtype) for m, v in w.items()}
+        cache = ExpertCache(self.host, k, self.device, expert_views(self.cfg, self.fields, self.eq),
+                            policy=policy, decode=decode, pace_cycles=pace)
+        model = OffloadedMixtral(self.cfg, self.dense, cache, self.device, self.dtype, kernels)
+        model.prefetch_depth = prefetch
+        return model
 
 
-def build(layers: int = 32, expert_bits: int = 2, attn_bits: int = 4, seed: int = 0, log=print) -> Synthetic:
-    if not torch.cuda.is_available():
-        raise UserError("moeferry bench measures GPU offloading and needs a CUDA GPU; none is visible.")
-    device = torch.device("cuda")
-    cfg = ModelConfig(**{**MIXTRAL, "num_layers": layers})
+def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, routing=None, pace: int = 0,
+             graphs=True):
+    """(first token s, decode s, cache stats of the decode, peak device bytes, guess recall by distance)."""
+    device = s.device
+    sync(device)
+    gc.collect()  # the previous mode's cache and graphs
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    model = s.model(policy, k, prefetch, kernels, pace)
+    model.routing = routing
+    model.setup_kv(len(prompt) + new_tokens)
+    model.use_cuda_graphs(graphs and kernels == "fused")  # the reference path stays eager, as HQQ's
+    if model.graphs is not None:
+        model.graphs.prepare(len(prompt) + new_tokens)  # captured before the clock starts
+    t0 = time.perf_counter()
+    logits = model.forward(torch.tensor(prompt, device=device), 0)
+    tok = int(logits[-1].argmax())
+    first = time.perf_counter() - t0
+    before = asdict(model.cache.stats)
+    t1 = time.perf_counter()
+    for n in range(new_tokens - 1):
+        logits = model.forward(torch.tensor([tok], device=device), len(prompt) + n)
+        tok = int(logits[-1].argmax())
+    sync(device)
+    decode = time.perf_counter() - t1
+    after = asdict(model.cache.stats)
+    d = {key: after[key] - before[key] for key in after}
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else model.cache.device_bytes()
+    recall = routing.recall() if routing is not None else {}
+    model.graphs = None  # break the model <-> graphs cycle so the slots go now
+    del model
+    return first, decode, d, peak, recall
+
+
+def build(layers: int = 32, expert_bits: int = 2, attn_bits: int = 4, seed: int = 0, log=print,
+          device=None, config: dict | None = None) -> Synthetic:
+    """The synthetic model. device None = the CUDA GPU (the command's case); a CPU device with a
+    small `config` (ModelConfig fields over MIXTRAL's) is for tests."""
+    if device is None:
+        if not torch.cuda.is_available():
+            raise UserError("moeferry bench measures GPU offloading and needs a CUDA GPU; none is visible.")
+        device = torch.device("cuda")
+    device = torch.device(device)
+    cfg = ModelConfig(**{**MIXTRAL, "num_layers": layers, **(config or {})})
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     log(f"building a synthetic Mixtral-8x7B ({layers} layers, {expert_bits}-bit experts, {attn_bits}-bit attention)")
     t = time.perf_counter()
-    dense, dense_bytes, host, fields, eq = synthetic_model(cfg, expert_bits, attn_bits, device, seed)
+    dense, dense_bytes, host, fields, eq = synthetic_model(cfg, expert_bits, attn_bits, device, seed, dtype)
+    if device.type == "cpu":
+        dense = {n: compute_ready(w, dtype) for n, w in dense.items()}
     log(f"  built in {time.perf_counter() - t:.1f} s; one expert = {host.shape[2] / 1e6:.1f} MB, "
         f"resident weights {fmt_bytes(dense_bytes)}")
-    bw = pinned_bandwidth(device)
+    bw = pinned_bandwidth(device) if device.type == "cuda" else 0.0
     log(f"  pinned host->device bandwidth: {bw / 1e9:.1f} GB/s")
-    return Synthetic(cfg, dense, dense_bytes, host, fields, eq, device, bw, expert_bits, attn_bits)
+    return Synthetic(cfg, dense, dense_bytes, host, fields, eq, device, bw, expert_bits, attn_bits, dtype)
+
+
+@dataclass
+class Conditions:
+    """What the figures depend on besides the engine: routing, link, CPU threads."""
+
+    routing: str = "uniform"  # uniform | model | trace:PATH
+    guess_recall: float = 0.85
+    h2d_gbps: float | None = None  # pace copies to this rate; None = the link as it is
+    seed: int = 0
+
+    def routing_source(self, cfg, device, depth: int):
+        return routing_mod.parse_routing(self.routing, cfg, device, self.guess_recall, depth, self.seed)
+
+
+def link_report(s: Synthetic, cond: Conditions, log) -> tuple[int, dict]:
+    """(spin cycles per expert copy, the report's link section)."""
+    stride = s.host.shape[2]
+    link = {"measured_gb_per_s": s.pinned_bytes_per_s / 1e9, "paced_gb_per_s": cond.h2d_gbps}
+    if not cond.h2d_gbps:
+        return 0, link
+    if s.device.type != "cuda":
+        raise UserError("--h2d-gbps paces CUDA copies; it needs a CUDA GPU.")
+    if cond.h2d_gbps * 1e9 >= s.pinned_bytes_per_s:
+        raise UserError(f"--h2d-gbps {cond.h2d_gbps:g} is not below the measured link "
+                        f"({s.pinned_bytes_per_s / 1e9:.1f} GB/s); give a lower rate.")
+    cycles = pace_cycles(stride, cond.h2d_gbps * 1e9, s.pinned_bytes_per_s, sleep_cycles_per_s(s.device))
+    link["achieved_paced_copy_gb_per_s"] = paced_copy_rate(s.device, stride, cycles) / 1e9
+    log(f"  copies paced to {cond.h2d_gbps:g} GB/s: {cycles} spin cycles per expert, "
+        f"{link['achieved_paced_copy_gb_per_s']:.1f} GB/s achieved on back-to-back copies")
+    return cycles, link
 
 
 def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 128, new_tokens: int = 64,
             modes=("naive", "lru", "full"), kernels=("reference", "fused"), prefetch: int = 1, seed: int = 0,
-            log=print) -> dict:
+            log=print, cond: Conditions | None = None) -> dict:
     """The ladder under one budget, on the weights of `s`; a report (see markdown_table)."""
+    cond = cond or Conditions()
     cfg, device, bw = s.cfg, s.device, s.pinned_bytes_per_s
     budget = parse_size(vram_budget)
     stride = s.host.shape[2]
@@ -223,14 +306,17 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
     k = max(ks.values())
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=gen).tolist()
-    common = (cfg, s.dense, s.host, s.fields, s.eq, device)
-    log(f"budget {vram_budget}: {ks} experts cached per layer, prompt {prompt_len}, {new_tokens} new tokens")
+    cycles, link = link_report(s, cond, log)
+    probe = cond.routing_source(cfg, device, prefetch)  # read (and mapped) once, for the report
+    log(f"budget {vram_budget}: {ks} experts cached per layer, prompt {prompt_len}, {new_tokens} new tokens, "
+        f"routing {probe.describe()}")
     compute = {}
     for kern in kernels:  # compile (Triton) and warm caches before anything is timed
-        run_mode(*common, "no-copy", ks[kern], 0, kern, prompt, 4)
+        run_mode(s, "no-copy", ks[kern], 0, kern, prompt, 4, cond.routing_source(cfg, device, 0))
     for kern in kernels:  # resident compute time per token: nothing moves
         steps = min(new_tokens, 16)
-        _, decode, _, _ = run_mode(*common, "no-copy", ks[kern], 0, kern, prompt, steps)
+        _, decode, _, _, _ = run_mode(s, "no-copy", ks[kern], 0, kern, prompt, steps,
+                                      cond.routing_source(cfg, device, 0))
         compute[kern] = decode / (steps - 1)
         log(f"  resident compute per token ({kern}): {compute[kern] * 1e3:.2f} ms")
     results = []
@@ -239,35 +325,49 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
             policy = "naive" if mode == "naive" else "lru"
             kk = cfg.top_k if mode == "naive" else ks[kern]
             depth = prefetch if mode == "full" else 0
-            first, decode, d, peak = run_mode(*common, policy, kk, depth, kern, prompt, new_tokens)
-            steps = new_tokens - 1
-            per_tok = decode / steps
-            moved = d["bytes_h2d"] / steps
-            uses = d["hits"] + d["misses"]
-            bound = max(moved / bw, compute[kern])
-            r = ModeResult(
-                mode=mode, kernels=kern, cache_experts=kk, prefetch=depth,
-                decode_tokens_per_s=steps / decode, first_token_s=first,
-                hit_rate=d["hits"] / uses if uses else 0.0,
-                prefetch_precision=d["prefetch_used"] / d["prefetch_issued"] if d["prefetch_issued"] else 0.0,
-                prefetch_recall=(d["prefetch_used"] / (d["prefetch_used"] + d["misses"])
-                                 if d["prefetch_used"] + d["misses"] else 0.0),
-                gb_per_token=moved / 1e9, h2d_gb_per_s=d["bytes_h2d"] / decode / 1e9,
-                bound_ms_per_token=bound * 1e3, achieved_ms_per_token=per_tok * 1e3,
-                achieved_over_bound=per_tok / bound, peak_vram_bytes=peak,
-                under_budget=budget is None or peak <= budget)
-            results.append(r)
+            first, decode, d, peak, recall = run_mode(s, policy, kk, depth, kern, prompt, new_tokens,
+                                                      cond.routing_source(cfg, device, max(depth, 1)), cycles)
+            recall = {dd: v for dd, v in recall.items() if dd <= depth}  # the guesses prefetch used
+            results.append(mode_result(mode, kern, kk, depth, first, decode, d, peak, recall, new_tokens,
+                                       bw, compute[kern], budget))
+            r = results[-1]
             log(f"  {mode:5s} {kern:9s} {r.decode_tokens_per_s:7.2f} tok/s  first token {first:.2f} s  "
                 f"hits {r.hit_rate:.2f}  {r.gb_per_token:.2f} GB/token  peak {fmt_bytes(peak)}")
+    routing = {"mode": cond.routing.split(":")[0], "description": probe.describe(),
+               "stated_guess_recall": cond.guess_recall if cond.routing == "uniform" else None,
+               "uniform_hit_ratio": {kern: ks[kern] / cfg.num_experts for kern in kernels}}
+    if isinstance(probe, routing_mod.TraceRouting):
+        routing["trace"] = routing_mod.trace_stats(probe.trace.tokens(0, prompt_len + new_tokens))
     return {
-        "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(device),
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "layers": cfg.num_layers, "vram_budget": vram_budget, "vram_budget_bytes": budget,
         "expert_bits": s.expert_bits, "attn_bits": s.attn_bits, "prompt_len": prompt_len,
         "new_tokens": new_tokens, "expert_bytes": stride, "resident_bytes": s.dense_bytes,
         "pinned_gb_per_s": bw / 1e9, "cache_experts": k,
+        "routing": routing, "link": link, "cpu_threads": torch.get_num_threads(),
         "resident_compute_ms_per_token": {kk: v * 1e3 for kk, v in compute.items()},
         "results": [asdict(r) for r in results],
     }
+
+
+def mode_result(mode, kern, kk, depth, first, decode, d, peak, recall, new_tokens, bw, compute, budget):
+    steps = new_tokens - 1
+    per_tok = decode / steps
+    moved = d["bytes_h2d"] / steps
+    uses = d["hits"] + d["misses"]
+    bound = max(moved / bw, compute) if bw else compute
+    return ModeResult(
+        mode=mode, kernels=kern, cache_experts=kk, prefetch=depth,
+        decode_tokens_per_s=steps / decode, first_token_s=first,
+        hit_rate=d["hits"] / uses if uses else 0.0,
+        prefetch_precision=d["prefetch_used"] / d["prefetch_issued"] if d["prefetch_issued"] else 0.0,
+        prefetch_recall=(d["prefetch_used"] / (d["prefetch_used"] + d["misses"])
+                         if d["prefetch_used"] + d["misses"] else 0.0),
+        gb_per_token=moved / 1e9, h2d_gb_per_s=d["bytes_h2d"] / decode / 1e9,
+        bound_ms_per_token=bound * 1e3, achieved_ms_per_token=per_tok * 1e3,
+        achieved_over_bound=per_tok / bound, peak_vram_bytes=peak,
+        under_budget=budget is None or peak <= budget, guess_recall=recall)
 
 
 def markdown_table(report: dict) -> str:
@@ -275,18 +375,40 @@ def markdown_table(report: dict) -> str:
              f"({report['expert_bytes'] / 1e6:.1f} MB each), {report['attn_bits']}-bit attention, "
              f"{report['layers']} layers, P={report['prompt_len']}, T={report['new_tokens']}, "
              f"{report['cache_experts']} experts cached per layer, pinned H2D {report['pinned_gb_per_s']:.1f} GB/s, "
-             f"{report['device']}, {report['date']}.", "",
-             "| mode | kernels | decode tok/s | first token s | hit rate | prefetch prec/recall | GB/token "
-             "| H2D GB/s | bound ms/tok | achieved ms/tok | achieved/bound | peak VRAM GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"{report['device']}, {report['date']}.", "", conditions_line(report), "",
+             "| mode | kernels | decode tok/s | first token s | hit rate | guess recall | prefetch prec/recall "
+             "| GB/token | H2D GB/s | bound ms/tok | achieved ms/tok | achieved/bound | peak VRAM GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
         lines.append(
             f"| {r['mode']} | {r['kernels']} | {r['decode_tokens_per_s']:.2f} | {r['first_token_s']:.2f} | "
-            f"{r['hit_rate']:.2f} | {r['prefetch_precision']:.2f}/{r['prefetch_recall']:.2f} | "
+            f"{r['hit_rate']:.2f} | {recall_text(r['guess_recall'])} | "
+            f"{r['prefetch_precision']:.2f}/{r['prefetch_recall']:.2f} | "
             f"{r['gb_per_token']:.2f} | {r['h2d_gb_per_s']:.1f} | {r['bound_ms_per_token']:.1f} | "
             f"{r['achieved_ms_per_token']:.1f} | {r['achieved_over_bound']:.2f} | "
             f"{r['peak_vram_bytes'] / 2**30:.2f}{'' if r['under_budget'] else ' (over!)'} |")
     return "\n".join(lines)
+
+
+def recall_text(recall: dict) -> str:
+    return ", ".join(f"{v:.2f}" + (f" (d={d})" if len(recall) > 1 else "") for d, v in recall.items()) or "-"
+
+
+def conditions_line(report: dict) -> str:
+    """Routing, link and threads: what the figures depend on besides the engine."""
+    ro, link = report["routing"], report["link"]
+    uniform = ", ".join(f"{v:.3f} ({k})" for k, v in ro["uniform_hit_ratio"].items())
+    text = f"Routing: {ro['description']}; a cache of K of E experts hits K/E = {uniform} under uniform routing."
+    if "trace" in ro:
+        t, k = ro["trace"], report["cache_experts"]
+        hit = t["lru_hit_ratio"].get(k, t["lru_hit_ratio"].get(str(k)))  # JSON keys are strings
+        text += (f" The replayed tokens' own LRU hit ratio at {k} cached: {hit:.3f}; guess recall "
+                 + ", ".join(f"{v:.3f} (d={d})" for d, v in t["guess_recall"].items()) + ".")
+    text += f" Link: measured {link['measured_gb_per_s']:.1f} GB/s"
+    if link.get("paced_gb_per_s"):
+        text += (f", copies paced to {link['paced_gb_per_s']:g} GB/s "
+                 f"({link['achieved_paced_copy_gb_per_s']:.1f} GB/s achieved on back-to-back copies)")
+    return text + f". CPU threads: {report['cpu_threads']}. H2D GB/s in the table = bytes copied / decode time."
 
 
 def cli_bench(argv: list[str]) -> int:
@@ -304,22 +426,43 @@ def cli_bench(argv: list[str]) -> int:
     p.add_argument("--modes", default="naive,lru,full")
     p.add_argument("--kernels", default="reference,fused")
     p.add_argument("--prefetch", type=int, default=1)
+    p.add_argument("--routing", default="uniform",
+                   help="uniform (default: top-k drawn uniformly, no locality), trace:PATH (replay a trace "
+                        "of `moeferry trace`, mapped onto this model), model (the random router: degenerate)")
+    p.add_argument("--guess-recall", type=float, default=0.85,
+                   help="uniform routing: a prefetch guess d layers ahead holds each true expert with "
+                        "probability R^d (default 0.85)")
+    p.add_argument("--h2d-gbps", type=float, help="pace host->device expert copies to this many GB/s")
+    p.add_argument("--cpu-threads", type=int, help="torch CPU threads (default: torch's own)")
     p.add_argument("--json", action="store_true", help="print the report(s) as JSON")
     p.add_argument("--json-dir", help="also write one JSON report per budget and prompt length here")
     a = p.parse_args(argv)
     if a.new_tokens < 2 or a.layers < 1:
         raise UserError("--new-tokens must be 2 or more and --layers 1 or more.")
+    if not 0 <= a.guess_recall <= 1 or (a.h2d_gbps is not None and a.h2d_gbps <= 0) \
+            or (a.cpu_threads is not None and a.cpu_threads < 1):
+        raise UserError("--guess-recall must be in [0, 1], --h2d-gbps above 0 and --cpu-threads 1 or more.")
+    cond = Conditions(a.routing, a.guess_recall, a.h2d_gbps)
+    # a bad --routing (or a trace too short for the run) fails before the build
+    source = routing_mod.parse_routing(a.routing, ModelConfig(**{**MIXTRAL, "num_layers": a.layers}), "cpu",
+                                       a.guess_recall, a.prefetch)
+    need = max(int(x) for x in str(a.prompt_len).split(",")) + a.new_tokens
+    if isinstance(source, routing_mod.TraceRouting) and source.trace.num_tokens < need:
+        raise UserError(f"The trace holds {source.trace.num_tokens} tokens and this run needs {need}; record "
+                        f"a longer trace or lower --prompt-len / --new-tokens.")
+    if a.cpu_threads:
+        torch.set_num_threads(a.cpu_threads)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     s = build(a.layers, a.expert_bits, a.attn_bits, log=log)
     reports = []
     for budget in a.vram_budget.split(","):  # one set of weights, several budgets: one build
         for plen in (int(x) for x in str(a.prompt_len).split(",")):
             r = measure(s, budget, plen, a.new_tokens, tuple(a.modes.split(",")), tuple(a.kernels.split(",")),
-                        a.prefetch, log=log)
+                        a.prefetch, log=log, cond=cond)
             reports.append(r)
             if a.json_dir:
                 Path(a.json_dir).mkdir(parents=True, exist_ok=True)
-                name = f"bench-{a.expert_bits}bit-{budget}-p{plen}.json"
+                name = f"bench-{a.expert_bits}bit-{budget}-p{plen}-{cond.routing.split(':')[0]}.json"
                 (Path(a.json_dir) / name).write_text(json.dumps(r, indent=1))
     if a.json:
         print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=1))

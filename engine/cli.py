@@ -71,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--vram-budget")
     s.add_argument("--prefetch", type=int, default=1)
     s.add_argument("--kernels", default="auto", choices=("auto", "reference", "fused"))
+    s = sub.add_parser("trace", help="record a routing trace of a model on a text (for `bench --routing trace:PATH`)")
+    s.add_argument("store")
+    s.add_argument("--text", required=True, help="UTF-8 text file; paragraphs are separated by blank lines")
+    s.add_argument("--out", required=True, help="the trace file to write (safetensors)")
+    s.add_argument("--max-tokens", type=int, help="at most this many tokens of the text (default 131,072)")
+    s.add_argument("--device", default="auto")
+    s.add_argument("--json", action="store_true", help="print the trace's statistics as JSON")
 
     # bench and demo parse their own options (engine/bench.py, engine/demo.py)
     sub.add_parser("bench", help="the offloading benchmark (synthetic full-size Mixtral)", add_help=False)
@@ -127,6 +134,9 @@ def run(args) -> int:
     if args.command == "serve":
         from engine.serve import cli_serve
         return cli_serve(args)
+    if args.command == "trace":
+        from engine.routing import cli_trace
+        return cli_trace(args.store, args.text, args.out, args.max_tokens, args.device, args.json)
     if args.command == "bench":
         from engine.bench import cli_bench
         return cli_bench(args.rest)

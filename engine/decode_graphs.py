@@ -11,6 +11,10 @@ The routed experts run in one of three ways, fastest first:
     host's routing sync has made sure they are in place;
   * otherwise one graph per (layer, cache slot, top-k position) and expert.
 The host part (which experts to copy, LRU, prefetch) is the model's own `dispatch`.
+A forced routing (`model.routing`, engine/routing.py: the benchmark's uniform or replayed
+routing) overwrites, on the device, the `ids`/`weights`/`guesses` a layer graph wrote before
+`dispatch` reads them; the one-graph path is captured with copies from `forced_ids` /
+`forced_weights`, which the host fills before each replay.
 
 Graphs read and write fixed buffers (`x`, `h`, `out`, `weights`, `ids`, `guesses`, `logits`)
 and the token position from a device tensor, so they replay at any position. Each graph is
@@ -50,6 +54,9 @@ class GraphedDecode:
         self.guesses = torch.zeros(max(1, cfg.num_layers), cfg.top_k, dtype=torch.long, device=dev)
         self.logits = torch.zeros(1, cfg.vocab_size, dtype=torch.float32, device=dev)
         self.routed = torch.zeros(cfg.num_layers, cfg.top_k, dtype=torch.long, device=dev)  # one-graph trace
+        # a forced routing's choice for the one graph, written before each replay
+        self.forced_ids = torch.zeros_like(self.routed)
+        self.forced_weights = torch.zeros(cfg.num_layers, cfg.top_k, dtype=torch.float32, device=dev)
         positions = torch.arange(cfg.max_position_embeddings, device=dev)
         self.cos, self.sin = rope_cos_sin(model.inv_freq, positions, dt)  # [P, 1, D] each
         self.pool = torch.cuda.graph_pool_handle()
@@ -132,7 +139,8 @@ class GraphedDecode:
         self.pos.zero_()
         layers = range(m.cfg.num_layers)
         if self.one_graph:
-            jobs = [(("token",), self.token_segment)]
+            forced = self.forced()
+            jobs = [(("token", forced), lambda: self.token_segment(forced))]
         else:
             spans = sorted({self.span(p) for p in range(0, max_position, 256)} | {self.span(max_position - 1)})
             jobs = [(("layer", i, s), lambda i=i, s=s: self.layer_segment(i, s)) for s in spans for i in layers]
@@ -152,10 +160,17 @@ class GraphedDecode:
         self.check_keys()
         self.tok.copy_(tokens.view(1))
         self.pos.fill_(start)
+        if m.routing is not None:
+            m.routing.begin(1)
         if self.one_graph:
             for i in list(m.cache.table_dirty):  # once: a fully resident cache never changes
                 m.cache.sync_table(i)
-            self.run(("token",), self.token_segment)
+            forced = self.forced()
+            if forced:
+                weights, ids = m.routing.token_table()
+                self.forced_weights.copy_(weights)
+                self.forced_ids.copy_(ids)
+            self.run(("token", forced), lambda: self.token_segment(forced))
             m.cache.stats.hits += m.cfg.num_layers * m.cfg.top_k
             if m.trace is not None:
                 m.trace.append([(tuple(ids), m.cache.resident(i)) for i, ids in enumerate(self.routed.tolist())])
@@ -166,6 +181,8 @@ class GraphedDecode:
             self.run(("layer", i, span), lambda i=i: self.layer_segment(i, span))
             depth = min(m.prefetch_depth, m.cfg.num_layers - 1 - i)
             guesses = self.guesses[:depth] if depth else None
+            if m.routing is not None:
+                self.force(i, guesses)
             if self.grouped:
                 m.dispatch(i, self.ids, guesses, step,
                            add_all=lambda i=i: self.run(("moe", i), lambda: self.moe_segment(i)))
@@ -178,6 +195,19 @@ class GraphedDecode:
             m.trace.append(step)
         self.run(("head",), self.head_segment)
         return self.logits.clone()
+
+    def forced(self) -> bool:
+        return self.m.routing is not None and self.m.routing.forces
+
+    def force(self, i: int, guesses: torch.Tensor | None) -> None:
+        """Hand layer i's routing, as its graph wrote it, to the model's routing source; write
+        back on the device what it chose instead (before dispatch reads it)."""
+        weights, ids, g = self.m.routing.choose(self.m, i, self.x, self.weights, self.ids, guesses)
+        if ids is not self.ids:
+            self.ids.copy_(ids)
+            self.weights.copy_(weights)
+        if g is not None and g is not guesses:
+            guesses.copy_(g)
 
     def span(self, start: int) -> int:
         """What a layer graph at position `start` is keyed on: the eager attention's span; the
@@ -208,11 +238,15 @@ class GraphedDecode:
 
     # -- the captured segments --------------------------------------------------------------------
 
-    def token_segment(self) -> None:
+    def token_segment(self, forced: bool = False) -> None:
         """Every layer and the head, for a cache that holds every expert (no copies, no guesses);
-        each layer's routing goes to its row of `routed` (the trace)."""
+        each layer's routing goes to its row of `routed` (the trace). Forced: the router's choice
+        is overwritten by the rows of forced_ids / forced_weights."""
         for i in range(self.m.cfg.num_layers):
             self.fused_layer_segment(i, self.routed[i:i + 1], guess=False)
+            if forced:
+                self.routed[i].copy_(self.forced_ids[i])
+                self.weights[0].copy_(self.forced_weights[i])
             self.moe_segment(i, ids=self.routed[i:i + 1])
         self.head_segment()
 

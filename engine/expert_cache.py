@@ -6,6 +6,9 @@ copy moves it). On CUDA the host copy is pinned and copies run on their own stre
   `free` event recorded after the slot's last use;
 - before compute uses a slot, the compute stream waits for the copy's `ready` event.
 The host never waits for a copy. On the CPU "device" is host memory and copies are memcpy.
+Pacing (the benchmark's stand-in for a slower link): with pace_cycles > 0 every copy is
+followed on the copy stream by a GPU spin of that many cycles before its `ready` event, so
+later copies and every use of the slot wait as they would behind a slower link.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ SERIALS = itertools.count()
 
 class ExpertCache:
     def __init__(self, host: torch.Tensor, slots_per_layer: int, device: torch.device, make_views,
-                 progress=None, policy: str = "lru", decode=None):
+                 progress=None, policy: str = "lru", decode=None, pace_cycles: int = 0):
         """host: uint8 [layers, experts, stride]; make_views(byte range) -> expert weights.
 
         policy "lru" is the engine's. The benchmark also uses "naive" (every use copies the
@@ -39,6 +42,7 @@ class ExpertCache:
         on slot e % K and nothing moves: the resident compute time, the bound's other half).
         """
         self.policy = policy
+        self.pace_cycles = pace_cycles  # GPU cycles spun after each copy (see pace_cycles())
         # decode(weights) -> compute-ready weights, applied once per load (the CPU dequantizes
         # an expert when it arrives instead of at every product); None = use the views as they are
         self.decode = decode
@@ -165,6 +169,8 @@ class ExpertCache:
             with torch.cuda.stream(self.copy_stream):
                 self.copy_stream.wait_event(self.free[layer][slot])
                 dst.copy_(src, non_blocking=self.pinned)
+                if self.pace_cycles:
+                    torch.cuda._sleep(self.pace_cycles)
                 self.ready[layer][slot].record(self.copy_stream)
         else:
             dst.copy_(src)
@@ -205,3 +211,21 @@ def pin(host: torch.Tensor, progress=None) -> tuple[torch.Tensor, bool]:
         if progress:
             progress((layer + 1) / host.shape[0], "loading experts into pinned memory")
     return pinned, True
+
+
+def sleep_cycles_per_s(device) -> float:
+    """How many torch.cuda._sleep cycles the GPU spins per second (timed with CUDA events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)  # warm up
+    cycles = 50_000_000
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / (start.elapsed_time(end) / 1e3)
+
+
+def pace_cycles(nbytes: int, target_bytes_per_s: float, link_bytes_per_s: float, cycles_per_s: float) -> int:
+    """Spin after a copy of nbytes so that it takes nbytes / target instead of nbytes / link."""
+    extra = nbytes / target_bytes_per_s - nbytes / link_bytes_per_s
+    return max(0, int(extra * cycles_per_s))

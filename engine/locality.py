@@ -11,10 +11,14 @@ model by default) over held-out text:
   token's top-1 expert. Hit ratio = hits / (tokens * k), averaged over layers.
 
 * Speculative prefetch recall. While layer l runs, guess the experts of layer l + d by
-  applying layer l + d's router (its post-attention RMSNorm, then its gate) to layer l's
-  input hidden state (the residual stream), and take the m best. Recall = the fraction of
-  the experts actually used at layer l + d that were guessed, over all tokens and all l
-  with l + d < layers.
+  applying layer l + d's router (its post-attention RMSNorm, then its gate) to the residual
+  stream that enters layer l's experts (after layer l's attention), as the engine's
+  prefetcher does, and take the m best. Recall = the fraction of the experts actually used
+  at layer l + d that were guessed, over all tokens and all l with l + d < layers.
+
+The routing comes from engine.routing.record_trace (the engine's own forward over the text
+in 512-token windows) as a RoutingTrace, the one trace representation; `moeferry trace`
+saves the same trace to a file and prints these statistics (engine.routing.trace_stats).
 
 * Random routing baseline: every token picks k of E experts uniformly at random,
   independently. In steady state a cache of C experts then hits C / E of the time, and m
@@ -34,28 +38,12 @@ import numpy as np
 import torch
 
 from engine.errors import UserError
+from engine.routing import RoutingTrace
 
 CACHE_SIZES = (1, 2, 3, 4)
-DISTANCES = (1, 2, 4)
+DISTANCES = (1, 2, 3)
 PREFETCH = (1, 2, 3)
 DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "training" / "data" / "heldout.txt"
-
-
-@dataclass
-class RoutingTrace:
-    """What the router chose on a token sequence, and what a look-ahead would have guessed."""
-
-    selected: np.ndarray  # [L, T, k] experts used at each layer, best first
-    guesses: dict[int, np.ndarray]  # d -> [L - d, T, m]: layer l+d's router on layer l's input
-    num_experts: int
-
-    @property
-    def num_layers(self) -> int:
-        return self.selected.shape[0]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.selected.shape[1]
 
 
 @dataclass
@@ -111,12 +99,13 @@ def random_prefetch_recall(num_experts: int, m: int) -> float:
 
 def report_from_trace(trace: RoutingTrace, cache_sizes=CACHE_SIZES, distances=DISTANCES,
                       prefetch=PREFETCH) -> LocalityReport:
-    sel = trace.selected
+    sel = trace.ids
+    prefetch = tuple(m for m in prefetch if m <= trace.guesses.shape[3])
     recall = {}
     for d in distances:
-        if d in trace.guesses:
+        if d <= trace.depth and d < trace.num_layers:
             used = sel[d:]  # [L - d, T, k]: layer l + d's experts, indexed by l
-            recall[d] = {m: prefetch_recall(trace.guesses[d], used, m) for m in prefetch}
+            recall[d] = {m: prefetch_recall(trace.guesses_at(d), used, m) for m in prefetch}
     return LocalityReport(
         tokens=trace.num_tokens, layers=trace.num_layers, num_experts=trace.num_experts,
         top_k=sel.shape[2],
@@ -126,46 +115,6 @@ def report_from_trace(trace: RoutingTrace, cache_sizes=CACHE_SIZES, distances=DI
         prefetch_recall_random={m: random_prefetch_recall(trace.num_experts, m) for m in prefetch},
         lru_per_layer={c: [lru_hits(layer, c) / layer.size for layer in sel] for c in cache_sizes},
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# Tracing a transformers MixtralForCausalLM
-
-
-@torch.no_grad()
-def trace_routing(model, input_ids: torch.Tensor, window: int = 512,
-                  distances=DISTANCES, max_guess: int = max(PREFETCH)) -> RoutingTrace:
-    """Run `model` over input_ids [N] in windows of `window` tokens (fresh context each).
-
-    hidden_states[l] of transformers' output is the input of decoder layer l (the embedding
-    for l = 0); router_logits[l] is layer l's gate output, [tokens, experts].
-    """
-    cfg = model.config
-    k, n_exp, n_layers = cfg.num_experts_per_tok, cfg.num_local_experts, cfg.num_hidden_layers
-    layers = model.model.layers
-    selected, guesses = [], {d: [] for d in distances if d < n_layers}
-    for start in range(0, len(input_ids), window):
-        ids = input_ids[start:start + window][None]
-        out = model(input_ids=ids, output_hidden_states=True, output_router_logits=True,
-                    use_cache=False)
-        logits = torch.stack([r.reshape(-1, n_exp).float() for r in out.router_logits])  # [L, T, E]
-        selected.append(logits.topk(k, dim=-1).indices)  # ties: same order as transformers
-        for d in guesses:
-            g = []
-            for l in range(n_layers - d):
-                target = layers[l + d]
-                h = target.post_attention_layernorm(out.hidden_states[l][0])  # [T, H]
-                g.append((h @ target.mlp.gate.weight.T).float().topk(max_guess, dim=-1).indices)
-            guesses[d].append(torch.stack(g))  # [L - d, T, m]
-    return RoutingTrace(
-        selected=torch.cat(selected, dim=1).numpy(),
-        guesses={d: torch.cat(v, dim=1).numpy() for d, v in guesses.items()},
-        num_experts=n_exp,
-    )
-
-
-def measure_locality(model, input_ids: torch.Tensor, window: int = 512) -> LocalityReport:
-    return report_from_trace(trace_routing(model, input_ids, window))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,7 +130,7 @@ def markdown_tables(r: LocalityReport) -> str:
              "| trained model | " + " | ".join(f"{v:.3f}" for v in r.lru_hit_ratio.values()) + " |",
              "| random routing | " + " | ".join(f"{v:.3f}" for v in r.lru_hit_ratio_random.values())
              + " |", "",
-             "Speculative prefetch recall (experts of layer l+d guessed from layer l's input):", "",
+             "Speculative prefetch recall (experts of layer l+d guessed from the residual stream at layer l):", "",
              "| prefetched experts m | " + " | ".join(str(m) for m in r.prefetch_recall_random)
              + " |",
              "|---|" + "---|" * len(r.prefetch_recall_random)]
@@ -193,13 +142,18 @@ def markdown_tables(r: LocalityReport) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_report(r: LocalityReport, path: str | Path, title: str = "") -> None:
+def pyplot():
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         raise UserError("--plot needs matplotlib; install it with `pip install matplotlib`.") from None
+    return plt
+
+
+def plot_report(r: LocalityReport, path: str | Path, title: str = "") -> None:
+    plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     sizes = list(r.lru_hit_ratio)
     a.plot(sizes, list(r.lru_hit_ratio.values()), "o-", label="trained model")
@@ -260,24 +214,29 @@ def load_text_ids(tokenizer, text_file: str | None, max_tokens: int | None = Non
     return torch.tensor(ids[:max_tokens])
 
 
+def measure_locality(store: str, text_file: str | None = None, max_tokens: int | None = None,
+                     device: str = "cpu") -> LocalityReport:
+    """Record the routing of a store's model on text (engine.routing.record_trace) and report."""
+    from engine.generate import load_engine
+    from engine.routing import record_trace
+
+    text_path(text_file)  # before the slow part
+    engine = load_engine(store, device=device, cuda_graphs=False)
+    ids = load_text_ids(engine.tokenizer, text_file, max_tokens)
+    report = report_from_trace(record_trace(engine, ids, note=""))
+    engine.close()
+    return report
+
+
 def cli_locality(store: str, text_file: str | None, json_out: bool, plot: str | None,
                  max_tokens: int | None = None) -> int:
     """`moeferry demo locality`: measure expert locality of a store's model on text."""
-    from transformers import AutoTokenizer
-
-    from engine.store import load_dequantized_hf_model, resolve_store_path
-
-    text_path(text_file)  # before the slow part
-    path = resolve_store_path(store)
-    model = load_dequantized_hf_model(store)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError) as e:
-        raise UserError(f"Cannot load the tokenizer of {path} ({e}); run `moeferry verify {path}`.") from None
-    ids = load_text_ids(tokenizer, text_file, max_tokens)
-    report = measure_locality(model, ids)
+    path = text_path(text_file)
     if plot:
-        plot_report(report, plot, title=f"Expert locality, {path.name}, {report.tokens} tokens")
+        pyplot()  # before the slow part
+    report = measure_locality(store, str(path), max_tokens)
+    if plot:
+        plot_report(report, plot, title=f"Expert locality, {store}, {report.tokens} tokens")
     if json_out:
         print(report.to_json())
     else:

@@ -74,6 +74,7 @@ class OffloadedMixtral:
         self.prefetch_depth = 0
         self.kv: KVCache | None = None
         self.trace: list | None = None  # set to a list to record routing per decoded token
+        self.routing = None  # engine/routing.py: forces (or records) the router's choice
         self.graphs = None  # engine/decode_graphs.py: CUDA-graph decode, set by use_cuda_graphs()
         self.embed = dense["model.embed_tokens.weight"]
         self.norm = dense["model.norm.weight"]
@@ -119,6 +120,8 @@ class OffloadedMixtral:
         pos = torch.arange(start, start + T, device=self.device)
         cos, sin = rope_cos_sin(self.inv_freq, pos, self.dtype)
         x = F.embedding(tokens, self.embed)  # [T, H]
+        if self.routing is not None:
+            self.routing.begin(T)
         step = [] if self.trace is not None and T == 1 else None
         for i, layer in enumerate(self.layers):
             x = x + self.attention(i, layer, rms_norm(x, layer["attn_norm"], self.cfg.rms_norm_eps),
@@ -180,6 +183,8 @@ class OffloadedMixtral:
         h = rms_norm(x, layer["moe_norm"], self.cfg.rms_norm_eps)
         weights, ids = self.route(layer, h)
         guesses = self.guess_next_experts(i, x)
+        if self.routing is not None:  # a forced choice replaces the router's, nothing else
+            weights, ids, guesses = self.routing.choose(self, i, x, weights, ids, guesses)
         out = torch.zeros_like(h)
 
         def add_expert(w: dict, slot: int, e: int, k: int | None) -> None:
@@ -233,12 +238,16 @@ class OffloadedMixtral:
         The residual stream changes slowly, so these guess which experts to copy early.
         Only timing depends on them: a wrong guess costs a copy, never a different output.
         """
-        out = []
-        for j in range(i + 1, min(i + 1 + self.prefetch_depth, self.cfg.num_layers)):
-            layer = self.layers[j]
-            _, ids = self.route(layer, rms_norm(x[-1:], layer["moe_norm"], self.cfg.rms_norm_eps))
-            out.append(ids)
+        out = [self.guess_ids(j, x[-1:]) for j in range(i + 1, min(i + 1 + self.prefetch_depth, self.cfg.num_layers))]
         return torch.cat(out) if out else None
+
+    def guess_ids(self, j: int, x: torch.Tensor, m: int | None = None) -> torch.Tensor:
+        """Layer j's router on the residual stream x [T, H] (of an earlier layer): its m best
+        experts [T, m] (default top_k, as `route` ranks them)."""
+        layer = self.layers[j]
+        h = rms_norm(x, layer["moe_norm"], self.cfg.rms_norm_eps)
+        probs = torch.softmax(F.linear(h, layer["router"]).float(), dim=-1)
+        return torch.topk(probs, m or self.cfg.top_k, dim=-1).indices
 
     def linear(self, x: torch.Tensor, w) -> torch.Tensor:
         return qlinear(x, w, self.kernels)

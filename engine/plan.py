@@ -25,11 +25,13 @@ from pathlib import Path
 
 GiB = 1024**3
 
-# LRU cache hit rate for Mixtral-8x7B-Instruct by cached experts per layer (index = k, 0..8).
-# Source: Eliseev & Mazur 2023, "Fast Inference of Mixture-of-Experts Language Models with
-# Offloading", Figure 2 (left): about 0.2 at k=1 rising to about 0.6 at k=4. k=2,3 are read
-# between those points; k=5..7 are interpolated linearly to 1.0 at k=8 (all experts resident).
-LRU_HIT_RATE = (0.0, 0.20, 0.34, 0.47, 0.60, 0.70, 0.80, 0.90, 1.0)
+# The routing assumption, the same as `moeferry bench`'s default (engine/routing.py): uniform,
+# independent from token to token, so a per-layer LRU cache of k of E experts hits k/E (the
+# cache's worst case), unless a recorded trace's own LRU hit ratios are given
+# (engine.routing.trace_stats(...)["lru_hit_ratio"]), like the paper's on real Mixtral text:
+# Eliseev & Mazur 2023, Figure 2 (left), about 0.2 at k=1 rising to about 0.6 at k=4; k=2,3 read
+# between those points, k=5..7 interpolated linearly to 1.0 at k=8 (all experts resident).
+PAPER_LRU_HIT_RATIO = {1: 0.20, 2: 0.34, 3: 0.47, 4: 0.60, 5: 0.70, 6: 0.80, 7: 0.90}
 # Same paper, Figure 2 (right): speculative loading one layer ahead recalls about 0.6-0.9 of
 # the experts the next layer will use; 0.75 is the middle of that range.
 PREFETCH_RECALL_1_AHEAD = 0.75
@@ -81,7 +83,7 @@ class Coefficients:
     # engine's CPU path (quant.dequantize + F.linear, 4096x4096, 2- and 4-bit): 30-54x.
     cpu_kernel_factor: float = 35.0
     cpu_layer_overhead_s: float = 1.0e-3
-    hit_rate_scale: float = 1.0  # multiplies LRU_HIT_RATE (fit to measured hit rates)
+    hit_rate_scale: float = 1.0  # multiplies the hit rate of `hit_rate` (fit to measured hit rates)
 
 
 PAPER_CODE = Coefficients()  # the paper's released code: fit on paper_calibration()
@@ -249,13 +251,17 @@ class Plan:
 # Hardware numbers the model needs
 
 
-def hit_rate(k: int, num_experts: int, coeffs: Coefficients = DEFAULT) -> float:
-    """LRU hit rate with k cached experts per layer, scaled from Mixtral's 8 experts."""
+def hit_rate(k: int, num_experts: int, coeffs: Coefficients = DEFAULT,
+             trace_hit_ratio: dict | None = None) -> float:
+    """LRU hit rate with k cached experts per layer: k/E under uniform routing, or a trace's
+    own LRU hit ratio at k ({cached experts: ratio}, keys int or str as JSON gives them)."""
     if k >= num_experts:
         return 1.0
-    x = k * 8 / num_experts
-    i = min(int(x), 7)
-    rate = LRU_HIT_RATE[i] + (x - i) * (LRU_HIT_RATE[i + 1] - LRU_HIT_RATE[i])
+    if k <= 0:
+        return 0.0
+    rate = k / num_experts
+    if trace_hit_ratio:
+        rate = float(trace_hit_ratio.get(k, trace_hit_ratio.get(str(k), rate)))
     return min(1.0, rate * coeffs.hit_rate_scale)
 
 
@@ -288,12 +294,13 @@ def default_vram_budget(hw: dict) -> int | None:
 
 def predict_gpu(hw: dict, m: ModelSizes, k: int, coeffs: Coefficients = DEFAULT,
                 prefetch_depth: int = 1, prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
-                measured_hit_rate: float | None = None) -> dict:
-    """Decode tokens/s and first-token latency with k cached experts per layer."""
+                measured_hit_rate: float | None = None, trace_hit_ratio: dict | None = None) -> dict:
+    """Decode tokens/s and first-token latency with k cached experts per layer (routing: see
+    `hit_rate`)."""
     bw = h2d_bytes_per_s(hw, coeffs) or 12e9
     gpu_bw = float(hw.get("gpu_mem_bandwidth_bytes_per_s") or coeffs.default_gpu_mem_bytes_per_s)
     k = min(k, m.num_experts)
-    h = measured_hit_rate if measured_hit_rate is not None else hit_rate(k, m.num_experts, coeffs)
+    h = measured_hit_rate if measured_hit_rate is not None else hit_rate(k, m.num_experts, coeffs, trace_hit_ratio)
     misses = m.num_layers * m.top_k * (1.0 - h)
     transfer = misses * m.expert_bytes / bw
     read = (m.dense_bytes - m.embed_bytes) + m.num_layers * m.top_k * m.expert_bytes
@@ -332,12 +339,13 @@ def predict_cpu(hw: dict, m: ModelSizes, coeffs: Coefficients = DEFAULT,
 def make_plan(hw: dict, model, vram_budget_bytes: int | None = None, *,
               coeffs: Coefficients = DEFAULT, context_tokens: int = DEFAULT_CONTEXT_TOKENS,
               prefetch_depth: int = 1, prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
-              cache_experts_per_layer: int | None = None) -> Plan:
+              cache_experts_per_layer: int | None = None, trace_hit_ratio: dict | None = None) -> Plan:
     """The plan for one model on this hardware: cache size, fit, predicted speed, verdict.
 
     `model` is a ModelSizes or a catalog entry dict. The cache gets what the VRAM budget
     (default: the free VRAM) leaves after the dense weights, `top_k * (1 + prefetch_depth)`
     transfer buffers and the headroom: KV cache for `context_tokens` plus WORKSPACE_BYTES.
+    Routing: uniform (hit rate k/E) unless `trace_hit_ratio` gives a trace's own LRU hit ratios.
     """
     m = model if isinstance(model, ModelSizes) else ModelSizes.from_catalog(model)
     kv = m.kv_bytes_per_token * context_tokens
@@ -364,7 +372,7 @@ def make_plan(hw: dict, model, vram_budget_bytes: int | None = None, *,
     k = min(m.num_experts, int((budget - fixed) // per_k))
     if cache_experts_per_layer is not None:
         k = min(cache_experts_per_layer, m.num_experts)
-    p = predict_gpu(hw, m, k, coeffs, prefetch_depth, prompt_tokens)
+    p = predict_gpu(hw, m, k, coeffs, prefetch_depth, prompt_tokens, trace_hit_ratio=trace_hit_ratio)
     vram_needed = fixed + k * per_k
     ram_ok = ram_total is None or ram_total >= host_needed
     fits = vram_needed <= budget and ram_ok
@@ -446,7 +454,7 @@ def predict_observation(obs: dict, coeffs: Coefficients) -> float:
         return predict_cpu(obs["hw"], m, coeffs)["tokens_per_s"]
     return predict_gpu(obs["hw"], m, obs["cache_experts_per_layer"], coeffs,
                        obs.get("prefetch_depth", 1), obs.get("prompt_tokens", DEFAULT_PROMPT_TOKENS),
-                       obs.get("measured_hit_rate"))["tokens_per_s"]
+                       obs.get("measured_hit_rate"), obs.get("trace_hit_ratio"))["tokens_per_s"]
 
 
 FIT_NAMES = ("gpu_layer_overhead_s", "gpu_kernel_efficiency", "miss_overhead_s",
@@ -605,7 +613,7 @@ def paper_calibration() -> list[dict]:
 
     H200 rows: the paper's released code, random weights and random routing (so the hit
     rate is k/8), pinned 55 GB/s, HBM 4.8 TB/s (DESIGN.md). Table 2 rows: the paper, real
-    routing; cache sizes (4 on 16 GB cards and the A100, 2 on the 12 GB RTX 3060) and
+    routing (its Figure 2 hit ratios, PAPER_LRU_HIT_RATIO); cache sizes (4 on 16 GB cards and the A100, 2 on the 12 GB RTX 3060) and
     link rates (PCIe 4: 20-25 GB/s, T4 on PCIe 3: 11 GB/s) are our assumptions.
     """
     m = ModelSizes.from_config(MIXTRAL_8X7B_CONFIG, 2, 4, name="Mixtral-8x7B 2-bit")
@@ -615,7 +623,7 @@ def paper_calibration() -> list[dict]:
                  measured_tokens_per_s=t, source="paper code on H200")
             for k, t in ((3, 4.23), (4, 4.83), (8, 7.86))]
     rows += [dict(hw=hw(h2d, mem), model=m, cache_experts_per_layer=k, measured_tokens_per_s=t,
-                  source=f"paper Table 2, {gpu}")
+                  trace_hit_ratio=PAPER_LRU_HIT_RATIO, source=f"paper Table 2, {gpu}")
              for gpu, h2d, mem, k, t in (("A100", 25e9, 1.555e12, 4, 3.061),
                                          ("RTX 3080 Mobile", 20e9, 448e9, 4, 2.655),
                                          ("RTX 3060", 20e9, 360e9, 2, 2.278),

@@ -6,11 +6,11 @@ cache size, on the report's machine: its measured pinned host->device rate and i
 memory bandwidth. Its prediction is set beside the measured decode speed of one mode
 (default: full algorithm, fused kernels).
 
-Two predictions per row: the plan as the app would make it (its LRU hit-rate curve, from
-the paper's real routing), and the same cost model at the hit rate the run measured. The
-benchmark's random weights route nearly at random (hit rate about k/8), so the second one
-tests the cost model alone; `refit` fits the coefficients with the measured hit rates for
-the same reason.
+Two predictions per row: the plan as the app would make it (the routing assumption of
+engine/plan.py `hit_rate`: uniform, k/E, or the replayed trace's own LRU hit ratio when the
+report replayed one), and the same cost model at the hit rate the run measured, which tests
+the cost model alone; `refit` fits the coefficients with the measured hit rates. A report
+whose copies were paced (`--h2d-gbps`) is planned at the paced rate.
 
     python -m engine.plan_check REPORT.json [REPORT.json ...] [--refit] [--with-paper]
 """
@@ -72,7 +72,7 @@ def report_hardware(report: dict) -> dict:
         (bw for key, bw in GPU_MEM_BANDWIDTH.items() if key.lower() in name.lower()), None)
     budget = report.get("vram_budget_bytes")
     return {"gpu_name": name or "benchmark GPU", "torch_cuda_available": True,
-            "h2d_bytes_per_s": report["pinned_gb_per_s"] * 1e9,
+            "h2d_bytes_per_s": ((report.get("link") or {}).get("paced_gb_per_s") or report["pinned_gb_per_s"]) * 1e9,
             "gpu_mem_bandwidth_bytes_per_s": mem,
             "vram_total_bytes": budget or H200_VRAM_BYTES, "ram_total_bytes": None}
 
@@ -121,7 +121,8 @@ def compare(bench_reports: list[dict], mode: str = "full", kernels: str = "fused
                            context_tokens=report.get("prompt_len", 128) + report.get("new_tokens", 64),
                            prefetch_depth=result.get("prefetch", 0),
                            prompt_tokens=report.get("prompt_len", plan.DEFAULT_PROMPT_TOKENS),
-                           cache_experts_per_layer=result["cache_experts"])
+                           cache_experts_per_layer=result["cache_experts"],
+                           trace_hit_ratio=((report.get("routing") or {}).get("trace") or {}).get("lru_hit_ratio"))
         at_measured = plan.predict_observation(observation(report, result), coeffs)
         measured = result["decode_tokens_per_s"]
         ratio = p.predicted_tokens_per_s / measured

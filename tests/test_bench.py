@@ -18,3 +18,27 @@ def test_a_random_expert_unpacks_to_mixtral_like_weights():
             w = quant.dequantize(views[name], torch.float32)
             # HQQ on weights of std ~0.01 (Mixtral's are 0.01-0.02): zero-centred, similar spread
             assert 0.005 < float(w.std()) < 0.015 and abs(float(w.mean())) < 0.003, (bits, name)
+
+
+def test_a_replayed_trace_is_reported_with_its_own_statistics(tmp_path):
+    """measure() on the CPU with the shipped demo trace (8 layers onto 3: mapped by
+    engine.routing.map_trace's rule, layer l of the target from layer l mod 8), the report
+    states routing, link and threads, and reads back from JSON."""
+    import json
+    from pathlib import Path
+
+    trace = Path(__file__).resolve().parent.parent / "benchmarks" / "traces" / "demo-heldout.safetensors"
+    tiny = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4,
+            "num_kv_heads": 4, "head_dim": 16, "max_position_embeddings": 256}
+    s = bench.build(3, 2, 8, device="cpu", config=tiny, log=lambda m: None)
+    cond = bench.Conditions(routing=f"trace:{trace}")
+    r = bench.measure(s, None, 8, 12, ("full",), ("reference",), 1, log=lambda m: None, cond=cond)
+    assert r["routing"]["mode"] == "trace" and r["routing"]["stated_guess_recall"] is None
+    stats = r["routing"]["trace"]
+    assert stats["tokens"] == 8 + 12 and stats["layers"] == 3
+    (result,) = r["results"]
+    assert result["hit_rate"] == 1.0 and result["cache_experts"] == 8  # no budget: all resident
+    again = json.loads(json.dumps(r))
+    line = bench.conditions_line(again)
+    assert f"LRU hit ratio at 8 cached: {stats['lru_hit_ratio'][8]:.3f}" in line
+    assert "trace " in line and "demo-heldout" in line and "CPU threads" in line

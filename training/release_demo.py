@@ -191,9 +191,7 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
 
     samples = sample_answers(shipped)
-    from transformers import AutoTokenizer
-    ids = locality.load_text_ids(AutoTokenizer.from_pretrained(str(shipped)), None)
-    report = locality.measure_locality(load_dequantized_hf_model(shipped), ids)
+    report = locality.measure_locality(str(shipped))
     locality.plot_report(report, ROOT / "docs" / "locality.png",
                          title=f"Expert locality of the demo model, {report.tokens} held-out tokens")
     print(locality.markdown_tables(report))
