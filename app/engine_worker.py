@@ -33,6 +33,7 @@ class LoadedInfo:
     options: LoadOptions
     num_experts: int = 8
     note: str = ""  # e.g. the engine fell back to pageable memory
+    device: str = ""  # where it runs ("cuda", "cpu"; "" = not said)
 
 
 @dataclass
@@ -76,7 +77,9 @@ class EngineWorker(QObject):
         self._options, self._prefetch, self._cache = opts, opts.prefetch, opts.cache_experts
         config = getattr(self._engine, "config", None)
         self.loaded.emit(LoadedInfo(opts, getattr(config, "num_experts", 8) or 8,
-                                    str(getattr(self._engine, "note", "") or "")))
+                                    str(getattr(self._engine, "note", "") or ""),
+                                    str(getattr(getattr(self._engine, "device", None), "type", "")
+                                        or getattr(self._engine, "device", "") or "")))
 
     @Slot(object)
     def generate(self, req: GenerateRequest) -> None:

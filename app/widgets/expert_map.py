@@ -1,6 +1,6 @@
 """The expert map: which experts each layer used for the last reply, and which were already on the GPU.
 
-Top: a heat grid, experts (rows) x layers (columns), shaded by how often each expert was chosen,
+Top: a heat grid, experts (rows) x layers (columns), shaded indigo by how often each expert was chosen,
 with a green bar for the share of tokens it stayed cached and each layer's hit rate below.
 Bottom: one layer over the reply's tokens, like Figure 1 of Eliseev & Mazur (2023): green cells
 were chosen and already cached (hits), orange ones were copied over PCIe (misses), faint ones
@@ -25,7 +25,7 @@ TICKS_H = 14
 LEGEND_H = 60
 HIT = QColor("#22a06b")
 MISS = QColor("#e8772e")
-HEAT = QColor("#e8772e")
+HEAT = QColor("#4a5fd0")  # indigo: orange means only "copied in" (a miss), green only "cached" (a hit)
 
 
 def _mix(a: QColor, b: QColor, t: float) -> QColor:
@@ -96,7 +96,7 @@ class ExpertMap(QWidget):
             setup += f" The reply before: {pct(prev_rate)}" + (f" with {prev_setup}." if prev_setup else ".")
         if setup:
             lines.append((small, True, setup.strip()))
-        lines.append((small, True, "Experts x layers: darker = chosen more often, green line = share of "
+        lines.append((small, True, "Experts x layers: deeper blue = chosen more often, green line = share of "
                                    "the reply it stayed cached, bars = hit rate per layer. Click a layer."))
         width = max(100, self.width() - 2 * MARGIN)
         out = []
