@@ -296,6 +296,7 @@ class MainWindow(QMainWindow):
         self.chat.view.empty_text = empty_chat_html(self.model_name)
         self._show_conversation(self.controller.current_id)
         self.status.set_stats(None, self.on_gpu)
+        self.settings_panel.set_on_gpu(self.on_gpu)
         self.settings_panel.load(self.settings, info.num_experts)
         if info.note:
             self.chat.notice.show_notice(info.note)

@@ -55,7 +55,7 @@ def speed_words(tokens_per_s: float | None) -> str:
     if tokens_per_s >= 0.95:
         return f"about {tokens_per_s:.1f} tokens/s" if tokens_per_s < 10 else f"about {tokens_per_s:.0f} tokens/s"
     per_token = 1 / tokens_per_s
-    if per_token < 60:
+    if per_token < 120:
         return f"about {per_token:.0f} s per token"
     if per_token < 3600:
         return f"about {per_token / 60:.0f} min per token"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import html
 
 from PySide6.QtCore import Qt, QTimer, QUrl, Signal
-from PySide6.QtGui import QDesktopServices, QGuiApplication, QPalette, QTextBlockFormat, QTextCursor
+from PySide6.QtGui import QDesktopServices, QGuiApplication, QPalette, QTextBlockFormat, QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import QTextBrowser, QWidget
 
 from app.history_db import Conversation, Message
@@ -127,7 +127,7 @@ class ChatView(QTextBrowser):
         self._append_header(msg, actions)
         cursor = self._end()
         if msg.role == "user":
-            cursor.insertText(msg.content)  # as typed: every line break kept, nothing read as Markdown
+            cursor.insertText(msg.content, QTextCharFormat())  # as typed: line breaks kept, no Markdown
         else:
             self._insert_markdown(cursor, msg.content or "…", msg.id)
         notes = []

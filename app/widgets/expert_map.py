@@ -228,12 +228,11 @@ class ExpertMap(QWidget):
         x = MARGIN
         for color, label in ((HIT, "chosen, already cached"), (MISS, "chosen, copied in"),
                              (resident, "cached, not chosen")):
+            width = p.fontMetrics().horizontalAdvance(label)
+            if x > MARGIN and x + 16 + width > self.width() - MARGIN:  # wrap before drawing the swatch
+                x, y = MARGIN, y + 18
             p.fillRect(QRectF(x, y + 3, 12, 10), color)
             p.setPen(text)
-            width = p.fontMetrics().horizontalAdvance(label)
-            if x + 16 + width > self.width() - MARGIN:
-                x, y = MARGIN, y + 18
-                p.fillRect(QRectF(x, y + 3, 12, 10), color)
             p.drawText(QRectF(x + 16, y, width + 4, 16), Qt.AlignmentFlag.AlignVCenter, label)
             x += 16 + width + 14
 

@@ -61,7 +61,7 @@ class SettingsPanel(QScrollArea):
         setup.clicked.connect(self.setup_requested)
         form.addRow(setup)
 
-        speed = QGroupBox("Speed")
+        self.speed = speed = QGroupBox("Speed")
         form = QFormLayout(speed)
         self.prefetch = QSpinBox()
         self.prefetch.setRange(0, 4)
@@ -170,6 +170,10 @@ class SettingsPanel(QScrollArea):
             w.setVisible(can_convert)
         self.source_gone.setVisible(not sources and any(e.get("source_deleted") for e in installed))
         del blockers
+
+    def set_on_gpu(self, on_gpu: bool) -> None:
+        """On the CPU every expert is in memory: there is no GPU cache, prefetch or memory to set."""
+        self.speed.setVisible(on_gpu)
 
     def _variant_changed(self, _index: int) -> None:
         path = self.variant.currentData()

@@ -61,6 +61,8 @@ class HardwarePage(QWizardPage):
     def initializePage(self) -> None:
         if not self.done:
             self._start()
+        else:
+            self._complete(True)  # a restarted wizard resets the page's fields
 
     def _start(self) -> None:
         self.done = False

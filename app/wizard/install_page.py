@@ -145,6 +145,7 @@ class InstallPage(QWizardPage):
 
     def _failed(self, info) -> None:
         self.bar.setRange(0, 1000)
+        self.detail.clear()
         self.w.remember_pending(None)  # a failed install is not reopened at the next start
         color = colors(self.palette().color(QPalette.ColorRole.Window).lightness() < 128)["error"]
         self.message.setText(f"<span style='color:{color}'>{html.escape(info.message)}</span><br>"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import (QButtonGroup, QCheckBox, QFileDialog, QFrame, QHBoxLayout, QLabel, QPushButton,
                                QRadioButton, QScrollArea, QVBoxLayout, QWidget, QWizardPage)
 
@@ -198,6 +199,7 @@ class ModelPage(QWizardPage):
             self.cards_box.addWidget(card)
         recommended = next((o.key for o in self.options if o.recommended), None)
         first = next((o.key for o in self.options if o.enabled), "folder")
+        self.scroll.verticalScrollBar().setValue(0)
         self.select(recommended or first)
         self._changed()
 
@@ -208,7 +210,7 @@ class ModelPage(QWizardPage):
         for card in self.cards:
             if card.option.key == key and card.option.enabled:
                 card.radio.setChecked(True)
-                self.scroll.ensureWidgetVisible(card)
+                QTimer.singleShot(0, lambda card=card: self.scroll.ensureWidgetVisible(card))  # once laid out
 
     def set_folder(self, path: Path) -> None:
         self.folder = Path(path)

@@ -111,8 +111,10 @@ class SetupWizard(QWizard):
         """Leave the install page for the model choice: forget the pending install and start over."""
         self.remember_pending(None)
         self.pages[Page.INSTALL].resuming = False
-        self.setStartId(Page.HARDWARE if self.hw is None else Page.MODEL)
+        self.setStartId(Page.HARDWARE)
         self.restart()
+        if self.pages[Page.HARDWARE].done:  # checked already: on to the model choice, with Back working
+            self.next()
 
     def remember_pending(self, request: InstallRequest | None) -> None:
         self.settings.set(Key.PENDING_INSTALL, request.to_dict() if request else None)

@@ -8,14 +8,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from PySide6.QtCore import QPoint, QPointF, Qt, QUrl
+from PySide6.QtCore import QPoint, QPointF, Qt
 from PySide6.QtGui import QColor, QDesktopServices, QGuiApplication, QPalette, QWheelEvent
 from PySide6.QtWidgets import QApplication
 
 from app.settings import Key
 from app.theme import colors, contrast_ratio, palette_colors
 from app.wizard.wizard import Page
-from tests.app.fakes import NO_GPU, FakeEngineBackend, fake_setup_backend, make_store, write_settings
+from tests.app.fakes import NO_GPU, FakeEngineBackend, fake_setup_backend, write_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,7 +62,7 @@ def test_a_failed_download_is_forgotten_and_another_model_can_be_chosen(launch, 
     assert parts.settings.get(Key.PENDING_INSTALL) is None, "a failed install is not reopened at the next start"
     assert install.other_button.isVisibleTo(install)
     install.other_button.click()
-    assert wizard.currentId() == Page.MODEL
+    assert wizard.currentId() == Page.MODEL and wizard.visitedIds()[0] == Page.HARDWARE, "Back works"
     wizard.pages[Page.MODEL].select("demo")
     next_page(wizard, qtbot, Page.INSTALL)
     qtbot.waitUntil(wizard.pages[Page.INSTALL].isComplete, timeout=3000)
@@ -178,6 +178,7 @@ def test_chat_without_a_gpu_names_the_model_and_hides_gpu_numbers(launch, qtbot,
     assert "Mixtral" not in window.chat.input.editor.placeholderText()
     send(parts, qtbot)
     assert window.status.shown_keys() == ["tps", "ttft"], "no cache, prefetch, GPU memory or copy speed"
+    assert not window.settings_panel.speed.isVisibleTo(window.settings_panel), "no GPU cache to size"
     assert "tok/s" in window.status.labels["tps"].text()
 
 
@@ -298,8 +299,11 @@ def iter_blocks(view):
 
 def test_the_users_line_breaks_are_kept(ready, qtbot):
     send(ready, qtbot, "first line\nsecond line\n\n*not emphasis*")
-    text = ready.window.chat.view.toPlainText()
-    assert "first line\nsecond line\n\n*not emphasis*" in text
+    view = ready.window.chat.view
+    assert "first line\nsecond line\n\n*not emphasis*" in view.toPlainText()
+    block = next(b for b in iter_blocks(view) if b.text() == "first line")
+    fmt = block.begin().fragment().charFormat()
+    assert not fmt.isAnchor() and fmt.foreground().style() == Qt.BrushStyle.NoBrush, "plain text, not the header's"
 
 
 def test_status_bar_does_not_show_the_last_replys_speed_while_streaming(ready, qtbot, engine_backend):
