@@ -61,7 +61,6 @@ class MainWindow(QMainWindow):
         self._closing = False
         self._shown = False
         self.on_gpu = True  # the loaded model runs on a GPU (the status bar's GPU items make sense)
-        self.model_name = ""
         self.setWindowTitle("MoE Ferry")
 
         self.conversations = ConversationList()
@@ -80,9 +79,7 @@ class MainWindow(QMainWindow):
         self.splitter = QSplitter(Qt.Orientation.Horizontal)
         for w in (self.conversations, self.chat, self.side):
             self.splitter.addWidget(w)
-        self.splitter.setStretchFactor(0, 0)
-        self.splitter.setStretchFactor(1, 1)
-        self.splitter.setStretchFactor(2, 0)
+        self.splitter.setStretchFactor(1, 1)  # the chat takes what the window gains
         self.splitter.setChildrenCollapsible(False)
         self.setCentralWidget(self.splitter)
         self.status = StatusStrip()
@@ -291,9 +288,9 @@ class MainWindow(QMainWindow):
 
     def _model_loaded(self, info) -> None:
         self.on_gpu = info.device != "cpu"
-        self.model_name = next((e.get("name") for e in self.settings.get(Key.INSTALLED)
-                                if e.get("path") == info.options.store), "") or Path(info.options.store).name
-        self.chat.view.empty_text = empty_chat_html(self.model_name)
+        name = next((e.get("name") for e in self.settings.get(Key.INSTALLED)
+                     if e.get("path") == info.options.store), "") or Path(info.options.store).name
+        self.chat.view.empty_text = empty_chat_html(name)
         self._show_conversation(self.controller.current_id)
         self.status.set_stats(None, self.on_gpu)
         self.settings_panel.set_on_gpu(self.on_gpu)

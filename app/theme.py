@@ -79,19 +79,22 @@ def make_palette(dark: bool) -> QPalette:
     return palette
 
 
-_styled: dict[int, float] = {}  # app id -> its default font size (not QObject.property: PySide 6.12 miscounts it)
+_state: dict[int, dict[str, float]] = {}  # app id -> its default and current text size (not QObject.property:
+                                         # PySide 6.12 miscounts it)
 
 
 def apply_theme(app: QApplication, mode: str, font_size: float = 0) -> bool:
     """Apply `mode` (system | light | dark) and the text size in points (0 = the system's);
     returns whether the dark palette is in use."""
-    if id(app) not in _styled:  # first call: replacing a style later is costly and risky
-        _styled[id(app)] = app.font().pointSizeF()
+    if id(app) not in _state:  # first call: replacing a style later is costly and risky
+        _state[id(app)] = {"default": app.font().pointSizeF(), "size": 0.0}
         app.setStyle("Fusion")
+    state = _state[id(app)]
+    state["size"] = font_size
     dark = is_dark(mode)
     app.setPalette(make_palette(dark))
     font = QFont(app.font())
-    size = font_size or _styled[id(app)]
+    size = font_size or state["default"]
     font.setPointSizeF(size)
     app.setFont(font)
     qss = resources_dir() / "styles" / "app.qss"
@@ -101,9 +104,9 @@ def apply_theme(app: QApplication, mode: str, font_size: float = 0) -> bool:
     return dark
 
 
-def follow_system(app: QApplication, get_mode, get_font_size=lambda: 0) -> None:
+def follow_system(app: QApplication, get_mode) -> None:
     """Re-apply the theme when the desktop switches between light and dark (mode "system")."""
     def changed(_scheme) -> None:
         if get_mode() == "system":
-            apply_theme(app, "system", get_font_size())
+            apply_theme(app, "system", _state.get(id(app), {}).get("size", 0.0))
     QGuiApplication.styleHints().colorSchemeChanged.connect(changed)

@@ -15,9 +15,6 @@ from PySide6.QtGui import QColor, QFont, QTextBlock, QTextBlockFormat, QTextChar
     QTextFormat
 
 CODE_LANGUAGE = QTextFormat.Property.BlockCodeLanguage
-TOKEN_COLORS = ("Comment", "Keyword", "Literal.String", "Literal.Number", "Name.Builtin", "Name.Function",
-                "Name.Class", "Name.Decorator")
-COLOR_OF = {"Comment": "comment", "Keyword": "keyword", "Literal.String": "string", "Literal.Number": "number"}
 
 
 @dataclass
@@ -50,35 +47,30 @@ def find_code_blocks(doc: QTextDocument, start: int, end: int) -> list[CodeBlock
 
 
 def highlight_spans(code: str, language: str) -> list[tuple[int, int, str]]:
-    """(offset, length, color name) for the tokens worth coloring; [] for an unknown language."""
-    if not language:
-        return []
+    """(offset, length, color name of app.theme.colors) of the tokens worth coloring; [] for an
+    unknown language."""
     try:
         from pygments import lex
         from pygments.lexers import get_lexer_by_name
+        from pygments.token import Comment, Keyword, Name, Number, String
         from pygments.util import ClassNotFound
     except ImportError:
         return []
     try:
-        lexer = get_lexer_by_name(language, stripnl=False, ensurenl=False)
+        lexer = get_lexer_by_name(language, stripnl=False, ensurenl=False) if language else None
     except ClassNotFound:
+        lexer = None
+    if lexer is None:
         return []
+    kinds = [(Comment, "comment"), (Keyword, "keyword"), (String, "string"), (Number, "number"),
+             (Name.Builtin, "name"), (Name.Function, "name"), (Name.Class, "name"), (Name.Decorator, "name")]
     spans, offset = [], 0
     for token, value in lex(code, lexer):
-        name = next((c for c in TOKEN_COLORS if token in _token(c)), None)
-        if name is not None and value.strip():
-            spans.append((offset, len(value), COLOR_OF.get(name, "name")))
+        color = next((name for kind, name in kinds if token in kind), None)
+        if color is not None and value.strip():
+            spans.append((offset, len(value), color))
         offset += len(value)
     return spans
-
-
-def _token(dotted: str):
-    from pygments.token import Token
-
-    t = Token
-    for part in dotted.split("."):
-        t = getattr(t, part)
-    return t
 
 
 def style_code_block(doc: QTextDocument, code: CodeBlock, key: str, palette: dict[str, str], font: QFont) -> str:

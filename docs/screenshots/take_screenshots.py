@@ -143,7 +143,6 @@ def take(theme: str, no_gpu_only: bool = False) -> None:
     from PySide6.QtWidgets import QApplication, QWizard
 
     from app.main import start
-    from app.settings import Key
     from app.wizard.wizard import Page
 
     app = QApplication.instance() or QApplication([sys.argv[0]])
