@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,22 @@ def entry_from_dict(d: dict) -> CatalogEntry:
         embedded=kind == "embedded",
         raw=d,
     )
+
+
+def quality_words(entry: CatalogEntry) -> str:
+    """The entry's quality without jargon: its score next to the original model's, lower is better."""
+    found = re.search(r"perplexity ([\d.]+)(?: \(fp16: ([\d.]+)\))?", entry.quality)
+    if found and found.group(2):
+        return f"quality score {found.group(1)} (the original model: {found.group(2)}; lower is better)"
+    if found:
+        return f"quality score {found.group(1)} (lower is better)"
+    if entry.quality:
+        return f"quality: {entry.quality}"
+    return ""
+
+
+QUALITY_TIP = ("The quality score is the model's perplexity on Wikipedia text (WikiText2): how surprised it is "
+               "by real text. Lower is better; the original model in full 16-bit precision sets the mark.")
 
 
 def load_catalog(path: Path | None = None) -> list[CatalogEntry]:

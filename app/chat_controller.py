@@ -136,6 +136,11 @@ class ChatController(QObject):
         self.conversation_shown.emit(self.current_id)
 
     def new_conversation(self) -> str:
+        """Show a new conversation; an empty one already in the list is reused, so they don't pile up."""
+        empty = next((c for c in self.history.conversations() if not c.messages), None)
+        if empty is not None:
+            self.show_conversation(empty.id)
+            return empty.id
         conv = self.history.new_conversation()
         self.conversations_changed.emit()
         self.show_conversation(conv.id)

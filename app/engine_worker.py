@@ -34,6 +34,7 @@ class LoadedInfo:
     num_experts: int = 8
     note: str = ""  # e.g. the engine fell back to pageable memory
     max_context: int = 0  # tokens; what the local API checks max_tokens against
+    device: str = ""  # where it runs ("cuda", "cpu"; "" = not said)
 
 
 @dataclass
@@ -79,7 +80,9 @@ class EngineWorker(QObject):
         config = getattr(self._engine, "config", None)
         self.loaded.emit(LoadedInfo(opts, getattr(config, "num_experts", 8) or 8,
                                     str(getattr(self._engine, "note", "") or ""),
-                                    int(getattr(self._engine, "max_context", 0) or 0)))
+                                    int(getattr(self._engine, "max_context", 0) or 0),
+                                    str(getattr(getattr(self._engine, "device", None), "type", "")
+                                        or getattr(self._engine, "device", "") or "")))
 
     @Slot(object)
     def generate(self, req: GenerateRequest) -> None:

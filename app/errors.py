@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import Enum
 
@@ -30,6 +31,23 @@ class ErrorInfo:
     detail: str = ""  # the technical text, shown under "Details"
 
 
+# The engine's sentences are written for the command line; in the app a flag means nothing.
+_CLI_WORDS = [
+    (re.compile(r" \((?:[A-Z][A-Za-z]*(?:Error|Exception|Timeout))\)"), ""),  # "(ConnectError)"
+    (re.compile(r"check your network connection or --endpoint"), "check the internet connection and try again"),
+    (re.compile(r"(?:,? (?:or|and) | \(?or )--endpoint\)?"), ""),
+    (re.compile(r"check --endpoint"), "check the hub address (HF_ENDPOINT)"),
+    (re.compile(r"--endpoint"), "the hub address (HF_ENDPOINT)"),
+]
+
+
+def app_words(text: str) -> str:
+    """An engine sentence without command-line options or exception class names."""
+    for pattern, words in _CLI_WORDS:
+        text = pattern.sub(words, text)
+    return text
+
+
 def _is_oom(exc: BaseException) -> bool:
     names = {cls.__name__ for cls in type(exc).__mro__}
     return "OutOfMemoryError" in names or "out of memory" in str(exc).lower()
@@ -41,7 +59,7 @@ def describe_error(exc: BaseException) -> ErrorInfo:
         return ErrorInfo("Out of GPU memory",
                          "The GPU ran out of memory; keep fewer experts on the GPU and try again.",
                          Action.SMALLER_CACHE, detail)
-    text = str(exc).strip()
+    text = app_words(str(exc).strip())
     lowered = text.lower()
     is_user_error = any(cls.__name__ == "UserError" for cls in type(exc).__mro__)
     if is_user_error and any(w in lowered for w in ("hash", "corrupt", "checksum", "sha256", "verify", "damaged")):

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.setup_backend import PlanSummary
+from app.stats_format import fmt_bytes, speed_words
 
 GiB = 1024**3
 # Mixtral's 2-bit experts with 8-bit metadata are about 17 GB; they sit in host RAM.
@@ -43,7 +44,9 @@ def describe_hardware(hw: dict, plan: PlanSummary | None = None, expert_bits: in
     if not name:
         details.append("No NVIDIA GPU was found.")
         level = "none"
-        headline = ("No NVIDIA GPU found: Mixtral would run on the CPU at well under one token per second, "
+        speed = plan.predicted_tokens_per_s if plan else None
+        pace = speed_words(speed) if speed else "well under one token per second"
+        headline = (f"No NVIDIA GPU found: Mixtral would run on the CPU at {pace}, "
                     "so start with the demo model, or choose a model and accept CPU speed.")
     else:
         link = f", PCIe {gen} x{width}" if gen and width else ""
@@ -59,7 +62,7 @@ def describe_hardware(hw: dict, plan: PlanSummary | None = None, expert_bits: in
         headline = f"{card}: {words}"
         speed = plan.predicted_tokens_per_s if plan else None
         if speed and level != "poor":
-            headline += f"; expect about {speed:.1f} tokens/s with {expert_bits}-bit experts."
+            headline += f"; expect {speed_words(speed)} with {expert_bits}-bit experts."
         elif level == "poor":
             headline += "; the demo model still works."
         else:
@@ -77,7 +80,7 @@ def describe_hardware(hw: dict, plan: PlanSummary | None = None, expert_bits: in
         short = " (less than the ~18 GB Mixtral's experts need in RAM)" if ram < EXPERTS_RAM_BYTES else ""
         details.append(f"RAM: {_gb(ram)}{short}")
     if disk:
-        details.append(f"Free disk space: {_gb(disk)}")
+        details.append(f"Free disk space: {fmt_bytes(disk)}")  # as the model page says it
     cpu = pick(hw, "cpu", "cpu_name")
     if cpu:
         details.append(f"CPU: {cpu}")

@@ -1,7 +1,12 @@
-"""The main window: conversations | chat | settings and expert map, with live stats in the status bar."""
+"""The main window: conversations | chat | settings and expert map, with live stats in the status bar.
+
+The window opens no larger than the screen (whatever the text size), the chat column keeps a
+readable minimum width, and the text size (Settings or Ctrl+wheel over the chat) is a setting.
+"""
 
 from __future__ import annotations
 
+import html
 import logging
 from pathlib import Path
 
@@ -28,10 +33,21 @@ from app.widgets.settings_panel import SettingsPanel
 from app.widgets.status_strip import StatusStrip
 
 log = logging.getLogger(__name__)
-EMPTY_CHAT = ("<div style='margin-top:80px; text-align:center'><h2>Chat with Mixtral, offline</h2>"
-              "<p>Type a message below. Replies stream in as they are generated; the expert map "
-              "on the right shows which experts each layer used.</p>"
-              "<p>No model yet? <b>Model → Set up a model…</b></p></div>")
+CHAT_MIN_W = 380      # the chat column never gets narrower than this
+LIST_W, SIDE_W = 220, 360  # preferred widths of the conversation list and the side panel
+FONT_STEPS = (7.0, 28.0)   # the text sizes Ctrl+wheel moves between, in points
+
+
+def empty_chat_html(model_name: str) -> str:
+    """What an empty conversation shows: the model that will answer, or how to get one."""
+    if model_name:
+        head = f"<h2>Chat offline with {html.escape(model_name)}</h2>"
+        tail = "<p>Another model: <b>Model → Set up a model…</b></p>"
+    else:
+        head, tail = "<h2>Chat offline</h2>", "<p>No model yet? <b>Model → Set up a model…</b></p>"
+    return (f"<div style='margin-top:80px; text-align:center'>{head}"
+            "<p>Type a message below. Replies stream in as they are generated; the expert map "
+            f"on the right shows which experts each layer used.</p>{tail}</div>")
 
 
 class MainWindow(QMainWindow):
@@ -45,12 +61,15 @@ class MainWindow(QMainWindow):
         self.wizard = None
         self._tasks: list[TaskRunner] = []
         self._closing = False
+        self._shown = False
+        self.on_gpu = True  # the loaded model runs on a GPU (the status bar's GPU items make sense)
         self.setWindowTitle("MoE Ferry")
-        self.resize(1280, 800)
 
         self.conversations = ConversationList()
+        self.conversations.setMinimumWidth(150)
         self.chat = ChatPanel()
-        self.chat.view.empty_text = EMPTY_CHAT
+        self.chat.setMinimumWidth(CHAT_MIN_W)
+        self.chat.view.empty_text = empty_chat_html("")
         self.settings_panel = SettingsPanel()
         self.expert_map = ExpertMap()
         map_scroll = QScrollArea()
@@ -62,8 +81,8 @@ class MainWindow(QMainWindow):
         self.splitter = QSplitter(Qt.Orientation.Horizontal)
         for w in (self.conversations, self.chat, self.side):
             self.splitter.addWidget(w)
-        self.splitter.setStretchFactor(1, 1)
-        self.splitter.setSizes([240, 640, 400])
+        self.splitter.setStretchFactor(1, 1)  # the chat takes what the window gains
+        self.splitter.setChildrenCollapsible(False)
         self.setCentralWidget(self.splitter)
         self.status = StatusStrip()
         self.setStatusBar(self.status)
@@ -80,7 +99,7 @@ class MainWindow(QMainWindow):
         self._save_timer.timeout.connect(self.settings.save_in_background)
 
         c, cl, inp = controller, self.conversations, self.chat.input
-        cl.new_requested.connect(c.new_conversation)
+        cl.new_requested.connect(self.new_chat)
         cl.selected.connect(c.show_conversation)
         cl.rename_requested.connect(c.rename)
         cl.delete_requested.connect(c.delete)
@@ -91,15 +110,18 @@ class MainWindow(QMainWindow):
         inp.regenerate_requested.connect(c.regenerate)
         inp.edit_requested.connect(self.start_edit)
         self.chat.view.action_requested.connect(self._message_action)
+        self.chat.view.code_copied.connect(lambda: self.statusBar().showMessage("Code copied.", 2000))
+        self.chat.view.zoom_requested.connect(self.zoom_text)
         self.chat.system_prompt_changed.connect(c.set_system_prompt)
         self.chat.export_requested.connect(self.export_conversation)
         self.chat.copy_requested.connect(self.copy_conversation)
         self.settings_panel.changed.connect(self.change_settings)
-        self.settings_panel.setup_requested.connect(lambda: self.open_wizard())
+        self.settings_panel.setup_requested.connect(lambda: self.open_wizard(resume_pending=False))
         self.settings_panel.convert_requested.connect(self.convert_variant)
         c.conversations_changed.connect(self._refresh_list)
         c.conversation_shown.connect(self._show_conversation)
         c.reply_started.connect(self._reply_started)
+        c.conversations_changed.connect(self._refresh_title)
         c.reply_text.connect(self.chat.view.set_stream_text)
         c.busy_changed.connect(inp.set_busy)
         c.stats_ready.connect(self._stats_ready)
@@ -111,9 +133,8 @@ class MainWindow(QMainWindow):
         self.local_api.status_text.connect(self._api_status)
 
         self.settings_panel.load(self.settings)
-        geometry = self.settings.get(Key.WINDOW_GEOMETRY)
-        if geometry:
-            self.restoreGeometry(QByteArray.fromHex(geometry.encode()))
+        apply_theme(QApplication.instance(), self.settings.get(Key.THEME), self.settings.get(Key.FONT_SIZE))
+        self._place_on_screen(self.settings.get(Key.WINDOW_GEOMETRY))
         self._refresh_list()
         last = self.settings.get(Key.LAST_CONVERSATION)
         first = self.history.conversations()
@@ -123,12 +144,12 @@ class MainWindow(QMainWindow):
     def _build_menu(self) -> None:
         bar = self.menuBar()
         file_menu = bar.addMenu("&File")
-        self._action(file_menu, "New chat", self.controller.new_conversation, QKeySequence.StandardKey.New)
+        self._action(file_menu, "New chat", self.new_chat, QKeySequence.StandardKey.New)
         self._action(file_menu, "Export conversation…", self.export_conversation, "Ctrl+E")
         file_menu.addSeparator()
         self._action(file_menu, "Quit", self.close, QKeySequence.StandardKey.Quit)
         model_menu = bar.addMenu("&Model")
-        self._action(model_menu, "Set up a model…", lambda: self.open_wizard())
+        self._action(model_menu, "Set up a model…", lambda: self.open_wizard(resume_pending=False))
         self._action(model_menu, "Re-verify the model files", self.reverify)
         self._action(model_menu, "Reload the model", self.controller.load_model)
         chat_menu = bar.addMenu("&Chat")
@@ -143,7 +164,48 @@ class MainWindow(QMainWindow):
             action.setShortcut(QKeySequence(shortcut))
         return action
 
+    def _place_on_screen(self, geometry: str) -> None:
+        """Restore the saved geometry, or a default size; either way no larger than the screen."""
+        if geometry:
+            self.restoreGeometry(QByteArray.fromHex(geometry.encode()))
+        else:
+            self.resize(1280, 800)
+        width = self._fit_to_screen()
+        list_w = min(LIST_W, width // 5)
+        side = min(SIDE_W, (width - list_w) * 2 // 5)
+        self.splitter.setSizes([list_w, width - list_w - side, side])
+
+    def _fit_to_screen(self) -> int:
+        """Shrink and move the window (its frame included) into the screen; returns the new width."""
+        screen = (self.screen() or QGuiApplication.primaryScreen()).availableGeometry()
+        frame = self.frameGeometry()
+        extra_w, extra_h = frame.width() - self.width(), frame.height() - self.height()
+        hint = self.minimumSizeHint()
+        width = min(max(self.width(), hint.width()), screen.width() - extra_w)
+        height = min(max(self.height(), hint.height()), screen.height() - extra_h)
+        self.resize(width, height)
+        frame = self.frameGeometry()
+        if not screen.contains(frame):
+            frame.moveTopLeft(screen.topLeft())
+            self.move(frame.topLeft())
+        return width
+
+    def showEvent(self, event) -> None:
+        super().showEvent(event)
+        if not self._shown:  # the frame's size is known once the window is shown
+            self._shown = True
+            self._fit_to_screen()
+
     # Conversations and messages
+    def new_chat(self) -> None:
+        """A new conversation (or the empty one already there), with the message box ready to type in."""
+        self.controller.new_conversation()
+        self.chat.input.editor.setFocus()
+
+    def _refresh_title(self) -> None:
+        conv = self.history.get(self.controller.current_id)
+        self.chat.title.setText(conv.title if conv else "New chat")
+
     def _refresh_list(self) -> None:
         self.conversations.set_conversations(self.history.search(self.conversations.search.text()),
                                              self.controller.current_id)
@@ -162,10 +224,12 @@ class MainWindow(QMainWindow):
 
     def _reply_started(self, _msg_id: str) -> None:
         self._show_conversation(self.controller.current_id)
+        self.status.set_stats(None, self.on_gpu, streaming=True)  # not the numbers of the reply before
 
     def _stats_ready(self, stats, trace, setup: str) -> None:
-        self.status.set_stats(stats)
         self.expert_map.set_trace(trace, setup)
+        summary = self.expert_map.summary  # one hit rate for the map and the status bar: the trace's
+        self.status.set_stats(stats, self.on_gpu, summary.hit_rate() if summary else None)
 
     def start_edit(self) -> None:
         text = self.controller.last_user_text()
@@ -205,26 +269,43 @@ class MainWindow(QMainWindow):
     def change_settings(self, changes: dict) -> None:
         changes = {Key(k): v for k, v in changes.items()}
         self.settings.update(changes)
-        if Key.THEME in changes:
-            apply_theme(QApplication.instance(), self.settings.get(Key.THEME))
-            self._show_conversation(self.controller.current_id)  # re-render with the new colors
+        if Key.THEME in changes or Key.FONT_SIZE in changes:
+            apply_theme(QApplication.instance(), self.settings.get(Key.THEME), self.settings.get(Key.FONT_SIZE))
+            self._show_conversation(self.controller.current_id)  # re-render with the new colors and size
         self._save_timer.start()
         self.controller.apply_settings()
         self.local_api.apply(self.settings)
 
+    def zoom_text(self, step: int) -> None:
+        """Ctrl+wheel: one point bigger or smaller, kept as the text-size setting."""
+        current = self.settings.get(Key.FONT_SIZE) or QApplication.instance().font().pointSizeF()
+        size = min(max(round(current) + step, FONT_STEPS[0]), FONT_STEPS[1])
+        if size != current:
+            self.change_settings({Key.FONT_SIZE: size})
+            self.settings_panel.load(self.settings)
+
     # Model set-up and errors
-    def open_wizard(self, request: InstallRequest | None = None):
+    def open_wizard(self, request: InstallRequest | None = None, resume_pending: bool = True):
+        """The set-up wizard; `resume_pending` continues a stopped install (at start-up), the menu starts over."""
         from app.wizard.wizard import SetupWizard
 
         if self.wizard is not None and self.wizard.isVisible():
             self.wizard.raise_()
             return self.wizard
-        self.wizard = SetupWizard(self.setup_backend, self.settings, parent=self, start_request=request)
+        self.wizard = SetupWizard(self.setup_backend, self.settings, parent=self, start_request=request,
+                                  resume_pending=resume_pending)
         self.wizard.installed.connect(self._model_installed)
         self.wizard.show()
         return self.wizard
 
     def _model_loaded(self, info) -> None:
+        self.on_gpu = info.device != "cpu"
+        name = next((e.get("name") for e in self.settings.get(Key.INSTALLED)
+                     if e.get("path") == info.options.store), "") or Path(info.options.store).name
+        self.chat.view.empty_text = empty_chat_html(name)
+        self._show_conversation(self.controller.current_id)
+        self.status.set_stats(None, self.on_gpu)
+        self.settings_panel.set_on_gpu(self.on_gpu)
         self.settings_panel.load(self.settings, info.num_experts)
         self.local_api.set_model(info)
         self.settings_panel.local_api.set_model_id(Path(info.options.store).name)
@@ -269,7 +350,7 @@ class MainWindow(QMainWindow):
         elif action == Action.REVERIFY:
             self.reverify()
         elif action in (Action.REDOWNLOAD, Action.CHOOSE_MODEL):
-            self.open_wizard()
+            self.open_wizard(resume_pending=False)
 
     def reverify(self) -> None:
         store = self.settings.get(Key.STORE_PATH)

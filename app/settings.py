@@ -33,6 +33,7 @@ class Key(str, Enum):
     MAX_NEW_TOKENS = "max_new_tokens"
     SEED = "seed"                      # -1 = random
     THEME = "theme"                    # system | light | dark
+    FONT_SIZE = "font_size"            # text size in points; 0 = the system's
     LAST_CONVERSATION = "last_conversation"
     WINDOW_GEOMETRY = "window_geometry"  # hex of QWidget.saveGeometry()
     API_ENABLED = "api_enabled"        # serve the loaded model on 127.0.0.1 (engine/serve.py)
@@ -54,6 +55,7 @@ DEFAULTS: dict[Key, Any] = {
     Key.MAX_NEW_TOKENS: 512,
     Key.SEED: -1,
     Key.THEME: "system",
+    Key.FONT_SIZE: 0.0,
     Key.LAST_CONVERSATION: "",
     Key.WINDOW_GEOMETRY: "",
     Key.API_ENABLED: False,
@@ -71,6 +73,7 @@ _RANGES = {
     Key.MAX_NEW_TOKENS: (1, 32768),
     Key.SEED: (-1, 2**31 - 1),
     Key.API_PORT: (1024, 65535),
+    Key.FONT_SIZE: (0.0, 32.0),
 }
 
 

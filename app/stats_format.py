@@ -48,30 +48,59 @@ class StatItem:
     tooltip: str
 
 
-def stats_items(stats: Any) -> list[StatItem]:
-    """The status-bar items for one generation's stats (a GenerationStats or its dict)."""
+def speed_words(tokens_per_s: float | None) -> str:
+    """A predicted or measured speed in words that stay readable when it is very slow."""
+    if not tokens_per_s or tokens_per_s <= 0:
+        return "speed unknown"
+    if tokens_per_s >= 0.95:
+        return f"about {tokens_per_s:.1f} tokens/s" if tokens_per_s < 10 else f"about {tokens_per_s:.0f} tokens/s"
+    per_token = 1 / tokens_per_s
+    if per_token < 120:
+        return f"about {per_token:.0f} s per token"
+    if per_token < 3600:
+        return f"about {per_token / 60:.0f} min per token"
+    return f"about {per_token / 3600:.0f} h per token"
+
+
+def stats_items(stats: Any, on_gpu: bool = True, hit_rate: float | None = None,
+                streaming: bool = False) -> list[StatItem]:
+    """The status-bar items for one generation's stats (a GenerationStats or its dict).
+
+    `hit_rate`, when given, is the expert map's (from the trace), so both say the same number.
+    On the CPU every expert is in memory: the GPU items (cache, prefetch, memory, copy speed) are
+    empty. While a reply streams (`streaming`) the numbers of the reply before are not shown.
+    """
     dash = "–"
+    if streaming:
+        stats = None
     tps = _get(stats, "tokens_per_s")
     ttft = _get(stats, "first_token_s")
     hits, misses = _get(stats, "cache_hits", 0) or 0, _get(stats, "cache_misses", 0) or 0
     issued, used = _get(stats, "prefetch_issued", 0) or 0, _get(stats, "prefetch_used", 0) or 0
     peak, budget = _get(stats, "peak_vram_bytes"), _get(stats, "vram_budget_bytes")
     h2d = _get(stats, "h2d_gb_per_s")
-    hit_rate, pf_rate = _ratio(hits, hits + misses), _ratio(used, issued)
+    if hit_rate is None:
+        hit_rate = _ratio(hits, hits + misses)
+    pf_rate = _ratio(used, issued)
     vram = dash
     if peak:
         vram = f"{peak / GiB:.1f} / {budget / GiB:.1f} GB" if budget else f"{peak / GiB:.1f} GB"
-    return [
-        StatItem("tps", f"{tps:.1f} tok/s" if tps else f"{dash} tok/s", "Tokens generated per second"),
+    tps_text = "generating…" if streaming else (f"{tps:.1f} tok/s" if tps else f"{dash} tok/s")
+    items = [
+        StatItem("tps", tps_text, "Tokens (word pieces) generated per second by the last reply"),
         StatItem("ttft", f"first token {ttft:.2f} s" if ttft is not None else f"first token {dash}",
                  "Time from sending to the first token of the reply"),
+    ]
+    if not on_gpu:
+        return items + [StatItem(key, "", "") for key in ("cache", "prefetch", "vram", "h2d")]
+    return items + [
         StatItem("cache", f"cache hits {hit_rate:.0%}" if hit_rate is not None else f"cache hits {dash}",
-                 f"Experts already on the GPU when needed ({hits} hits, {misses} misses)"),
+                 "Experts already on the GPU when a token needed them (the expert map's number)"),
         StatItem("prefetch", f"prefetch {pf_rate:.0%}" if pf_rate is not None else f"prefetch {dash}",
-                 f"Prefetched experts that were then used ({used} of {issued})"),
-        StatItem("vram", f"VRAM {vram}", "Peak GPU memory used / the VRAM budget"),
-        StatItem("h2d", f"H2D {h2d:.1f} GB/s" if h2d else f"H2D {dash}",
-                 "Host-to-device copy speed of the expert transfers"),
+                 f"Experts copied early that were then used ({used} of {issued})"),
+        StatItem("vram", f"GPU memory {vram}", "Most GPU memory used during the reply / the limit set for it"),
+        StatItem("h2d", f"copies to GPU {h2d:.1f} GB/s" if h2d else f"copies to GPU {dash}",
+                 "How fast experts were copied from RAM to the GPU"),
     ]
 
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from PySide6.QtCore import Signal
-from PySide6.QtWidgets import QHBoxLayout, QLabel, QLineEdit, QPushButton, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QHBoxLayout, QLineEdit, QPushButton, QVBoxLayout, QWidget
 
 from app.widgets.chat_view import ChatView
+from app.widgets.elided_label import ElidedLabel
 from app.widgets.message_input import MessageInput
 from app.widgets.notice_bar import NoticeBar
 
@@ -17,7 +18,7 @@ class ChatPanel(QWidget):
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
-        self.title = QLabel("New chat")
+        self.title = ElidedLabel("New chat")
         self.title.setObjectName("pageHeadline")
         self.copy_button = QPushButton("Copy chat")
         self.copy_button.setToolTip("Copy the whole conversation as Markdown")

@@ -1,17 +1,23 @@
-"""The transcript: Markdown messages with styled code blocks; the streaming reply is re-rendered on a throttle."""
+"""The transcript: replies as Markdown (code blocks shaded and highlighted, with Copy; links open in the
+browser), the user's messages as typed (line breaks kept); the streaming reply is re-rendered on a throttle.
+Ctrl+wheel asks for a bigger or smaller text size (zoom_requested), which the window keeps as a setting.
+"""
 
 from __future__ import annotations
 
 import html
 
-from PySide6.QtCore import QTimer, QUrl, Signal
-from PySide6.QtGui import QColor, QFont, QPalette, QTextBlockFormat, QTextCursor, QTextFormat
+from PySide6.QtCore import Qt, QTimer, QUrl, Signal
+from PySide6.QtGui import QDesktopServices, QGuiApplication, QPalette, QTextBlockFormat, QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import QTextBrowser, QWidget
 
 from app.history_db import Conversation, Message
+from app.theme import colors
+from app.widgets.code_blocks import find_code_blocks, style_code_block
 
 RENDER_INTERVAL_MS = 80  # a long reply is re-rendered at most this often while it streams
 LINK_SCHEME = "moeferry"
+WEB_SCHEMES = ("http", "https", "mailto")
 
 
 def _is_dark(widget: QWidget) -> bool:
@@ -20,6 +26,8 @@ def _is_dark(widget: QWidget) -> bool:
 
 class ChatView(QTextBrowser):
     action_requested = Signal(str, str)  # action (copy | edit | regenerate), message id
+    code_copied = Signal()
+    zoom_requested = Signal(int)         # +1 bigger text, -1 smaller (Ctrl+wheel)
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
@@ -30,6 +38,8 @@ class ChatView(QTextBrowser):
         self.document().setDocumentMargin(14)
         self._stream_start: int | None = None
         self._stream_text = ""
+        self._stream_id = ""
+        self.code: dict[str, str] = {}  # copy key -> the code block's text
         self.render_count = 0  # stream re-renders so far (tests check the throttle)
         self._timer = QTimer(self)
         self._timer.setSingleShot(True)
@@ -41,6 +51,7 @@ class ChatView(QTextBrowser):
     def show_conversation(self, conv: Conversation | None, streaming_id: str = "") -> None:
         self._timer.stop()
         self.clear()
+        self.code.clear()
         self._stream_start = None
         if conv is None or not conv.messages:
             if self.empty_text:
@@ -58,6 +69,7 @@ class ChatView(QTextBrowser):
                 self._append_header(msg, [])
                 self._stream_start = self._end().position()
                 self._stream_text = msg.content
+                self._stream_id = msg.id
                 self._render_stream()
             else:
                 self._append_message(msg, actions)
@@ -84,7 +96,7 @@ class ChatView(QTextBrowser):
         cursor.setPosition(self._stream_start)
         cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
         cursor.removeSelectedText()
-        self._insert_markdown(cursor, self._stream_text or "…")
+        self._insert_markdown(cursor, self._stream_text or "…", self._stream_id)
         self.render_count += 1
         if at_end:
             self._scroll_to_end()
@@ -104,9 +116,7 @@ class ChatView(QTextBrowser):
         fmt.setBottomMargin(2)
         cursor.setBlockFormat(fmt)
         you = msg.role == "user"
-        color = "#2f6fdb" if you else "#0f9d74"
-        if _is_dark(self):
-            color = "#7eaaf7" if you else "#4fd1a5"
+        color = colors(_is_dark(self))["you" if you else "assistant"]
         links = "".join(f"&nbsp;&nbsp;<a href='{LINK_SCHEME}:{a}/{msg.id}' style='text-decoration:none'>"
                         f"<small>{a.capitalize()}</small></a>" for a in actions)
         who = "You" if you else "Assistant"
@@ -116,7 +126,10 @@ class ChatView(QTextBrowser):
     def _append_message(self, msg: Message, actions: list[str]) -> None:
         self._append_header(msg, actions)
         cursor = self._end()
-        self._insert_markdown(cursor, msg.content or "…")
+        if msg.role == "user":
+            cursor.insertText(msg.content, QTextCharFormat())  # as typed: line breaks kept, no Markdown
+        else:
+            self._insert_markdown(cursor, msg.content or "…", msg.id)
         notes = []
         if not msg.complete:
             notes.append("⚠ Incomplete: the app closed before this reply finished.")
@@ -125,35 +138,41 @@ class ChatView(QTextBrowser):
         if notes:
             cursor = self._end()
             cursor.insertBlock(QTextBlockFormat())
-            cursor.insertHtml(f"<i style='color:#b7791f'>{html.escape(' '.join(notes))}</i>")
+            color = colors(_is_dark(self))["warning"]
+            cursor.insertHtml(f"<i style='color:{color}'>{html.escape(' '.join(notes))}</i>")
 
-    def _insert_markdown(self, cursor: QTextCursor, text: str) -> None:
+    def _insert_markdown(self, cursor: QTextCursor, text: str, msg_id: str) -> None:
         start = cursor.position()
         cursor.insertMarkdown(text)
-        self._style_code_blocks(start, cursor.position())
-
-    def _style_code_blocks(self, start: int, end: int) -> None:
-        dark = _is_dark(self)
-        background = QColor("#262b35" if dark else "#f1f3f6")
-        mono = QFont("monospace")
-        mono.setStyleHint(QFont.StyleHint.Monospace)
-        block = self.document().findBlock(start)
-        while block.isValid() and block.position() <= end:
-            fmt = block.blockFormat()
-            if fmt.hasProperty(QTextFormat.Property.BlockCodeFence) or fmt.nonBreakableLines():
-                cursor = QTextCursor(block)
-                fmt.setBackground(background)
-                fmt.setLeftMargin(8)
-                fmt.setRightMargin(8)
-                cursor.setBlockFormat(fmt)
-            block = block.next()
+        palette = colors(_is_dark(self))
+        blocks = find_code_blocks(self.document(), start, cursor.position())
+        for n, code in reversed(list(enumerate(blocks))):  # from the end: headers shift what follows
+            key = f"{msg_id}.{n}"
+            self.code[key] = style_code_block(self.document(), code, key, palette, self.font())
 
     def _scroll_to_end(self) -> None:
         bar = self.verticalScrollBar()
         bar.setValue(bar.maximum())
 
     def _anchor(self, url: QUrl) -> None:
+        if url.scheme() in WEB_SCHEMES:
+            QDesktopServices.openUrl(url)
+            return
         if url.scheme() != LINK_SCHEME:
             return
-        action, _, msg_id = url.path().partition("/")
-        self.action_requested.emit(action, msg_id)
+        action, _, key = url.path().partition("/")
+        if action == "copycode":
+            if key in self.code:
+                QGuiApplication.clipboard().setText(self.code[key])
+                self.code_copied.emit()
+            return
+        self.action_requested.emit(action, key)
+
+    def wheelEvent(self, event) -> None:
+        if event.modifiers() & Qt.KeyboardModifier.ControlModifier:
+            step = event.angleDelta().y()
+            if step:
+                self.zoom_requested.emit(1 if step > 0 else -1)
+            event.accept()
+            return
+        super().wheelEvent(event)

@@ -1,6 +1,6 @@
 """The expert map: which experts each layer used for the last reply, and which were already on the GPU.
 
-Top: a heat grid, experts (rows) x layers (columns), shaded by how often each expert was chosen,
+Top: a heat grid, experts (rows) x layers (columns), shaded indigo by how often each expert was chosen,
 with a green bar for the share of tokens it stayed cached and each layer's hit rate below.
 Bottom: one layer over the reply's tokens, like Figure 1 of Eliseev & Mazur (2023): green cells
 were chosen and already cached (hits), orange ones were copied over PCIe (misses), faint ones
@@ -25,7 +25,7 @@ TICKS_H = 14
 LEGEND_H = 60
 HIT = QColor("#22a06b")
 MISS = QColor("#e8772e")
-HEAT = QColor("#e8772e")
+HEAT = QColor("#4a5fd0")  # indigo: orange means only "copied in" (a miss), green only "cached" (a hit)
 
 
 def _mix(a: QColor, b: QColor, t: float) -> QColor:
@@ -96,7 +96,7 @@ class ExpertMap(QWidget):
             setup += f" The reply before: {pct(prev_rate)}" + (f" with {prev_setup}." if prev_setup else ".")
         if setup:
             lines.append((small, True, setup.strip()))
-        lines.append((small, True, "Experts x layers: darker = chosen more often, green line = share of "
+        lines.append((small, True, "Experts x layers: deeper blue = chosen more often, green line = share of "
                                    "the reply it stayed cached, bars = hit rate per layer. Click a layer."))
         width = max(100, self.width() - 2 * MARGIN)
         out = []
@@ -228,12 +228,11 @@ class ExpertMap(QWidget):
         x = MARGIN
         for color, label in ((HIT, "chosen, already cached"), (MISS, "chosen, copied in"),
                              (resident, "cached, not chosen")):
+            width = p.fontMetrics().horizontalAdvance(label)
+            if x > MARGIN and x + 16 + width > self.width() - MARGIN:  # wrap before drawing the swatch
+                x, y = MARGIN, y + 18
             p.fillRect(QRectF(x, y + 3, 12, 10), color)
             p.setPen(text)
-            width = p.fontMetrics().horizontalAdvance(label)
-            if x + 16 + width > self.width() - MARGIN:
-                x, y = MARGIN, y + 18
-                p.fillRect(QRectF(x, y + 3, 12, 10), color)
             p.drawText(QRectF(x + 16, y, width + 4, 16), Qt.AlignmentFlag.AlignVCenter, label)
             x += 16 + width + 14
 

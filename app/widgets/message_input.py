@@ -1,10 +1,14 @@
-"""The input box: Enter sends, Shift+Enter adds a line; Send turns into Stop while a reply streams."""
+"""The input box: Enter sends, Shift+Enter adds a line, Tab moves on; Send turns into Stop while a reply streams.
+
+Edit mode swaps "Edit last" for "Cancel edit" in the same place and the hint wraps, so the row's
+minimum width, and with it the panes beside the chat, do not move.
+"""
 
 from __future__ import annotations
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QKeyEvent
-from PySide6.QtWidgets import QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QSizePolicy, QVBoxLayout, QWidget
 
 
 class _Editor(QPlainTextEdit):
@@ -31,7 +35,8 @@ class MessageInput(QWidget):
         self.busy = False
         self.editor = _Editor()
         self.editor.setObjectName("messageInput")
-        self.editor.setPlaceholderText("Message Mixtral (Enter to send, Shift+Enter for a new line)")
+        self.editor.setPlaceholderText("Type a message (Enter to send, Shift+Enter for a new line)")
+        self.editor.setTabChangesFocus(True)  # Tab leaves the box, as in any other form field
         self.editor.setFixedHeight(84)
         self.editor.submit.connect(self._primary)
         self.send_button = QPushButton("Send")
@@ -48,6 +53,11 @@ class MessageInput(QWidget):
         self.cancel_edit_button.hide()
         self.hint = QLabel("")
         self.hint.setObjectName("muted")
+        self.hint.setWordWrap(True)
+        self.hint.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        width = max(self.edit_button.sizeHint().width(), self.cancel_edit_button.sizeHint().width())
+        self.edit_button.setMinimumWidth(width)
+        self.cancel_edit_button.setMinimumWidth(width)
 
         row = QHBoxLayout()
         row.addWidget(self.hint, 1)
@@ -72,6 +82,7 @@ class MessageInput(QWidget):
         self.editor.setPlainText(text)
         self.editor.setFocus()
         self.hint.setText("Editing your last message: what followed it will be replaced.")
+        self.edit_button.hide()
         self.cancel_edit_button.show()
         self.set_busy(self.busy)
 
@@ -80,6 +91,7 @@ class MessageInput(QWidget):
         self.editor.clear()
         self.hint.setText("")
         self.cancel_edit_button.hide()
+        self.edit_button.show()
         self.set_busy(self.busy)
 
     def _primary(self) -> None:

@@ -1,4 +1,4 @@
-"""The settings panel: model variant, speed (prefetch, cache, VRAM budget), sampling, theme.
+"""The settings panel: model variant, speed (prefetch, cache, GPU memory), sampling, theme and text size.
 
 Every change is emitted at once as {Key: value}; the chat applies it from the next message,
 and a different model variant is reloaded in the worker with progress in the status bar.
@@ -17,6 +17,7 @@ from app.widgets.local_api_panel import LocalApiPanel
 
 THEMES = [("Follow the system", "system"), ("Light", "light"), ("Dark", "dark")]
 BIT_WIDTHS = (2, 3, 4)
+SYSTEM_SIZE = 6  # the text-size box's minimum, shown as "System" (the setting 0)
 
 
 def variant_label(entry: dict) -> str:
@@ -61,7 +62,7 @@ class SettingsPanel(QScrollArea):
         setup.clicked.connect(self.setup_requested)
         form.addRow(setup)
 
-        speed = QGroupBox("Speed")
+        self.speed = speed = QGroupBox("Speed")
         form = QFormLayout(speed)
         self.prefetch = QSpinBox()
         self.prefetch.setRange(0, 4)
@@ -79,7 +80,7 @@ class SettingsPanel(QScrollArea):
         self.budget.setToolTip("GPU memory the model may use; changing it reloads the model")
         form.addRow("Prefetch depth", self.prefetch)
         form.addRow("Experts cached per layer", self.cache)
-        form.addRow("VRAM budget", self.budget)
+        form.addRow("GPU memory limit", self.budget)
 
         sampling = QGroupBox("Sampling")
         form = QFormLayout(sampling)
@@ -107,6 +108,12 @@ class SettingsPanel(QScrollArea):
         for label, value in THEMES:
             self.theme.addItem(label, value)
         form.addRow("Theme", self.theme)
+        self.font_size = QSpinBox()
+        self.font_size.setRange(SYSTEM_SIZE, 28)  # the minimum reads "System" and is stored as 0
+        self.font_size.setSpecialValueText("System")
+        self.font_size.setSuffix(" pt")
+        self.font_size.setToolTip("The size of all text; Ctrl+wheel over the chat changes it too")
+        form.addRow("Text size", self.font_size)
 
         self.note = QLabel("Changes apply from the next message.")
         self.note.setObjectName("muted")
@@ -132,15 +139,18 @@ class SettingsPanel(QScrollArea):
             signal.connect(lambda value, key=key: self.changed.emit({key: value}))
         self.theme.currentIndexChanged.connect(
             lambda _i: self.changed.emit({Key.THEME: self.theme.currentData()}))
+        self.font_size.valueChanged.connect(
+            lambda v: self.changed.emit({Key.FONT_SIZE: 0.0 if v == SYSTEM_SIZE else float(v)}))
 
     def load(self, settings: Settings, num_experts: int = 8) -> None:
         """Show `settings` without emitting changes."""
         blockers = [QSignalBlocker(w) for w, _ in self._fields.values()]
-        blockers += [QSignalBlocker(self.theme), QSignalBlocker(self.variant)]
+        blockers += [QSignalBlocker(self.theme), QSignalBlocker(self.variant), QSignalBlocker(self.font_size)]
         self.cache.setMaximum(num_experts)
         for key, (widget, _) in self._fields.items():
             widget.setValue(settings.get(key))
         self.theme.setCurrentIndex(max(0, self.theme.findData(settings.get(Key.THEME))))
+        self.font_size.setValue(max(SYSTEM_SIZE, round(settings.get(Key.FONT_SIZE))))
         self.variant.clear()
         installed = settings.get(Key.INSTALLED)
         current = settings.get(Key.STORE_PATH)
@@ -164,6 +174,10 @@ class SettingsPanel(QScrollArea):
         self.source_gone.setVisible(not sources and any(e.get("source_deleted") for e in installed))
         self.local_api.load(settings)
         del blockers
+
+    def set_on_gpu(self, on_gpu: bool) -> None:
+        """On the CPU every expert is in memory: there is no GPU cache, prefetch or memory to set."""
+        self.speed.setVisible(on_gpu)
 
     def _variant_changed(self, _index: int) -> None:
         path = self.variant.currentData()

@@ -6,6 +6,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QFormLayout, QHBoxLayout, QLabel, QSlider, QSpinBox, QVBoxLayout, QWidget, QWizardPage
 
 from app.hardware_words import pick
+from app.stats_format import speed_words
 
 GiB = 1024**3
 STEP_GB = 0.5
@@ -35,7 +36,7 @@ class CachePage(QWizardPage):
         row = QHBoxLayout()
         row.addWidget(self.slider, 1)
         row.addWidget(self.budget_label)
-        form.addRow("VRAM budget", row)
+        form.addRow("GPU memory limit", row)
         form.addRow("Experts cached per layer", self.cache)
         layout = QVBoxLayout(self)
         layout.addWidget(self.intro)
@@ -83,7 +84,7 @@ class CachePage(QWizardPage):
         lines = []
         if speed:
             hits = f", about {plan.hit_rate:.0%} of expert look-ups already on the GPU" if plan.hit_rate else ""
-            lines.append(f"<b>Predicted: about {speed:.1f} tokens/s</b>{hits}.")
+            lines.append(f"<b>Predicted: {speed_words(speed)}</b>{hits}.")
         if plan and plan.verdict:
             lines.append(plan.verdict)
         lines.append("More cached experts mean fewer copies over PCIe; the expert map in the chat window "

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from PySide6.QtGui import QPalette
 from PySide6.QtWidgets import QLabel, QProgressBar, QPushButton, QVBoxLayout, QWizardPage
 
 from app.hardware_words import describe_hardware
 from app.task_runner import TaskRunner
+from app.theme import colors
 from app.wizard.wizard import completion_flag
 
-LEVEL_COLORS = {"good": "#1a8f5c", "workable": "#b7791f", "poor": "#c53030", "none": "#b7791f"}
+LEVEL_COLORS = {"good": "good", "workable": "warning", "poor": "error", "none": "warning"}  # names in theme.colors
 
 
 def survey(backend) -> dict:
@@ -59,6 +61,8 @@ class HardwarePage(QWizardPage):
     def initializePage(self) -> None:
         if not self.done:
             self._start()
+        else:
+            self._complete(True)  # a restarted wizard resets the page's fields
 
     def _start(self) -> None:
         self.done = False
@@ -85,7 +89,8 @@ class HardwarePage(QWizardPage):
         w.verdict = verdict
         self.busy.hide()
         self.status.hide()
-        color = LEVEL_COLORS.get(verdict.level, "")
+        dark = self.palette().color(QPalette.ColorRole.Window).lightness() < 128
+        color = colors(dark)[LEVEL_COLORS.get(verdict.level, "warning")]
         self.headline.setText(f"<span style='color:{color}'>{verdict.headline}</span>")
         self.details.setText("<br>".join(verdict.details))
         if not verdict.has_gpu:

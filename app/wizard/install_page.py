@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import html
 from pathlib import Path
 
+from PySide6.QtGui import QPalette
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWizardPage
 
 from app.install import InstallProgress, InstallRequest, install_steps, run_install, step_title
 from app.stats_format import fmt_bytes, fmt_duration
 from app.task_runner import TaskRunner
+from app.theme import colors
 from app.wizard.wizard import Page, completion_flag
 
 
@@ -53,7 +56,11 @@ class InstallPage(QWizardPage):
         self.cancel_button.clicked.connect(self.cancel)
         self.resume_button = QPushButton("Resume")
         self.resume_button.clicked.connect(self.start)
+        self.other_button = QPushButton("Choose another model…")
+        self.other_button.setToolTip("Back to the model choice; what was downloaded stays on disk")
+        self.other_button.clicked.connect(self.w.choose_another)
         row = QHBoxLayout()
+        row.addWidget(self.other_button)
         row.addStretch(1)
         row.addWidget(self.cancel_button)
         row.addWidget(self.resume_button)
@@ -83,6 +90,7 @@ class InstallPage(QWizardPage):
         self.message.clear()
         self.resume_button.hide()
         self.cancel_button.show()
+        self.other_button.setVisible(self.resuming)  # Back is off when the wizard opened on this page
         self.step_list = install_steps(req)  # once: the store appearing at the end changes no step
         self._show_steps(None)
         if req.source in ("catalog", "hf_cache") or req.needs_convert:
@@ -137,13 +145,17 @@ class InstallPage(QWizardPage):
 
     def _failed(self, info) -> None:
         self.bar.setRange(0, 1000)
-        self.message.setText(f"<span style='color:#c53030'>{info.message}</span>")
+        self.detail.clear()
+        self.w.remember_pending(None)  # a failed install is not reopened at the next start
+        color = colors(self.palette().color(QPalette.ColorRole.Window).lightness() < 128)["error"]
+        self.message.setText(f"<span style='color:{color}'>{html.escape(info.message)}</span><br>"
+                             "What was downloaded is kept: choosing this model again continues from there.")
         self._stopped("Try again")
 
     def _cancelled(self) -> None:
         self.bar.setRange(0, 1000)
         self.message.setText("Stopped. What was downloaded is kept: Resume continues from there, now or the "
-                             "next time MoE Ferry starts.")
+                             "next time MoE Ferry starts. Cancel forgets this install.")
         self._stopped("Resume")
 
     def _stopped(self, label: str) -> None:
@@ -151,6 +163,7 @@ class InstallPage(QWizardPage):
         self.cancel_button.hide()
         self.resume_button.setText(label)
         self.resume_button.show()
+        self.other_button.show()
         self._complete(False)
 
     def stop_tasks(self) -> None:

@@ -5,14 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import (QButtonGroup, QCheckBox, QFileDialog, QFrame, QHBoxLayout, QLabel, QPushButton,
                                QRadioButton, QScrollArea, QVBoxLayout, QWidget, QWizardPage)
 
-from app.catalog import CatalogEntry, folder_kind
+from app.catalog import QUALITY_TIP, CatalogEntry, folder_kind, quality_words
 from app.hardware_words import pick
 from app.install import InstallRequest
 from app.paths import downloads_dir, models_dir
-from app.stats_format import fmt_bytes
+from app.stats_format import fmt_bytes, speed_words
 from app.wizard.wizard import completion_flag
 
 
@@ -36,7 +37,10 @@ def _repo_name(repo_id: str) -> str:
     return repo_id.replace("/", "--")
 
 
-def catalog_option(entry: CatalogEntry, plan, cached: Path | None, disk_free: int | None) -> Option:
+def catalog_option(entry: CatalogEntry, plan, cached: Path | None, disk_free: int | None,
+                   has_gpu: bool = True) -> Option:
+    """One catalog entry as a choice; without enough free disk it cannot be chosen. The catalog's
+    recommendation counts only with a GPU: without one the demo is the recommended choice."""
     parts = []
     if cached:
         parts.append("in your Hugging Face cache: no download")
@@ -45,10 +49,10 @@ def catalog_option(entry: CatalogEntry, plan, cached: Path | None, disk_free: in
     if entry.disk_bytes:
         parts.append(f"needs {fmt_bytes(entry.disk_bytes)} of disk")
     speed = plan.predicted_tokens_per_s if plan else None
-    parts.append(f"about {speed:.1f} tokens/s here" if speed else "speed here: unknown")
-    if entry.quality:
-        q = entry.quality
-        parts.append(q.replace("WikiText2 perplexity", "perplexity") if "perplexity" in q else f"quality: {q}")
+    parts.append(f"{speed_words(speed)} here" if speed else "speed here: unknown")
+    quality = quality_words(entry)
+    if quality:
+        parts.append(quality)
     notes = []
     if entry.raw and entry.raw.get("import"):
         notes.append("Ready-made: imported as it is, nothing to re-quantize.")
@@ -56,11 +60,14 @@ def catalog_option(entry: CatalogEntry, plan, cached: Path | None, disk_free: in
         notes.append("Converted on this computer after the download (fast on a GPU, hours on a CPU).")
     if entry.gated:
         notes.append("Gated: accept its licence on Hugging Face and log in first.")
-    if disk_free is not None and entry.disk_bytes and entry.disk_bytes > disk_free:
-        notes.append(f"Not enough free disk space: {fmt_bytes(disk_free)} free.")
-    recommended = bool(entry.raw and entry.raw.get("recommended_route"))
-    return Option(entry.id, entry.name, " · ".join(parts), " ".join(notes), entry,
-                  recommended=recommended, tooltip=entry.description)
+    short_of_disk = disk_free is not None and bool(entry.disk_bytes) and entry.disk_bytes > disk_free
+    if short_of_disk:
+        notes.append(f"Not enough free disk space: it needs {fmt_bytes(entry.disk_bytes)}, "
+                     f"{fmt_bytes(disk_free)} is free.")
+    recommended = has_gpu and bool(entry.raw and entry.raw.get("recommended_route")) and not short_of_disk
+    tooltip = "\n\n".join(t for t in (entry.description, QUALITY_TIP if quality else "") if t)
+    return Option(entry.id, entry.name, " · ".join(parts), " ".join(notes), entry, enabled=not short_of_disk,
+                  recommended=recommended, tooltip=tooltip)
 
 
 def downloads_then_converts(option: Option | None, cached: Path | None) -> bool:
@@ -111,11 +118,11 @@ class OptionCard(QFrame):
                 layout.addWidget(label)
         if option.tooltip:
             self.setToolTip(option.tooltip)
-        self.setEnabled(option.enabled)
+        self.radio.setEnabled(option.enabled)  # the card stays readable: it says why it cannot be chosen
         self.radio.toggled.connect(self._restyle)
 
     def mousePressEvent(self, event) -> None:
-        if self.isEnabled():
+        if self.option.enabled:
             self.radio.setChecked(True)
 
     def _restyle(self, checked: bool) -> None:
@@ -144,7 +151,7 @@ class ModelPage(QWizardPage):
         outer.setContentsMargins(0, 0, 4, 0)
         outer.addLayout(self.cards_box)
         outer.addStretch(1)
-        scroll = QScrollArea()
+        self.scroll = scroll = QScrollArea()
         scroll.setWidgetResizable(True)
         scroll.setFrameShape(QFrame.Shape.NoFrame)
         scroll.setWidget(body)
@@ -170,15 +177,17 @@ class ModelPage(QWizardPage):
     def initializePage(self) -> None:
         w = self.w
         hw = w.hw or {}
+        has_gpu = bool(w.verdict and w.verdict.has_gpu)
         disk_free = pick(hw, "disk_free_bytes", "disk_free")
-        self.options = [catalog_option(e, w.plans.get(e.id), w.hf_cache.get(e.id), disk_free)
-                        for e in w.catalog if not e.embedded]
-        self.options.append(Option(
+        models = [catalog_option(e, w.plans.get(e.id), w.hf_cache.get(e.id), disk_free, has_gpu)
+                  for e in w.catalog if not e.embedded]
+        demo = Option(
             "demo", "Demo model (tiny, included)",
-            "no download · runs on any computer in seconds" if w.demo else
-            "not part of this installation",
+            "no download · runs on any computer in seconds" if w.demo else "not part of this installation",
             "Shows how the app and the expert map work; its answers are not useful.",
-            enabled=w.demo is not None))
+            enabled=w.demo is not None, recommended=not has_gpu and w.demo is not None)
+        # Without a GPU the demo is the sensible start, so it comes first, above the fold.
+        self.options = models + [demo] if has_gpu else [demo] + models
         self.options.append(Option(
             "folder", "A folder on this computer",
             "a MoE Ferry store, or a Mixtral checkpoint in Hugging Face format (safetensors) to convert"))
@@ -188,14 +197,10 @@ class ModelPage(QWizardPage):
         self.cards = [OptionCard(option, self.group) for option in self.options]
         for card in self.cards:
             self.cards_box.addWidget(card)
-        has_gpu = bool(w.verdict and w.verdict.has_gpu)
         recommended = next((o.key for o in self.options if o.recommended), None)
-        if has_gpu and w.catalog and recommended:
-            self.select(recommended)
-        elif has_gpu and w.catalog or w.demo is None:
-            self.select(self.options[0].key)
-        else:
-            self.select("demo")
+        first = next((o.key for o in self.options if o.enabled), "folder")
+        self.scroll.verticalScrollBar().setValue(0)
+        self.select(recommended or first)
         self._changed()
 
     def current(self) -> Option | None:
@@ -205,6 +210,7 @@ class ModelPage(QWizardPage):
         for card in self.cards:
             if card.option.key == key and card.option.enabled:
                 card.radio.setChecked(True)
+                QTimer.singleShot(0, lambda card=card: self.scroll.ensureWidgetVisible(card))  # once laid out
 
     def set_folder(self, path: Path) -> None:
         self.folder = Path(path)

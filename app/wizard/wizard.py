@@ -2,6 +2,11 @@
 
 Re-runnable from the Model menu. The pages share what they learn through this object;
 the settings are written only when the user finishes.
+
+An install stopped with Stop (or by closing the app) is remembered in the settings; the wizard
+opened at start-up continues it on the install page, where "Choose another model…" starts over.
+A failed install and Cancel forget it (the downloaded files stay: choosing the same model again
+continues from them), and the wizard opened from the menu always starts at the beginning.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ class SetupWizard(QWizard):
     installed = Signal()  # the settings now name a model that is ready to load
 
     def __init__(self, backend: SetupBackend, settings: Settings, parent: QWidget | None = None,
-                 start_request: InstallRequest | None = None):
+                 start_request: InstallRequest | None = None, resume_pending: bool = True):
         super().__init__(parent)
         from app.wizard.cache_page import CachePage
         from app.wizard.done_page import DonePage
@@ -88,7 +93,7 @@ class SetupWizard(QWizard):
         }
         for pid, page in self.pages.items():
             self.setPage(pid, page)
-        pending = settings.get(Key.PENDING_INSTALL)
+        pending = settings.get(Key.PENDING_INSTALL) if resume_pending else None
         if start_request is None and pending:
             start_request = InstallRequest.from_dict(pending)
             self.pages[Page.INSTALL].resuming = True
@@ -101,6 +106,15 @@ class SetupWizard(QWizard):
             stop = getattr(page, "stop_tasks", None)
             if stop:
                 stop()
+
+    def choose_another(self) -> None:
+        """Leave the install page for the model choice: forget the pending install and start over."""
+        self.remember_pending(None)
+        self.pages[Page.INSTALL].resuming = False
+        self.setStartId(Page.HARDWARE)
+        self.restart()
+        if self.pages[Page.HARDWARE].done:  # checked already: on to the model choice, with Back working
+            self.next()
 
     def remember_pending(self, request: InstallRequest | None) -> None:
         self.settings.set(Key.PENDING_INSTALL, request.to_dict() if request else None)
@@ -135,5 +149,8 @@ class SetupWizard(QWizard):
         super().accept()
 
     def reject(self) -> None:
+        """Cancel: stop and forget an unfinished install, so the next start does not reopen it."""
         self.stop_tasks()
+        if self.settings.get(Key.PENDING_INSTALL) is not None:
+            self.remember_pending(None)
         super().reject()

@@ -4,7 +4,8 @@
     xvfb-run -a -s "-screen 0 1440x960x24" python docs/screenshots/take_screenshots.py --theme dark
 
 This machine has no GPU and no network, so three things are replayed rather than measured:
-the hardware probe is an RTX 3060 desktop's (the no-GPU page uses this machine's real probe),
+the hardware probe is an RTX 3060 desktop's (the --no-gpu run uses this machine's real probe and
+goes on to the model page and a chat with the demo model running on the CPU),
 the download reports scripted progress, and the chat's engine streams a scripted reply with a
 Mixtral-shaped expert trace (32 layers, 8 experts, top-2, LRU cache of 3 per layer) and stats
 in the range of the paper's RTX 3060 numbers. Everything else is the real app: windows,
@@ -41,7 +42,9 @@ for x in reversed(items):
     print(x)
 ```
 
-Use `reverse()` when you no longer need the original order, and slicing when you do."""
+Use `reverse()` when you no longer need the original order, and slicing when you do. More in the
+[Python tutorial](https://docs.python.org/3/tutorial/datastructures.html)."""
+QUESTION = "How do I reverse a list in Python?\nIn place, and as a copy."
 
 RTX_3060 = {"gpu_name": "NVIDIA GeForce RTX 3060", "vram_total_bytes": 12 * 1024**3,
             "vram_free_bytes": 11 * 1024**3, "driver_version": "550.54.14", "cuda_driver_version": "12.4",
@@ -73,10 +76,11 @@ def save(widget, name, theme):
     print(f"{path.relative_to(ROOT)}  {path.stat().st_size // 1024} KB")
 
 
-def scripted_engine_backend():
+def scripted_engine_backend(device: str = "cuda"):
     from tests.app.fakes import FakeEngineBackend
 
-    backend = FakeEngineBackend(reply=lambda m, s: REPLY, delay=0.004, layers=32, experts=8, top_k=2)
+    backend = FakeEngineBackend(reply=lambda m, s: REPLY, delay=0.004, layers=32, experts=8, top_k=2,
+                                device=device)
     load = backend.load
 
     def load_scripted(opts, progress):
@@ -139,7 +143,6 @@ def take(theme: str, no_gpu_only: bool = False) -> None:
     from PySide6.QtWidgets import QApplication, QWizard
 
     from app.main import start
-    from app.settings import Key
     from app.wizard.wizard import Page
 
     app = QApplication.instance() or QApplication([sys.argv[0]])
@@ -149,14 +152,18 @@ def take(theme: str, no_gpu_only: bool = False) -> None:
     data = tmp / ".local" / "share" / "moeferry"
     data.mkdir(parents=True)
     os.environ["MOEFERRY_DATA_DIR"] = str(data)
-    (data / "settings.json").write_text(json.dumps({"version": 1, "theme": theme}))
+    # The app starts in the other theme and is switched while running, as a user would.
+    other = "dark" if theme == "light" else "light"
+    (data / "settings.json").write_text(json.dumps({"version": 1, "theme": other}))
     gate = threading.Event()
     setup = screenshot_setup_backend(tmp, gate)
     if no_gpu_only:
         from app.setup_backend import real_probe
 
         setup.probe = real_probe  # this machine, as it is
-    parts = start(app, data, scripted_engine_backend(), setup)
+    parts = start(app, data, scripted_engine_backend("cpu" if no_gpu_only else "cuda"), setup)
+    panel = parts.window.settings_panel
+    panel.theme.setCurrentIndex(panel.theme.findData(theme))
     wizard = parts.window.wizard
     wizard.resize(820, 600)
     settle(app)
@@ -167,8 +174,7 @@ def take(theme: str, no_gpu_only: bool = False) -> None:
     settle(app)
     save(wizard, "wizard-2-hardware-no-gpu" if no_gpu_only else "wizard-2-hardware", theme)
     if no_gpu_only:
-        wizard.reject()
-        parts.window.close()
+        take_no_gpu(app, parts, theme)
         return
     wizard.next()
     settle(app)
@@ -195,7 +201,7 @@ def take(theme: str, no_gpu_only: bool = False) -> None:
     parts.controller.new_conversation()
     window.resize(1360, 860)
     window.settings_panel.cache.setValue(2)
-    parts.controller.send("How do I reverse a list in Python?")
+    parts.controller.send(QUESTION)
     wait_until(app, lambda: not parts.controller.busy, 60)
     window.settings_panel.cache.setValue(4)  # the map then compares the two replies
     parts.controller.regenerate()
@@ -211,6 +217,50 @@ def take(theme: str, no_gpu_only: bool = False) -> None:
     window.expert_map.set_layer(5)
     settle(app)
     save(window, "expert-map", theme)
+    window.side.setCurrentIndex(0)
+    window.resize(900, 600)
+    settle(app, 0.5)
+    save(window, "chat-900x600", theme)
+    window.close()
+
+
+def take_no_gpu(app, parts, theme: str) -> None:
+    """The model page of a machine without a GPU, then the demo model's chat on the CPU."""
+    from PySide6.QtWidgets import QWizard
+
+    from app.wizard.wizard import Page
+
+    from app.setup_backend import real_fetch
+
+    wizard = parts.window.wizard
+    wizard.next()
+    settle(app)
+    save(wizard, "wizard-3-model-no-gpu", theme)
+    # This machine has no network: the real download fails, as it would for a user offline.
+    os.environ.pop("HF_HUB_OFFLINE", None)
+    parts.window.setup_backend.fetch = real_fetch
+    model = wizard.pages[Page.MODEL]
+    model.select(next(o.key for o in model.options if o.key not in ("demo", "folder") and o.enabled))
+    wizard.next()
+    install = wizard.pages[Page.INSTALL]
+    wait_until(app, lambda: install.other_button.isVisible(), 60)
+    settle(app)
+    save(wizard, "wizard-4-download-failed", theme)
+    install.other_button.click()  # back to the model choice, the demo chosen again
+    settle(app)
+    wizard.next()
+    wait_until(app, wizard.pages[Page.INSTALL].isComplete)
+    wizard.next()
+    wizard.next()
+    wizard.button(QWizard.WizardButton.FinishButton).click()
+    window = parts.window
+    wait_until(app, lambda: parts.controller.loaded is not None)
+    window.resize(1200, 760)
+    settle(app, 0.3)
+    parts.controller.send(QUESTION)
+    wait_until(app, lambda: not parts.controller.busy, 60)
+    settle(app, 0.5)
+    save(window, "chat-no-gpu", theme)
     window.close()
 
 

@@ -24,8 +24,9 @@ def default_reply(messages: list[dict], sampling) -> str:
 
 class FakeEngine:
     def __init__(self, opts: LoadOptions, reply=default_reply, delay: float = 0.002, layers: int = 4,
-                 experts: int = 8, top_k: int = 2, fail_with: Exception | None = None):
+                 experts: int = 8, top_k: int = 2, fail_with: Exception | None = None, device: str = "cuda"):
         self.opts = opts
+        self.device = device
         self.reply = reply
         self.delay = delay
         self.fail_with = fail_with

@@ -39,7 +39,7 @@ def test_stats_items_words():
                             vram_budget_bytes=11 * 1024**3, h2d_gb_per_s=21.44)
     words = [i.text for i in stats_items(stats)]
     assert words == ["2.3 tok/s", "first token 0.80 s", "cache hits 60%", "prefetch 70%",
-                     "VRAM 9.1 / 11.0 GB", "H2D 21.4 GB/s"]
+                     "GPU memory 9.1 / 11.0 GB", "copies to GPU 21.4 GB/s"]
     assert all("–" in t for t in (i.text for i in stats_items(None)))
     assert fmt_duration(3725) == "1 h 02 min" and fmt_duration(75) == "1 min 15 s"
 
