@@ -257,7 +257,7 @@ def test_the_recorder_sees_what_transformers_routes(tiny_store, tiny_checkpoint)
 
 
 def test_cli_trace_writes_a_trace_and_its_statistics(tiny_store, tmp_path):
-    from conftest import run_cli
+    from tests.conftest import run_cli
 
     text = tmp_path / "t.txt"
     text.write_text("abc def ghi jkl mno pqr stu vwx yz\n\n" * 20)
@@ -275,7 +275,7 @@ def test_cli_trace_writes_a_trace_and_its_statistics(tiny_store, tmp_path):
 
 
 def test_cli_bench_checks_its_routing_before_anything_else():
-    from conftest import run_cli
+    from tests.conftest import run_cli
 
     r = run_cli("bench", "--routing", "zipf")
     assert r.returncode == 2 and "Unknown --routing 'zipf'" in r.stderr
