@@ -337,3 +337,36 @@ def test_cuda_runs_other_families_on_the_eager_layer_and_says_so(tmp_path, vid):
     ids = list(range(3, 15))
     got = list(engine.generate_ids(ids, SamplingSettings(temperature=0, max_new_tokens=NEW_TOKENS)))
     assert got == reference_greedy(model, ids, NEW_TOKENS)
+
+
+# ---------------------------------------------------------------------------------------------
+# The catalog's entries for these families
+
+
+@pytest.mark.parametrize("entry_id,params", [("qwen3-30b-a3b-instruct-2507-4bit", 30_532_122_624),
+                                             ("gpt-oss-20b-mxfp4", None),
+                                             ("olmoe-1b-7b-0125-instruct-4bit", None)])
+def test_catalog_sizes_are_the_store_layout_of_the_repositorys_config(entry_id, params):
+    """Each entry's sizes follow from its config (the repository's config.json, copied into the
+    entry) through the engine's own store layout; bf16 downloads are 2 bytes per parameter (Qwen3's
+    count as published: 30,532,122,624)."""
+    from engine import quant, store
+    from engine.convert import quantization_of
+    from engine.model import ModelConfig
+    from tests.conftest import ROOT
+    entry = {e["id"]: e for e in json.loads((ROOT / "resources" / "catalog.json").read_text())["models"]}[entry_id]
+    cfg, s = ModelConfig.from_hf(entry["config"]), entry["sizes"]
+    assert cfg.family in SUPPORTED_FAMILIES
+    if cfg.family == "gpt_oss":
+        eq = {"bits": 4, "method": "mxfp4", "group_size": 32, "bias_dtype": "BF16"}
+        assert entry["expert_bits"] == 16 and "original/*" not in entry["allow_patterns"]
+    else:
+        eq = quantization_of(entry["expert_bits"], quant.EXPERT_SPECS, "BF16", (2, 3, 4),
+                             [store.expert_shape(cfg, m)[0] for m in store.EXPERT_MATRICES])
+    assert s["expert_bytes"] == store.expert_layout(cfg, eq)[1]
+    assert (s["num_layers"], s["num_experts"], s["top_k"]) == (cfg.num_moe_layers, cfg.num_experts, cfg.top_k)
+    assert entry["store_bytes"] == s["num_layers"] * s["num_experts"] * s["expert_bytes"] + s["dense_bytes"]
+    assert entry["disk_bytes"] == entry["download_bytes"] + entry["store_bytes"]
+    if cfg.family != "gpt_oss":
+        total = s["dense_params"] + s["num_layers"] * s["num_experts"] * s["expert_params"]
+        assert entry["download_bytes"] == 2 * total and total == (params or total)
