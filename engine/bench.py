@@ -32,6 +32,41 @@ MIXTRAL = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_
                num_kv_heads=8, head_dim=128, num_experts=8, top_k=2, rms_norm_eps=1e-5, rope_theta=1e6,
                max_position_embeddings=32768, sliding_window=None, tie_word_embeddings=False)
 
+# `--model`: the shapes of the models the catalog offers, as the config.json fields the engine
+# reads (ModelConfig.from_hf), so each family's options come with its shape.
+MODEL_SHAPES = {
+    "mixtral-8x7b": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+                         num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=32768),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=1e7, max_position_embeddings=262144),
+    "gpt-oss-20b": dict(model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                        num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                        num_local_experts=32, num_experts_per_tok=4, attention_bias=True, sliding_window=128,
+                        layer_types=["sliding_attention", "full_attention"] * 18, rms_norm_eps=1e-5,
+                        max_position_embeddings=131072,
+                        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0,
+                                             beta_slow=1.0, original_max_position_embeddings=4096, truncate=False)),
+    "olmoe-1b-7b": dict(model_type="olmoe", vocab_size=50304, hidden_size=2048, intermediate_size=1024,
+                        num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16, num_experts=64,
+                        num_experts_per_tok=8, norm_topk_prob=False, rms_norm_eps=1e-5, rope_theta=10000.0,
+                        max_position_embeddings=4096),
+}
+
+
+def shape_config(model: str, layers: int | None = None) -> ModelConfig:
+    """The ModelConfig of MODEL_SHAPES[model], with its first `layers` layers (all: None)."""
+    if model not in MODEL_SHAPES:
+        raise UserError(f"Unknown --model {model!r}; choose one of {', '.join(MODEL_SHAPES)}.")
+    hf = dict(MODEL_SHAPES[model])
+    layers = layers or hf["num_hidden_layers"]
+    hf["num_hidden_layers"] = layers
+    if "layer_types" in hf:
+        hf["layer_types"] = hf["layer_types"][:layers]
+    return ModelConfig.from_hf(hf)
+
 
 @dataclass
 class ModeResult:
@@ -91,14 +126,46 @@ def synthetic_model(cfg: ModelConfig, expert_bits: int, attn_bits: int, device, 
                                                                 dtype=dtype, generator=gen) * 0.02
         for m in store_mod.ATTN_MATRICES:
             dense[p + f"self_attn.{m}.weight"] = random_qmatrix(*store_mod.attn_shape(cfg, m), as_, device, gen)
+        dense.update(family_dense(cfg, i, as_, device, gen))
     dense_bytes = sum(w.nbytes() if isinstance(w, quant.QMatrix) else w.numel() * w.element_size()
                       for w in dense.values())
+    if cfg.expert_act == "clamped_swiglu":
+        eq["bias_dtype"] = "BF16"
     fields, stride = store_mod.expert_layout(cfg, eq)
-    host = torch.empty((cfg.num_layers, cfg.num_experts, stride), dtype=torch.uint8, pin_memory=True)
-    for layer in range(cfg.num_layers):
+    host = torch.empty((cfg.num_moe_layers, cfg.num_experts, stride), dtype=torch.uint8,
+                       pin_memory=torch.cuda.is_available())
+    for layer in range(cfg.num_moe_layers):
         host[layer].copy_(torch.stack([random_expert(cfg, es, fields, stride, device, gen)
                                        for _ in range(cfg.num_experts)]))
     return dense, dense_bytes, host, fields, eq
+
+
+def family_dense(cfg: ModelConfig, i: int, spec: quant.QuantSpec, device, gen) -> dict:
+    """Layer i's dense weights beyond Mixtral's (store names, engine/store.py): q/k norms, biases,
+    sinks, the router's bias, a shared expert, a dense layer's MLP."""
+    p, H, dtype = f"model.layers.{i}.", cfg.hidden_size, torch.bfloat16
+
+    def small(*shape, std=0.02):
+        return torch.randn(*shape, device=device, dtype=dtype, generator=gen) * std
+
+    out = {p + f"self_attn.{m}.bias": small(store_mod.attn_shape(cfg, m)[0]) for m in cfg.attn_biases}
+    if cfg.qk_norm != "none":
+        n = (1, 1) if cfg.qk_norm == "head" else (cfg.num_heads, cfg.num_kv_heads)
+        out[p + "self_attn.q_norm.weight"] = torch.ones(n[0] * cfg.head_dim, device=device, dtype=dtype)
+        out[p + "self_attn.k_norm.weight"] = torch.ones(n[1] * cfg.head_dim, device=device, dtype=dtype)
+    if cfg.sinks:
+        out[p + "self_attn.sinks"] = small(cfg.num_heads, std=1.0)
+    if cfg.router_bias:
+        out[p + "block_sparse_moe.gate.bias"] = small(cfg.num_experts)
+    mlp = None
+    if i not in cfg.moe_layer_ids:
+        mlp = p + "mlp."
+    elif cfg.shared_expert_size:
+        mlp = p + "mlp.shared_expert."
+        out[p + "mlp.shared_expert_gate.weight"] = small(1, H)
+    for m in store_mod.MLP_MATRICES if mlp else ():
+        out[mlp + m + ".weight"] = random_qmatrix(*store_mod.dense_matrix_shape(cfg, mlp + m), spec, device, gen)
+    return out
 
 
 def random_expert(cfg: ModelConfig, spec: quant.QuantSpec, fields: list[dict], stride: int, device,
@@ -109,6 +176,9 @@ def random_expert(cfg: ModelConfig, spec: quant.QuantSpec, fields: list[dict], s
     for m in store_mod.EXPERT_MATRICES:
         qm = random_qmatrix(*store_mod.expert_shape(cfg, m), spec, device, gen)
         tensors.update({f"{m}.{k}": v for k, v in qm.tensors().items()})
+    for b in store_mod.EXPERT_BIASES if cfg.expert_act == "clamped_swiglu" else ():  # gpt_oss
+        bias = torch.randn(store_mod.expert_shape(cfg, b), device=device, generator=gen) * 0.02
+        tensors[f"{b}.bias"] = bias.to(torch.bfloat16)
     for f in fields:
         buf[f["offset"]:f["offset"] + f["nbytes"]] = tensors[f["name"]].contiguous().view(torch.uint8).reshape(-1)
     return buf
@@ -142,7 +212,7 @@ def cache_size_for(budget: int | None, cfg, dense_bytes, stride, context, device
              + workspace_bytes(cfg, torch.bfloat16, device, kernels))
     if budget is None:
         return cfg.num_experts
-    k = (budget - fixed) // (cfg.num_layers * stride)
+    k = (budget - fixed) // (cfg.num_moe_layers * stride)
     if k < 1:
         raise UserError(f"A VRAM budget of {fmt_bytes(budget)} cannot hold the resident weights "
                         f"({fmt_bytes(fixed)}) and one expert per layer; raise --vram-budget.")
@@ -159,7 +229,9 @@ def run_mode(cfg, dense, host, fields, eq, device, policy, k, prefetch, kernels,
     model = OffloadedMixtral(cfg, dense, cache, device, torch.bfloat16, kernels)
     model.prefetch_depth = prefetch
     model.setup_kv(len(prompt) + new_tokens)
-    model.use_cuda_graphs(graphs and kernels == "fused")  # the reference path stays eager, as HQQ's
+    note = model.use_cuda_graphs(graphs and kernels == "fused")  # the reference path stays eager, as HQQ's
+    if note:
+        print(f"moeferry bench: {note}", file=sys.stderr)
     if model.graphs is not None:
         model.graphs.prepare(len(prompt) + new_tokens)  # captured before the clock starts
     t0 = time.perf_counter()
@@ -193,21 +265,23 @@ class Synthetic:
     pinned_bytes_per_s: float
     expert_bits: int
     attn_bits: int
+    model: str = "mixtral-8x7b"  # MODEL_SHAPES key
 
 
-def build(layers: int = 32, expert_bits: int = 2, attn_bits: int = 4, seed: int = 0, log=print) -> Synthetic:
+def build(layers: int | None = 32, expert_bits: int = 2, attn_bits: int = 4, seed: int = 0, log=print,
+          model: str = "mixtral-8x7b") -> Synthetic:
     if not torch.cuda.is_available():
         raise UserError("moeferry bench measures GPU offloading and needs a CUDA GPU; none is visible.")
     device = torch.device("cuda")
-    cfg = ModelConfig(**{**MIXTRAL, "num_layers": layers})
-    log(f"building a synthetic Mixtral-8x7B ({layers} layers, {expert_bits}-bit experts, {attn_bits}-bit attention)")
+    cfg = shape_config(model, layers)
+    log(f"building a synthetic {model} ({cfg.num_layers} layers, {expert_bits}-bit experts, {attn_bits}-bit attention)")
     t = time.perf_counter()
     dense, dense_bytes, host, fields, eq = synthetic_model(cfg, expert_bits, attn_bits, device, seed)
     log(f"  built in {time.perf_counter() - t:.1f} s; one expert = {host.shape[2] / 1e6:.1f} MB, "
         f"resident weights {fmt_bytes(dense_bytes)}")
     bw = pinned_bandwidth(device)
     log(f"  pinned host->device bandwidth: {bw / 1e9:.1f} GB/s")
-    return Synthetic(cfg, dense, dense_bytes, host, fields, eq, device, bw, expert_bits, attn_bits)
+    return Synthetic(cfg, dense, dense_bytes, host, fields, eq, device, bw, expert_bits, attn_bits, model)
 
 
 def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 128, new_tokens: int = 64,
@@ -260,7 +334,7 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
             log(f"  {mode:5s} {kern:9s} {r.decode_tokens_per_s:7.2f} tok/s  first token {first:.2f} s  "
                 f"hits {r.hit_rate:.2f}  {r.gb_per_token:.2f} GB/token  peak {fmt_bytes(peak)}")
     return {
-        "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(device),
+        "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(device), "model": s.model,
         "layers": cfg.num_layers, "vram_budget": vram_budget, "vram_budget_bytes": budget,
         "expert_bits": s.expert_bits, "attn_bits": s.attn_bits, "prompt_len": prompt_len,
         "new_tokens": new_tokens, "expert_bytes": stride, "resident_bytes": s.dense_bytes,
@@ -294,7 +368,9 @@ def cli_bench(argv: list[str]) -> int:
         from engine.convert_bench import cli_bench_convert
         return cli_bench_convert(argv[1:])
     p = argparse.ArgumentParser(prog="moeferry bench")
-    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--model", default="mixtral-8x7b", choices=tuple(MODEL_SHAPES),
+                   help="the shape of the synthetic model (default mixtral-8x7b)")
+    p.add_argument("--layers", type=int, default=None, help="the model's first N layers (default: all)")
     p.add_argument("--vram-budget", default="12GiB",
                    help="e.g. 12GiB (RTX 3060), 16GiB, none; several, comma-separated, share one build")
     p.add_argument("--expert-bits", type=int, default=2, choices=(2, 3, 4))
@@ -307,10 +383,10 @@ def cli_bench(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="print the report(s) as JSON")
     p.add_argument("--json-dir", help="also write one JSON report per budget and prompt length here")
     a = p.parse_args(argv)
-    if a.new_tokens < 2 or a.layers < 1:
+    if a.new_tokens < 2 or (a.layers is not None and a.layers < 1):
         raise UserError("--new-tokens must be 2 or more and --layers 1 or more.")
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    s = build(a.layers, a.expert_bits, a.attn_bits, log=log)
+    s = build(a.layers, a.expert_bits, a.attn_bits, log=log, model=a.model)
     reports = []
     for budget in a.vram_budget.split(","):  # one set of weights, several budgets: one build
         for plen in (int(x) for x in str(a.prompt_len).split(",")):
@@ -319,7 +395,8 @@ def cli_bench(argv: list[str]) -> int:
             reports.append(r)
             if a.json_dir:
                 Path(a.json_dir).mkdir(parents=True, exist_ok=True)
-                name = f"bench-{a.expert_bits}bit-{budget}-p{plen}.json"
+                stem = "bench" if a.model == "mixtral-8x7b" else f"bench-{a.model}"
+                name = f"{stem}-{a.expert_bits}bit-{budget}-p{plen}.json"
                 (Path(a.json_dir) / name).write_text(json.dumps(r, indent=1))
     if a.json:
         print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=1))
