@@ -15,8 +15,10 @@ engine/store.py); their differences are named options of ModelConfig:
   qwen2_moe  q/k/v biases; a shared expert, always resident, gated by sigmoid(h . gate)
   gpt_oss    biases everywhere; attention sinks; per-layer sliding windows; the router's
              softmax over its top-k logits (+ bias); clamped SwiGLU experts with biases; YaRN
-A layer is a dict of its weights: "mlp" (a dense layer) or "router" + "moe_index" (its row
-in the expert cache and the store), plus "window" where it has its own sliding window.
+A layer is a dict (layer_weights) of its weights by role and of the options its functions
+read: "mlp" for a dense layer, else "router" and "moe_index" (its row in the expert cache and
+the store: moe() and dispatch() take that row, not the layer number), "routing", "window",
+"qk_norm", "clip_qkv", "sinks", "shared" where the family has them. Absent keys mean Mixtral's.
 """
 
 from __future__ import annotations
