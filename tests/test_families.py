@@ -377,17 +377,18 @@ def test_catalog_sizes_are_the_store_layout_of_the_repositorys_config(entry_id, 
 
 
 def test_bench_model_shapes_are_the_published_ones():
-    from engine import bench
+    from engine import bench, bench_shapes
     from engine.model import ModelConfig
-    assert bench.shape_config("mixtral-8x7b") == ModelConfig(**bench.MIXTRAL)
-    q, g, o = (bench.shape_config(m) for m in ("qwen3-30b-a3b", "gpt-oss-20b", "olmoe-1b-7b"))
+    assert bench_shapes.shape_config("mixtral-8x7b") == ModelConfig(**bench.MIXTRAL)
+    assert set(bench_shapes.MODEL_SHAPES) == {"mixtral-8x7b", "qwen3-30b-a3b", "gpt-oss-20b", "olmoe-1b-7b"}
+    q, g, o = (bench_shapes.shape_config(m) for m in ("qwen3-30b-a3b", "gpt-oss-20b", "olmoe-1b-7b"))
     assert (q.num_layers, q.hidden_size, q.num_experts, q.top_k, q.intermediate_size, q.num_heads, q.num_kv_heads,
             q.head_dim, q.qk_norm) == (48, 2048, 128, 8, 768, 32, 4, 128, "head")
     assert (g.num_layers, g.hidden_size, g.num_experts, g.top_k, g.sinks, g.rope_scaling["rope_type"]) == \
         (24, 2880, 32, 4, True, "yarn")
     assert g.layer_windows == (128, None) * 12
     assert (o.num_layers, o.num_experts, o.top_k, o.qk_norm, o.norm_topk_prob) == (16, 64, 8, "full", False)
-    assert bench.shape_config("gpt-oss-20b", layers=3).layer_windows == (128, None, 128)
+    assert bench_shapes.shape_config("gpt-oss-20b", layers=3).layer_windows == (128, None, 128)
 
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-20b", "olmoe-1b-7b", "mixtral-8x7b"])
@@ -396,10 +397,11 @@ def test_bench_builds_a_synthetic_model_the_engine_runs(name):
     from dataclasses import replace
 
     from engine import bench, quant
+    from engine.bench_shapes import shape_config
     from engine.expert_cache import ExpertCache
     from engine.model import OffloadedMixtral
-    cfg = replace(bench.shape_config(name, layers=2), vocab_size=128, hidden_size=128, intermediate_size=64,
-                  num_heads=4, num_kv_heads=2, head_dim=32, num_experts=6, top_k=min(3, bench.shape_config(name).top_k))
+    cfg = replace(shape_config(name, layers=2), vocab_size=128, hidden_size=128, intermediate_size=64,
+                  num_heads=4, num_kv_heads=2, head_dim=32, num_experts=6, top_k=min(3, shape_config(name).top_k))
     dense, _, host, fields, eq = bench.synthetic_model(cfg, 4, 8, "cpu")
     assert host.shape[:2] == (cfg.num_moe_layers, cfg.num_experts)
     dense = {k: quant.dequantize(w) if isinstance(w, quant.QMatrix) else w.float() for k, w in dense.items()}
