@@ -202,7 +202,7 @@ class Synthetic:
     pinned_bytes_per_s: float
     expert_bits: int
     attn_bits: int
-    model: str = "mixtral-8x7b"  # MODEL_SHAPES key
+    shape: str = "mixtral-8x7b"  # the MODEL_SHAPES key it was built from
 
 
 def build(layers: int | None = 32, expert_bits: int = 2, attn_bits: int = 4, seed: int = 0, log=print,
@@ -271,7 +271,7 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
             log(f"  {mode:5s} {kern:9s} {r.decode_tokens_per_s:7.2f} tok/s  first token {first:.2f} s  "
                 f"hits {r.hit_rate:.2f}  {r.gb_per_token:.2f} GB/token  peak {fmt_bytes(peak)}")
     return {
-        "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(device), "model": s.model,
+        "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(device), "model": s.shape,
         "layers": cfg.num_layers, "vram_budget": vram_budget, "vram_budget_bytes": budget,
         "expert_bits": s.expert_bits, "attn_bits": s.attn_bits, "prompt_len": prompt_len,
         "new_tokens": new_tokens, "expert_bytes": stride, "resident_bytes": s.dense_bytes,
