@@ -25,12 +25,13 @@ import gc
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from engine import quant, routing as routing_mod, store as store_mod
+from engine.bench_shapes import MODEL_SHAPES, family_dense, shape_config
 from engine.errors import UserError
 from engine.expert_cache import ExpertCache, pace_cycles, sleep_cycles_per_s
 from engine.generate import compute_ready, fmt_bytes, parse_size, workspace_bytes
@@ -39,7 +40,6 @@ from engine.model import KVCache, ModelConfig, OffloadedMixtral
 MIXTRAL = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                num_kv_heads=8, head_dim=128, num_experts=8, top_k=2, rms_norm_eps=1e-5, rope_theta=1e6,
                max_position_embeddings=32768, sliding_window=None, tie_word_embeddings=False)
-
 
 @dataclass
 class ModeResult:
@@ -100,12 +100,15 @@ def synthetic_model(cfg: ModelConfig, expert_bits: int, attn_bits: int, device, 
                                                                 dtype=dtype, generator=gen) * 0.02
         for m in store_mod.ATTN_MATRICES:
             dense[p + f"self_attn.{m}.weight"] = random_qmatrix(*store_mod.attn_shape(cfg, m), as_, device, gen)
+        dense.update(family_dense(cfg, i, lambda r, c: random_qmatrix(r, c, as_, device, gen), device, gen))
     dense_bytes = sum(w.nbytes() if isinstance(w, quant.QMatrix) else w.numel() * w.element_size()
                       for w in dense.values())
+    if cfg.expert_act == "clamped_swiglu":
+        eq["bias_dtype"] = "BF16"
     fields, stride = store_mod.expert_layout(cfg, eq)
-    host = torch.empty((cfg.num_layers, cfg.num_experts, stride), dtype=torch.uint8,
+    host = torch.empty((cfg.num_moe_layers, cfg.num_experts, stride), dtype=torch.uint8,
                        pin_memory=torch.device(device).type == "cuda")
-    for layer in range(cfg.num_layers):
+    for layer in range(cfg.num_moe_layers):
         host[layer].copy_(torch.stack([random_expert(cfg, es, fields, stride, device, gen)
                                        for _ in range(cfg.num_experts)]))
     return dense, dense_bytes, host, fields, eq
@@ -119,6 +122,9 @@ def random_expert(cfg: ModelConfig, spec: quant.QuantSpec, fields: list[dict], s
     for m in store_mod.EXPERT_MATRICES:
         qm = random_qmatrix(*store_mod.expert_shape(cfg, m), spec, device, gen)
         tensors.update({f"{m}.{k}": v for k, v in qm.tensors().items()})
+    for b in store_mod.EXPERT_BIASES if cfg.expert_act == "clamped_swiglu" else ():  # gpt_oss
+        bias = torch.randn(store_mod.expert_shape(cfg, b), device=device, generator=gen) * 0.02
+        tensors[f"{b}.bias"] = bias.to(torch.bfloat16)
     for f in fields:
         buf[f["offset"]:f["offset"] + f["nbytes"]] = tensors[f["name"]].contiguous().view(torch.uint8).reshape(-1)
     return buf
@@ -167,7 +173,7 @@ def cache_size_for(budget: int | None, cfg, dense_bytes, stride, context, device
              + workspace_bytes(cfg, torch.bfloat16, device, kernels))
     if budget is None:
         return cfg.num_experts
-    k = (budget - fixed) // (cfg.num_layers * stride)
+    k = (budget - fixed) // (cfg.num_moe_layers * stride)
     if k < 1:
         raise UserError(f"A VRAM budget of {fmt_bytes(budget)} cannot hold the resident weights "
                         f"({fmt_bytes(fixed)}) and one expert per layer; raise --vram-budget.")
@@ -192,6 +198,7 @@ class Synthetic:
     expert_bits: int
     attn_bits: int
     dtype: torch.dtype = torch.bfloat16
+    shape: str = "mixtral-8x7b"  # the MODEL_SHAPES key it was built from
 
     def model(self, policy: str, k: int, prefetch: int, kernels: str, pace: int = 0) -> OffloadedMixtral:
         # the CPU (tests) dequantizes an expert once per load, as the engine does there
@@ -215,7 +222,9 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
     model = s.model(policy, k, prefetch, kernels, pace)
     model.routing = routing
     model.setup_kv(len(prompt) + new_tokens)
-    model.use_cuda_graphs(graphs and kernels == "fused")  # the reference path stays eager, as HQQ's
+    note = model.use_cuda_graphs(graphs and kernels == "fused")  # the reference path stays eager, as HQQ's
+    if note:
+        print(f"moeferry bench: {note}", file=sys.stderr)
     if model.graphs is not None:
         model.graphs.prepare(len(prompt) + new_tokens)  # captured before the clock starts
     t0 = time.perf_counter()
@@ -238,8 +247,8 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
     return first, decode, d, peak, recall
 
 
-def build(layers: int = 32, expert_bits: int = 2, attn_bits: int = 4, seed: int = 0, log=print,
-          device=None, config: dict | None = None) -> Synthetic:
+def build(layers: int | None = 32, expert_bits: int = 2, attn_bits: int = 4, seed: int = 0, log=print,
+          device=None, config: dict | None = None, model: str = "mixtral-8x7b") -> Synthetic:
     """The synthetic model. device None = the CUDA GPU (the command's case); a CPU device with a
     small `config` (ModelConfig fields over MIXTRAL's) is for tests."""
     if device is None:
@@ -247,9 +256,9 @@ def build(layers: int = 32, expert_bits: int = 2, attn_bits: int = 4, seed: int 
             raise UserError("moeferry bench measures GPU offloading and needs a CUDA GPU; none is visible.")
         device = torch.device("cuda")
     device = torch.device(device)
-    cfg = ModelConfig(**{**MIXTRAL, "num_layers": layers, **(config or {})})
+    cfg = replace(shape_config(model, layers), **(config or {}))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    log(f"building a synthetic Mixtral-8x7B ({layers} layers, {expert_bits}-bit experts, {attn_bits}-bit attention)")
+    log(f"building a synthetic {model} ({cfg.num_layers} layers, {expert_bits}-bit experts, {attn_bits}-bit attention)")
     t = time.perf_counter()
     dense, dense_bytes, host, fields, eq = synthetic_model(cfg, expert_bits, attn_bits, device, seed, dtype)
     if device.type == "cpu":
@@ -258,7 +267,7 @@ def build(layers: int = 32, expert_bits: int = 2, attn_bits: int = 4, seed: int 
         f"resident weights {fmt_bytes(dense_bytes)}")
     bw = pinned_bandwidth(device) if device.type == "cuda" else 0.0
     log(f"  pinned host->device bandwidth: {bw / 1e9:.1f} GB/s")
-    return Synthetic(cfg, dense, dense_bytes, host, fields, eq, device, bw, expert_bits, attn_bits, dtype)
+    return Synthetic(cfg, dense, dense_bytes, host, fields, eq, device, bw, expert_bits, attn_bits, dtype, model)
 
 
 @dataclass
@@ -339,7 +348,7 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
     if isinstance(probe, routing_mod.TraceRouting):
         routing["trace"] = routing_mod.trace_stats(probe.trace.tokens(0, prompt_len + new_tokens))
     return {
-        "date": time.strftime("%Y-%m-%d"),
+        "date": time.strftime("%Y-%m-%d"), "model": s.shape,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "layers": cfg.num_layers, "vram_budget": vram_budget, "vram_budget_bytes": budget,
         "expert_bits": s.expert_bits, "attn_bits": s.attn_bits, "prompt_len": prompt_len,
@@ -416,7 +425,9 @@ def cli_bench(argv: list[str]) -> int:
         from engine.convert_bench import cli_bench_convert
         return cli_bench_convert(argv[1:])
     p = argparse.ArgumentParser(prog="moeferry bench")
-    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--model", default="mixtral-8x7b", choices=tuple(MODEL_SHAPES),
+                   help="the shape of the synthetic model (default mixtral-8x7b)")
+    p.add_argument("--layers", type=int, default=None, help="the model's first N layers (default: all)")
     p.add_argument("--vram-budget", default="12GiB",
                    help="e.g. 12GiB (RTX 3060), 16GiB, none; several, comma-separated, share one build")
     p.add_argument("--expert-bits", type=int, default=2, choices=(2, 3, 4))
@@ -437,14 +448,14 @@ def cli_bench(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="print the report(s) as JSON")
     p.add_argument("--json-dir", help="also write one JSON report per budget and prompt length here")
     a = p.parse_args(argv)
-    if a.new_tokens < 2 or a.layers < 1:
+    if a.new_tokens < 2 or (a.layers is not None and a.layers < 1):
         raise UserError("--new-tokens must be 2 or more and --layers 1 or more.")
     if not 0 <= a.guess_recall <= 1 or (a.h2d_gbps is not None and a.h2d_gbps <= 0) \
             or (a.cpu_threads is not None and a.cpu_threads < 1):
         raise UserError("--guess-recall must be in [0, 1], --h2d-gbps above 0 and --cpu-threads 1 or more.")
     cond = Conditions(a.routing, a.guess_recall, a.h2d_gbps)
     # a bad --routing (or a trace too short for the run) fails before the build
-    source = routing_mod.parse_routing(a.routing, ModelConfig(**{**MIXTRAL, "num_layers": a.layers}), "cpu",
+    source = routing_mod.parse_routing(a.routing, shape_config(a.model, a.layers), "cpu",
                                        a.guess_recall, a.prefetch)
     need = max(int(x) for x in str(a.prompt_len).split(",")) + a.new_tokens
     if isinstance(source, routing_mod.TraceRouting) and source.trace.num_tokens < need:
@@ -453,7 +464,7 @@ def cli_bench(argv: list[str]) -> int:
     if a.cpu_threads:
         torch.set_num_threads(a.cpu_threads)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    s = build(a.layers, a.expert_bits, a.attn_bits, log=log)
+    s = build(a.layers, a.expert_bits, a.attn_bits, log=log, model=a.model)
     reports = []
     for budget in a.vram_budget.split(","):  # one set of weights, several budgets: one build
         for plen in (int(x) for x in str(a.prompt_len).split(",")):
@@ -462,7 +473,8 @@ def cli_bench(argv: list[str]) -> int:
             reports.append(r)
             if a.json_dir:
                 Path(a.json_dir).mkdir(parents=True, exist_ok=True)
-                name = f"bench-{a.expert_bits}bit-{budget}-p{plen}-{cond.routing.split(':')[0]}.json"
+                stem = "bench" if a.model == "mixtral-8x7b" else f"bench-{a.model}"
+                name = f"{stem}-{a.expert_bits}bit-{budget}-p{plen}-{cond.routing.split(':')[0]}.json"
                 (Path(a.json_dir) / name).write_text(json.dumps(r, indent=1))
     if a.json:
         print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=1))

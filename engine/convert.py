@@ -1,4 +1,8 @@
-"""Hugging Face Mixtral checkpoint folder -> MoE Ferry store, one tensor at a time.
+"""Hugging Face MoE checkpoint folder -> MoE Ferry store, one tensor at a time.
+
+The families of engine/store.py's SUPPORTED_FAMILIES (config.json's model_type); experts
+stored per expert or stacked as 3-D tensors, gpt-oss's MXFP4 experts imported as they are
+(--expert-bits 16) or dequantized and re-quantized with HQQ (2/3/4).
 
 Peak memory is bounded by one expert (three matrices in the source dtype) plus HQQ's float32
 workspace for one matrix (about 6 copies of it), never the checkpoint: for Mixtral-8x7B
@@ -21,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from engine import quant, store
+from engine import mxfp4, quant, store
 from engine.errors import UserError
 from engine.generate import resolve_device
 from engine.model import ModelConfig
@@ -61,10 +65,7 @@ def read_hf_config(src: Path) -> dict:
                         f"give the folder that holds config.json and the .safetensors files.") from None
     except ValueError:
         raise UserError(f"{src}/config.json is not valid JSON; download the checkpoint again.") from None
-    kind = cfg.get("model_type", "")
-    if kind != "mixtral" and "MixtralForCausalLM" not in cfg.get("architectures", []):
-        raise UserError(f"{src} holds a {kind or 'unknown'!r} model, not Mixtral; "
-                        f"MoE Ferry converts Mixtral checkpoints only.")
+    store.check_family(cfg, str(src))
     return cfg
 
 
@@ -127,10 +128,7 @@ def expert_loader(refs: dict[str, TensorRef], cfg: ModelConfig):
         return {m: refs[p + m + ".weight"].load() for m in store.EXPERT_MATRICES}
 
     def fused(layer, e):
-        p = f"model.layers.{layer}.mlp.experts."
-        gate_up = slice_first(refs[p + "gate_up_proj"], e)  # [2F, H]
-        return {"w1": gate_up[:cfg.intermediate_size], "w3": gate_up[cfg.intermediate_size:],
-                "w2": slice_first(refs[p + "down_proj"], e)}
+        return read_stacked_expert(refs, cfg, layer, e)
 
     if "model.layers.0.block_sparse_moe.experts.0.w1.weight" in refs:
         need = [f"model.layers.{l}.block_sparse_moe.experts.{e}.{m}.weight"
@@ -143,6 +141,74 @@ def expert_loader(refs: dict[str, TensorRef], cfg: ModelConfig):
         return fused, refs["model.layers.0.mlp.experts.gate_up_proj"].entry["dtype"]
     raise UserError("The checkpoint has no Mixtral expert weights (expected keys like "
                     "model.layers.0.block_sparse_moe.experts.0.w1.weight); is it a Mixtral checkpoint?")
+
+
+def read_stacked_expert(refs: dict[str, TensorRef], cfg: ModelConfig, layer: int, e: int) -> dict:
+    """Expert e of transformers' stacked layout: gate_up_proj [E, 2F, H] (gate rows, then up)
+    and down_proj [E, H, F]."""
+    p = f"model.layers.{layer}.mlp.experts."
+    gate_up = slice_first(refs[p + "gate_up_proj"], e)  # [2F, H]
+    return {"w1": gate_up[:cfg.intermediate_size], "w3": gate_up[cfg.intermediate_size:],
+            "w2": slice_first(refs[p + "down_proj"], e)}
+
+
+def family_expert_loader(refs: dict[str, TensorRef], cfg: ModelConfig, keep_mxfp4: bool):
+    """(layer, expert) -> {w1, w3, w2 [, b1, b3, b2]}, the experts' source dtype and their
+    biases' dtype (None without biases), for the checkpoint's family."""
+    if cfg.family == "mixtral":
+        return (*expert_loader(refs, cfg), None)
+    if cfg.family == "gpt_oss":
+        return gpt_oss_expert_loader(refs, cfg, keep_mxfp4)
+    return qwen_expert_loader(refs, cfg)
+
+
+def qwen_expert_loader(refs: dict[str, TensorRef], cfg: ModelConfig):
+    """qwen3_moe, qwen2_moe, olmoe: mlp.experts.E.{gate,up,down}_proj.weight, or stacked."""
+    names = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
+    first = cfg.moe_layer_ids[0]
+    if f"model.layers.{first}.mlp.experts.0.gate_proj.weight" in refs:
+        check_present(refs, [f"model.layers.{l}.mlp.experts.{e}.{n}.weight" for l in cfg.moe_layer_ids
+                             for e in range(cfg.num_experts) for _, n in names])
+
+        def per_expert(layer, e):
+            p = f"model.layers.{layer}.mlp.experts.{e}."
+            return {m: refs[p + n + ".weight"].load() for m, n in names}
+        return per_expert, refs[f"model.layers.{first}.mlp.experts.0.gate_proj.weight"].entry["dtype"], None
+    stacked = [f"model.layers.{l}.mlp.experts.{m}" for l in cfg.moe_layer_ids for m in ("gate_up_proj", "down_proj")]
+    check_present(refs, stacked)
+    return (lambda layer, e: read_stacked_expert(refs, cfg, layer, e)), refs[stacked[0]].entry["dtype"], None
+
+
+def gpt_oss_expert_loader(refs: dict[str, TensorRef], cfg: ModelConfig, keep_mxfp4: bool):
+    """gpt_oss: gate_up_proj [E, H, 2F] (x @ W, gate and up interleaved) and down_proj [E, F, H]
+    with biases, or the MXFP4 gate_up_proj_blocks / _scales [E, 2F, ...] and down_proj_... [E, H, ...]."""
+    p0 = "model.layers.{}.mlp.experts."
+    mx = (p0.format(0) + "gate_up_proj_blocks") in refs
+    parts = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales") if mx \
+        else ("gate_up_proj", "down_proj")
+    check_present(refs, [p0.format(l) + n for l in cfg.moe_layer_ids
+                         for n in parts + ("gate_up_proj_bias", "down_proj_bias")])
+
+    def load(layer, e):
+        p = p0.format(layer)
+        gate_up_bias, out = slice_first(refs[p + "gate_up_proj_bias"], e), {}
+        out["b1"], out["b3"], out["b2"] = gate_up_bias[0::2], gate_up_bias[1::2], slice_first(refs[p + "down_proj_bias"], e)
+        if not mx:
+            gate_up = slice_first(refs[p + "gate_up_proj"], e)  # [H, 2F]
+            return out | {"w1": gate_up[:, 0::2].T.contiguous(), "w3": gate_up[:, 1::2].T.contiguous(),
+                          "w2": slice_first(refs[p + "down_proj"], e).T.contiguous()}
+        blocks, scales = slice_first(refs[p + "gate_up_proj_blocks"], e), slice_first(refs[p + "gate_up_proj_scales"], e)
+        F, H = cfg.intermediate_size, cfg.hidden_size
+        mats = {"w1": mxfp4.Mxfp4Matrix(F, H, blocks[0::2].contiguous(), scales[0::2].contiguous()),
+                "w3": mxfp4.Mxfp4Matrix(F, H, blocks[1::2].contiguous(), scales[1::2].contiguous()),
+                "w2": mxfp4.Mxfp4Matrix(H, F, slice_first(refs[p + "down_proj_blocks"], e),
+                                        slice_first(refs[p + "down_proj_scales"], e))}
+        if not keep_mxfp4:  # to be re-quantized: the values transformers computes with
+            mats = {m: mxfp4.dequantize(w, torch.bfloat16) for m, w in mats.items()}
+        return out | mats
+
+    dtype = "mxfp4" if mx else refs[p0.format(0) + "gate_up_proj"].entry["dtype"]
+    return load, dtype, refs[p0.format(0) + "gate_up_proj_bias"].entry["dtype"]
 
 
 def slice_first(ref: TensorRef, i: int) -> torch.Tensor:
@@ -163,18 +229,38 @@ def dense_names(cfg: ModelConfig, refs: dict) -> list[tuple[str, str]]:
     for l in range(cfg.num_layers):
         p = f"model.layers.{l}."
         names += [(p + "input_layernorm.weight",) * 2, (p + "post_attention_layernorm.weight",) * 2]
-        gate = p + "block_sparse_moe.gate.weight"
-        names.append((gate, gate if gate in refs else p + "mlp.gate.weight"))
         names += [(p + f"self_attn.{m}.weight",) * 2 for m in store.ATTN_MATRICES]
+        names += family_layer_names(cfg, refs, p, l)
     check_present(refs, [src for _, src in names])
     return names
+
+
+def family_layer_names(cfg: ModelConfig, refs: dict, p: str, layer: int) -> list[tuple[str, str]]:
+    """(store name, checkpoint name) of layer's dense tensors beyond norms and projections: the
+    router (one store spelling for all families), biases, q/k norms, sinks, dense MLPs."""
+    out = [(p + f"self_attn.{m}.bias",) * 2 for m in cfg.attn_biases]
+    if cfg.qk_norm != "none":
+        out += [(p + "self_attn.q_norm.weight",) * 2, (p + "self_attn.k_norm.weight",) * 2]
+    if cfg.sinks:
+        out.append((p + "self_attn.sinks",) * 2)
+    if layer not in cfg.moe_layer_ids:
+        return out + [(p + f"mlp.{m}.weight",) * 2 for m in store.MLP_MATRICES]
+    gate = p + "block_sparse_moe.gate.weight"
+    if cfg.family == "gpt_oss":
+        out += [(gate, p + "mlp.router.weight"), (p + "block_sparse_moe.gate.bias", p + "mlp.router.bias")]
+    else:
+        out.append((gate, gate if gate in refs else p + "mlp.gate.weight"))
+    if cfg.shared_expert_size:
+        out += [(p + f"mlp.shared_expert.{m}.weight",) * 2 for m in store.MLP_MATRICES]
+        out.append((p + "mlp.shared_expert_gate.weight",) * 2)
+    return out
 
 
 def check_present(refs: dict, names: list[str]) -> None:
     missing = [n for n in names if n not in refs]
     if missing:
-        raise UserError(f"The checkpoint lacks {len(missing)} tensors Mixtral needs (first: {missing[0]}); "
-                        f"it is incomplete or not a Mixtral checkpoint.")
+        raise UserError(f"The checkpoint lacks {len(missing)} tensors its model needs (first: {missing[0]}); "
+                        f"it is incomplete or not the model its config.json names.")
 
 
 def quantization_of(bits: int, specs: dict, source_dtype: str, allowed, rows: list[int]) -> dict:
@@ -219,17 +305,24 @@ def convert_checkpoint(src, dest, expert_bits: int, attn_bits: int, device: str 
     hf = read_hf_config(src)
     cfg = ModelConfig.from_hf(hf)
     refs = index_tensors(src)
-    load_expert, src_dtype = expert_loader(refs, cfg)
+    load_expert, src_dtype, bias_dtype = family_expert_loader(refs, cfg, keep_mxfp4=expert_bits == 16)
     names = dense_names(cfg, refs)
-    eq = quantization_of(expert_bits, quant.EXPERT_SPECS, src_dtype, (2, 3, 4, 16),
-                         [store.expert_shape(cfg, m)[0] for m in store.EXPERT_MATRICES])
-    aq = quantization_of(attn_bits, quant.ATTN_SPECS, refs[names[-1][1]].entry["dtype"], (4, 8, 16),
-                         [store.attn_shape(cfg, m)[0] for m in store.ATTN_MATRICES])
+    dense_shapes = [sh for dst, _ in names if dst.endswith(".weight")
+                    and (sh := store.dense_matrix_shape(cfg, dst[:-len(".weight")])) is not None]
+    if src_dtype == "mxfp4" and expert_bits == 16:  # imported as it is
+        eq = {"bits": 4, "method": "mxfp4", "group_size": mxfp4.BLOCK}
+    else:
+        eq = quantization_of(expert_bits, quant.EXPERT_SPECS, "BF16" if src_dtype == "mxfp4" else src_dtype,
+                             (2, 3, 4, 16), [store.expert_shape(cfg, m)[0] for m in store.EXPERT_MATRICES])
+    if bias_dtype is not None:
+        eq["bias_dtype"] = bias_dtype
+    aq = quantization_of(attn_bits, quant.ATTN_SPECS, refs["model.layers.0.self_attn.q_proj.weight"].entry["dtype"],
+                         (4, 8, 16), sorted({rows for rows, _ in dense_shapes}))
     try:
         for m in store.EXPERT_MATRICES:
             store.matrix_fields(*store.expert_shape(cfg, m), eq)
-        for m in store.ATTN_MATRICES:
-            store.matrix_fields(*store.attn_shape(cfg, m), aq)
+        for shape in dense_shapes:
+            store.matrix_fields(*shape, aq)
     except ValueError as e:
         raise UserError(f"This model's shapes do not fit the chosen quantization: {e}.") from None
     dev = resolve_device(device)
@@ -242,7 +335,7 @@ def convert_checkpoint(src, dest, expert_bits: int, attn_bits: int, device: str 
         tok_dir = resolve_tokenizer_dir(tokenizer) if tokenizer else None
         copy_tokenizer(src, tok_dir, tmp)
         (tmp / "config.json").write_text(json.dumps(hf, indent=2))
-        total = len(names) + cfg.num_layers * cfg.num_experts
+        total = len(names) + cfg.num_moe_layers * cfg.num_experts
         done = [0]
 
         def tick(msg):
@@ -292,15 +385,15 @@ def write_dense(tmp: Path, cfg: ModelConfig, refs, names, aq: dict, dev, tick) -
     entries, plan = [], []
     for dst, src_name in names:
         entry = refs[src_name].entry
-        proj = dst.split(".")[-2]
-        if proj in store.ATTN_MATRICES and aq["bits"] != 16:
-            fields = store.matrix_fields(*store.attn_shape(cfg, proj), aq)
-            base = dst[: -len(".weight")]
+        base = dst[: -len(".weight")]
+        shape = store.dense_matrix_shape(cfg, base) if dst.endswith(".weight") else None
+        if shape is not None and aq["bits"] != 16:
+            fields = store.matrix_fields(*shape, aq)
             entries += [(f"{base}.{k}", dt, shape) for k, (dt, shape) in fields.items()]
             plan.append((dst, src_name, base, True))
         else:
             from engine.safetensors_io import DTYPES
-            dtype = DTYPES[aq["dtype"]] if proj in store.ATTN_MATRICES else DTYPES[entry["dtype"]]
+            dtype = DTYPES[aq["dtype"]] if shape is not None else DTYPES[entry["dtype"]]
             entries.append((dst, dtype, tuple(entry["shape"])))
             plan.append((dst, src_name, dst, False))
     w = StreamingWriter(tmp / "dense.safetensors", entries, {"format": store.FORMAT})
@@ -318,15 +411,19 @@ def write_dense(tmp: Path, cfg: ModelConfig, refs, names, aq: dict, dev, tick) -
 
 def write_experts(tmp: Path, cfg: ModelConfig, load_expert, eq: dict, dev, tick) -> str:
     fields, stride = store.expert_layout(cfg, eq)
-    shape = (cfg.num_layers, cfg.num_experts, stride)
+    shape = (cfg.num_moe_layers, cfg.num_experts, stride)
     w = StreamingWriter(tmp / "experts.safetensors", [("experts", torch.uint8, shape)],
                         {"format": store.FORMAT})
-    for layer in range(cfg.num_layers):
+    for layer in cfg.moe_layer_ids:
         for e in range(cfg.num_experts):
             mats = load_expert(layer, e)
             tensors = {}
             for m, t in mats.items():
-                if eq["bits"] == 16:
+                if m in store.EXPERT_BIASES:
+                    tensors[f"{m}.bias"] = t
+                elif isinstance(t, mxfp4.Mxfp4Matrix):
+                    tensors.update({f"{m}.{k}": v for k, v in t.tensors().items()})
+                elif eq["bits"] == 16:
                     tensors[f"{m}.weight"] = t
                 else:
                     for k, v in quantize(t, eq, dev).tensors().items():

@@ -122,7 +122,7 @@ class Engine:
         self.device, self.dtype, self.vram_budget, self.max_context = device, dtype, budget, max_context
         self.note = note  # e.g. "pinned memory unavailable: copies are slower"
         self.last_stats = GenerationStats()
-        self.last_trace = ExpertTrace(self.config.num_layers, self.config.num_experts)
+        self.last_trace = ExpertTrace(self.config.num_moe_layers, self.config.num_experts)
         self.cached_ids: list[int] = []  # tokens whose keys/values are in the KV cache
         self.lock = threading.Lock()
         self.eos_ids = eos_ids(store.path, tokenizer)
@@ -138,7 +138,7 @@ class Engine:
         with self.lock:
             check_cache_size(k, self.config)
             fixed = fixed_device_bytes(self.store, self.model, self.max_context)
-            check_budget(self.vram_budget, fixed, k, self.config.num_layers * self.store.expert_bytes)
+            check_budget(self.vram_budget, fixed, k, self.config.num_moe_layers * self.store.expert_bytes)
             host = self.model.cache.host if self.model.cache.host is not None else store_mod.experts_array(self.store)
             self.model.cache = None
             self.model.cache = make_cache(self.store, host, k, self.device, self.dtype)
@@ -184,7 +184,7 @@ class Engine:
         self.cached_ids = []  # the KV cache is being overwritten
         stats = GenerationStats(prompt_tokens=len(prompt_ids), reused_prompt_tokens=reuse,
                                 vram_budget_bytes=self.vram_budget)
-        trace = ExpertTrace(self.config.num_layers, self.config.num_experts)
+        trace = ExpertTrace(self.config.num_moe_layers, self.config.num_experts)
         t0 = time.perf_counter()
         tokens = torch.tensor(prompt_ids[reuse:], device=self.device)
         model.trace = None
@@ -330,7 +330,7 @@ def make_cache(store: store_mod.Store, host: torch.Tensor, k: int, device, dtype
 def compute_ready(w, dtype):
     """A weight as the CPU computes with it: dequantized (the same values the reference path
     would produce at every product) in the compute dtype."""
-    return quant.dequantize(w, dtype) if isinstance(w, quant.QMatrix) else w.to(dtype)
+    return store_mod.as_float(w, dtype)
 
 
 def move_dense(dense: dict, device, dtype) -> tuple[dict, int]:
@@ -397,7 +397,7 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
         torch.set_num_threads(1)
     dense, dense_b = move_dense(store_mod.read_dense(st), dev, dtype)
     fixed = dense_b + KVCache.nbytes(cfg, context, dtype) + workspace_bytes(cfg, dtype, dev, kernels)
-    per_slot = cfg.num_layers * st.expert_bytes
+    per_slot = cfg.num_moe_layers * st.expert_bytes
     if budget is None and dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
         limit = free + dense_b - 512 * (1 << 20)  # dense weights are already on the device
@@ -414,10 +414,11 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
     model.dense_bytes = dense_b
     model.prefetch_depth = prefetch
     model.setup_kv(context)  # allocated once, at full size: budgeted above and graph-friendly
-    model.use_cuda_graphs(cuda_graphs)
+    eager_note = model.use_cuda_graphs(cuda_graphs)
     if model.graphs is not None:
         model.graphs.prepare(min(context, 1024), lambda f, m: report(0.9 + 0.1 * f, m))
     note = "" if (cache.pinned or cache.host is None or dev.type != "cuda") else \
         "Pinned memory is unavailable, so expert copies use pageable memory and are slower."
+    note = " ".join(n for n in (note, eager_note) if n)
     report(1.0, "ready")
     return Engine(st, model, tokenizer, dev, dtype, budget, context, note)

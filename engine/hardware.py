@@ -345,11 +345,13 @@ def catalog_plans(hw: dict, vram_budget_bytes: int | None = None) -> list[dict]:
         rows.append({"id": entry["id"], "name": entry.get("name", entry["id"]),
                      "expert_bits": sizes.expert_bits, "recommended": False, "best_bits": False,
                      "needs_convert": bool(entry.get("needs_convert")),
+                     "model_type": entry.get("model_type", "mixtral"),
                      "download_bytes": entry.get("download_bytes"),
                      "disk_bytes": entry.get("disk_bytes"), "plan": p.to_dict()})
     if not rows:
         return rows
-    mixtral = [r for r in rows if r["id"] != "demo"]
+    # the bit-width choice and the route are among Mixtral's variants; other families are offered beside them
+    mixtral = [r for r in rows if r["id"] != "demo" and r["model_type"] == "mixtral"]
     plans = [planner.Plan(**r["plan"]) for r in mixtral]
     if any(p.fits and p.device == "cuda" for p in plans):
         best = mixtral[planner.recommend(plans, [r["download_bytes"] or 0 for r in mixtral])]

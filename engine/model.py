@@ -1,10 +1,24 @@
-"""Mixtral forward with offloaded experts, batch 1, read top to bottom.
+"""The MoE forward with offloaded experts, batch 1, read top to bottom.
 
 model -> layer -> attention / mixture of experts -> norm -> RoPE helpers.
 Attention, norms, routers and embeddings live on the compute device; experts come from the
 ExpertCache (engine/expert_cache.py), which copies them in from host memory when they miss.
-The maths follows transformers' MixtralForCausalLM exactly (router: softmax in float32,
-top-k, renormalised; experts summed in ascending index order), which the tests check.
+The maths follows transformers exactly (Mixtral's router: softmax in float32, top-k,
+renormalised; experts summed in ascending index order), which the tests check.
+
+One layer definition serves every family (ModelConfig.family, SUPPORTED_FAMILIES in
+engine/store.py); their differences are named options of ModelConfig:
+  mixtral    the defaults
+  qwen3_moe  RMSNorm of q and k per head; norm_topk_prob; dense MLP layers (mlp_only_layers,
+             decoder_sparse_step) that have no experts
+  olmoe      RMSNorm of q and k over the whole projection, clip_qkv; norm_topk_prob false
+  qwen2_moe  q/k/v biases; a shared expert, always resident, gated by sigmoid(h . gate)
+  gpt_oss    biases everywhere; attention sinks; per-layer sliding windows; the router's
+             softmax over its top-k logits (+ bias); clamped SwiGLU experts with biases; YaRN
+A layer is a dict (layer_weights) of its weights by role and of the options its functions
+read: "mlp" for a dense layer, else "router" and "moe_index" (its row in the expert cache and
+the store: moe() and dispatch() take that row, not the layer number), "routing", "window",
+"qk_norm", "clip_qkv", "sinks", "shared" where the family has them. Absent keys mean Mixtral's.
 """
 
 from __future__ import annotations
@@ -16,10 +30,19 @@ import torch.nn.functional as F
 
 from engine.expert_cache import SERIALS
 from engine.kernels import qlinear
+from engine.mxfp4 import Mxfp4Matrix
+from engine.mxfp4 import dequantize as mxfp4_dequantize
+
+ATTN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 @dataclass
 class ModelConfig:
+    """The model's shape and its family's options, from the Hugging Face config.json.
+
+    The defaults are Mixtral's layer; each other family (model_type) sets a few named options
+    (family_options below). intermediate_size is the routed experts' FFN width.
+    """
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -34,6 +57,22 @@ class ModelConfig:
     max_position_embeddings: int
     sliding_window: int | None
     tie_word_embeddings: bool
+    family: str = "mixtral"
+    moe_layers: tuple[int, ...] | None = None  # layers with routed experts; None = all
+    dense_intermediate_size: int = 0  # FFN of the other (dense MLP) layers
+    shared_expert_size: int = 0  # FFN of the always-resident shared expert; 0 = none (qwen2_moe)
+    qk_norm: str = "none"  # "head": RMSNorm per head (qwen3_moe); "full": over the projection (olmoe)
+    clip_qkv: float | None = None  # olmoe: q, k, v clamped to +-clip_qkv
+    attn_biases: tuple[str, ...] = ()  # attention projections that have a bias
+    sinks: bool = False  # gpt_oss: a learned per-head logit that takes part in attention's softmax
+    layer_windows: tuple[int | None, ...] | None = None  # per-layer sliding window; None = sliding_window
+    router: str = "softmax_topk"  # or "topk_softmax": softmax over the selected logits (gpt_oss)
+    router_bias: bool = False
+    norm_topk_prob: bool = True  # renormalise the top-k weights (softmax_topk only)
+    expert_act: str = "silu"  # or "clamped_swiglu" (gpt_oss: biases, clamp, (up + 1) * glu)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    rope_scaling: dict | None = None  # rope_parameters of a non-default rope type (gpt_oss: yarn)
 
     @classmethod
     def from_hf(cls, c: dict) -> "ModelConfig":
@@ -41,16 +80,65 @@ class ModelConfig:
         heads = c["num_attention_heads"]
         return cls(
             vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
-            intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"],
+            intermediate_size=c.get("moe_intermediate_size") or c["intermediate_size"],
+            num_layers=c["num_hidden_layers"],
             num_heads=heads, num_kv_heads=c.get("num_key_value_heads") or heads,
             head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-            num_experts=c["num_local_experts"], top_k=c["num_experts_per_tok"],
+            num_experts=c.get("num_local_experts") or c["num_experts"], top_k=c["num_experts_per_tok"],
             rms_norm_eps=c.get("rms_norm_eps", 1e-5),
             rope_theta=rope.get("rope_theta", c.get("rope_theta", 1e6)),
             max_position_embeddings=c.get("max_position_embeddings", 32768),
-            sliding_window=c.get("sliding_window"),
+            sliding_window=c.get("sliding_window") if c.get("model_type", "mixtral") == "mixtral" else None,
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            **family_options(c),
         )
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        return self.moe_layers if self.moe_layers is not None else tuple(range(self.num_layers))
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Layers that hold experts: the expert cache's and the store's layer count."""
+        return len(self.moe_layer_ids)
+
+    @property
+    def mixtral_layer(self) -> bool:
+        """True when every layer is Mixtral's (what the CUDA-graph fast path implements)."""
+        return self.family == "mixtral"
+
+
+def family_options(c: dict) -> dict:
+    """The ModelConfig options of one family, read from its config.json (see the fields)."""
+    kind, layers = c.get("model_type", "mixtral"), c["num_hidden_layers"]
+    o: dict = {"family": kind}
+    if kind in ("qwen3_moe", "qwen2_moe"):
+        step, dense = c.get("decoder_sparse_step") or 1, set(c.get("mlp_only_layers") or ())
+        o["moe_layers"] = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+        o["dense_intermediate_size"] = c["intermediate_size"]
+    if kind in ("qwen3_moe", "qwen2_moe", "olmoe"):
+        o["norm_topk_prob"] = bool(c.get("norm_topk_prob", False))
+    if kind == "qwen3_moe":
+        o["qk_norm"] = "head"
+    if kind == "olmoe":
+        o["qk_norm"], o["clip_qkv"] = "full", c.get("clip_qkv")
+    if kind == "qwen2_moe":
+        o["shared_expert_size"] = c.get("shared_expert_intermediate_size") or 0
+        o["attn_biases"] = ATTN_PROJECTIONS[:3] if c.get("qkv_bias", True) else ()
+    elif c.get("attention_bias"):
+        o["attn_biases"] = ATTN_PROJECTIONS
+    if kind == "gpt_oss":
+        o.update(sinks=True, router="topk_softmax", router_bias=True, expert_act="clamped_swiglu",
+                 swiglu_alpha=c.get("swiglu_alpha", 1.702), swiglu_limit=c.get("swiglu_limit", 7.0))
+    if c.get("layer_types") and c.get("sliding_window"):
+        o["layer_windows"] = tuple(c["sliding_window"] if t == "sliding_attention" else None
+                                   for t in c["layer_types"])
+    elif kind in ("qwen3_moe", "qwen2_moe") and c.get("use_sliding_window") and c.get("sliding_window"):
+        o["layer_windows"] = (c["sliding_window"],) * layers
+    rope = c.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        o["rope_scaling"] = dict(rope)
+    return o
 
 
 class KVCache:
@@ -79,22 +167,21 @@ class OffloadedMixtral:
         self.embed = dense["model.embed_tokens.weight"]
         self.norm = dense["model.norm.weight"]
         self.lm_head = dense.get("lm_head.weight", self.embed)
-        self.layers = []
-        for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            self.layers.append({
-                "attn_norm": dense[p + "input_layernorm.weight"],
-                "moe_norm": dense[p + "post_attention_layernorm.weight"],
-                "router": dense[p + "block_sparse_moe.gate.weight"],
-                **{n: dense[p + f"self_attn.{n}.weight"] for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
-            })
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64)
-                                         .to(device=device, dtype=torch.float32) / cfg.head_dim))
-        self.inv_freq = inv
+        self.layers = [layer_weights(cfg, dense, i) for i in range(cfg.num_layers)]
+        self.moe_layers = [layer for layer in self.layers if "router" in layer]  # by moe_index
+        self.inv_freq, self.rope_scale = rope_frequencies(cfg, device)
 
-    def use_cuda_graphs(self, on: bool = True) -> None:
+    def use_cuda_graphs(self, on: bool = True) -> str:
+        """Decode through CUDA graphs on a CUDA device. Returns "" or the sentence that says why
+        not: the graphed layer (engine/decode_graphs.py) is Mixtral's, so other families run
+        the eager layer."""
         from engine.decode_graphs import GraphedDecode
+        self.graphs = None
+        if on and self.device.type == "cuda" and not self.cfg.mixtral_layer:
+            return (f"The fast CUDA-graph decode implements Mixtral's layer only, so this "
+                    f"{self.cfg.family} model runs the eager layer (correct, slower).")
         self.graphs = GraphedDecode(self) if on and self.device.type == "cuda" else None
+        return ""
 
     def setup_kv(self, capacity: int) -> None:
         """Allocate the KV cache; a no-op when the current one is big enough.
@@ -118,7 +205,7 @@ class OffloadedMixtral:
         if T == 1 and self.graphs is not None:
             return self.graphs.step(tokens, start)
         pos = torch.arange(start, start + T, device=self.device)
-        cos, sin = rope_cos_sin(self.inv_freq, pos, self.dtype)
+        cos, sin = rope_cos_sin(self.inv_freq, pos, self.dtype, self.rope_scale)
         x = F.embedding(tokens, self.embed)  # [T, H]
         if self.routing is not None:
             self.routing.begin(T)
@@ -126,7 +213,10 @@ class OffloadedMixtral:
         for i, layer in enumerate(self.layers):
             x = x + self.attention(i, layer, rms_norm(x, layer["attn_norm"], self.cfg.rms_norm_eps),
                                    cos, sin, start)
-            x = x + self.moe(i, layer, x, step)
+            if "mlp" in layer:  # a dense layer: no experts
+                x = x + self.expert(layer["mlp"], rms_norm(x, layer["moe_norm"], self.cfg.rms_norm_eps))
+            else:
+                x = x + self.moe(layer["moe_index"], layer, x, step)
         if step is not None:
             self.trace.append(step)
         if last_only:
@@ -144,16 +234,24 @@ class OffloadedMixtral:
         the device and attention spans the first `span` cached positions under a mask.
         """
         cfg, T = self.cfg, h.shape[0]
-        q = self.linear(h, layer["q_proj"]).view(T, cfg.num_heads, cfg.head_dim)
-        k = self.linear(h, layer["k_proj"]).view(T, cfg.num_kv_heads, cfg.head_dim)
-        v = self.linear(h, layer["v_proj"]).view(T, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = (self.project(h, layer, n) for n in ("q_proj", "k_proj", "v_proj"))
+        if layer.get("qk_norm") == "full":  # olmoe: over the whole projection, before the heads
+            q, k = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps), rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+        if layer.get("clip_qkv") is not None:
+            q, k, v = (t.clamp(-layer["clip_qkv"], layer["clip_qkv"]) for t in (q, k, v))
+        q = q.view(T, cfg.num_heads, cfg.head_dim)
+        k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
+        if layer.get("qk_norm") == "head":  # qwen3_moe: per head
+            q, k = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps), rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        window = layer.get("window", cfg.sliding_window)
         if pos is None:
             end = start + T
             self.kv.k[i, start:end] = k
             self.kv.v[i, start:end] = v
             qpos = torch.arange(start, end, device=h.device)[:, None]
-            need_mask = T > 1 or (cfg.sliding_window and end > cfg.sliding_window)
+            need_mask = T > 1 or (window and end > window)
         else:
             end, qpos, need_mask = span, pos[:, None], True
             self.kv.k[i].index_copy_(0, pos, k)
@@ -163,20 +261,41 @@ class OffloadedMixtral:
         if need_mask:
             kpos = torch.arange(end, device=h.device)[None, :]
             mask = kpos <= qpos
-            if cfg.sliding_window:
-                mask = mask & (qpos - kpos < cfg.sliding_window)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),  # [heads, S, D]
-            attn_mask=mask, enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+            if window:
+                mask = mask & (qpos - kpos < window)
+        if "sinks" in layer:
+            out = sink_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), mask,
+                                 layer["sinks"])
+        else:
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),  # [heads, S, D]
+                attn_mask=mask, enable_gqa=cfg.num_heads != cfg.num_kv_heads)
         out = out.transpose(0, 1).reshape(T, cfg.num_heads * cfg.head_dim)
-        return self.linear(out, layer["o_proj"])
+        return self.project(out, layer, "o_proj")
+
+    def project(self, h: torch.Tensor, layer: dict, name: str) -> torch.Tensor:
+        """One attention projection, with its bias where the family has one."""
+        y = self.linear(h, layer[name])
+        bias = layer.get(name + "_bias")
+        return y if bias is None else y + bias
 
     # -- mixture of experts ---------------------------------------------------------------------
 
     def route(self, layer: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [T, H] (normed) -> (weights float32 [T, k], expert ids [T, k]), as transformers."""
-        probs = torch.softmax(F.linear(h, layer["router"]).float(), dim=-1)
-        weights, ids = torch.topk(probs, self.cfg.top_k, dim=-1)
+        """h [T, H] (normed) -> (weights float32 [T, k], expert ids [T, k]), as transformers.
+
+        layer["routing"]: "softmax_topk_norm" (the default: Mixtral, norm_topk_prob),
+        "softmax_topk" (top-k of the softmax as they are) or "topk_softmax" (gpt_oss: softmax
+        over the top-k logits, which include the router's bias).
+        """
+        kind = layer.get("routing", "softmax_topk_norm")
+        logits = F.linear(h, layer["router"], layer.get("router_bias")).float()
+        if kind == "topk_softmax":
+            top, ids = torch.topk(logits, self.cfg.top_k, dim=-1)
+            return torch.softmax(top, dim=-1), ids
+        weights, ids = torch.topk(torch.softmax(logits, dim=-1), self.cfg.top_k, dim=-1)
+        if kind == "softmax_topk":
+            return weights, ids
         return weights / weights.sum(dim=-1, keepdim=True), ids
 
     def moe(self, i: int, layer: dict, x: torch.Tensor, step: list | None) -> torch.Tensor:
@@ -196,6 +315,9 @@ class OffloadedMixtral:
                 out.index_add_(0, rows, (y * weights[rows, pos, None]).to(out.dtype))
 
         self.dispatch(i, ids, guesses, step, add_expert)
+        if "shared" in layer:  # qwen2_moe: resident, computed for every token, gated
+            gate = torch.sigmoid(F.linear(h, layer["shared_gate"]))
+            out.add_(gate * self.expert(layer["shared"], h))
         return out
 
     def dispatch(self, i: int, ids: torch.Tensor, guesses: torch.Tensor | None, step: list | None,
@@ -229,7 +351,19 @@ class OffloadedMixtral:
             self.cache.prefetch(i + d, guess)
 
     def expert(self, w: dict, h: torch.Tensor) -> torch.Tensor:
+        """SwiGLU: w2 (silu(w1 h) * w3 h); with biases (b1, b3, b2: gpt_oss, the one family whose
+        experts have them) its clamped variant."""
+        if "b1" in w:
+            return self.clamped_swiglu_expert(w, h)
         return self.linear(F.silu(self.linear(h, w["w1"])) * self.linear(h, w["w3"]), w["w2"])
+
+    def clamped_swiglu_expert(self, w: dict, h: torch.Tensor) -> torch.Tensor:
+        """gpt_oss: gate clamped above, up clamped both sides at swiglu_limit; (up + 1) * glu."""
+        limit = self.cfg.swiglu_limit
+        gate = (self.linear(h, w["w1"]) + w["b1"]).clamp(max=limit)
+        up = (self.linear(h, w["w3"]) + w["b3"]).clamp(-limit, limit)
+        glu = gate * torch.sigmoid(gate * self.cfg.swiglu_alpha)
+        return self.linear((up + 1) * glu, w["w2"]) + w["b2"]
 
     def guess_next_experts(self, i: int, x: torch.Tensor) -> torch.Tensor | None:
         """Layers i+1..i+D's routers applied to the current residual stream (last token):
@@ -238,19 +372,71 @@ class OffloadedMixtral:
         The residual stream changes slowly, so these guess which experts to copy early.
         Only timing depends on them: a wrong guess costs a copy, never a different output.
         """
-        out = [self.guess_ids(j, x[-1:]) for j in range(i + 1, min(i + 1 + self.prefetch_depth, self.cfg.num_layers))]
+        out = [self.guess_ids(j, x[-1:]) for j in range(i + 1, min(i + 1 + self.prefetch_depth, len(self.moe_layers)))]
         return torch.cat(out) if out else None
 
     def guess_ids(self, j: int, x: torch.Tensor, m: int | None = None) -> torch.Tensor:
         """Layer j's router on the residual stream x [T, H] (of an earlier layer): its m best
         experts [T, m] (default top_k, as `route` ranks them)."""
-        layer = self.layers[j]
+        layer = self.moe_layers[j]
         h = rms_norm(x, layer["moe_norm"], self.cfg.rms_norm_eps)
-        probs = torch.softmax(F.linear(h, layer["router"]).float(), dim=-1)
+        probs = torch.softmax(F.linear(h, layer["router"], layer.get("router_bias")).float(), dim=-1)
         return torch.topk(probs, m or self.cfg.top_k, dim=-1).indices
 
     def linear(self, x: torch.Tensor, w) -> torch.Tensor:
+        if isinstance(w, Mxfp4Matrix):  # gpt_oss's experts as imported: no fused kernel yet
+            return F.linear(x, mxfp4_dequantize(w, x.dtype))
         return qlinear(x, w, self.kernels)
+
+
+def layer_weights(cfg: ModelConfig, dense: dict, i: int) -> dict:
+    """Layer i's weights by their role (store names: engine/store.py) and its per-layer options."""
+    p = f"model.layers.{i}."
+    layer = {"attn_norm": dense[p + "input_layernorm.weight"],
+             "moe_norm": dense[p + "post_attention_layernorm.weight"],
+             **{n: dense[p + f"self_attn.{n}.weight"] for n in ATTN_PROJECTIONS},
+             **{n + "_bias": dense[p + f"self_attn.{n}.bias"] for n in cfg.attn_biases}}
+    if cfg.qk_norm != "none":
+        layer.update(qk_norm=cfg.qk_norm, q_norm=dense[p + "self_attn.q_norm.weight"],
+                     k_norm=dense[p + "self_attn.k_norm.weight"])
+    if cfg.clip_qkv is not None:
+        layer["clip_qkv"] = cfg.clip_qkv
+    if cfg.sinks:
+        layer["sinks"] = dense[p + "self_attn.sinks"]
+    if cfg.layer_windows is not None:
+        layer["window"] = cfg.layer_windows[i]
+    if i not in cfg.moe_layer_ids:
+        layer["mlp"] = swiglu_weights(dense, p + "mlp.")
+        return layer
+    layer["moe_index"] = cfg.moe_layer_ids.index(i)
+    layer["router"] = dense[p + "block_sparse_moe.gate.weight"]
+    if cfg.router_bias:
+        layer["router_bias"] = dense[p + "block_sparse_moe.gate.bias"]
+    layer["routing"] = ("topk_softmax" if cfg.router == "topk_softmax" else
+                        "softmax_topk_norm" if cfg.norm_topk_prob else "softmax_topk")
+    if cfg.shared_expert_size:
+        layer["shared"] = swiglu_weights(dense, p + "mlp.shared_expert.")
+        layer["shared_gate"] = dense[p + "mlp.shared_expert_gate.weight"]
+    return layer
+
+
+def swiglu_weights(dense: dict, prefix: str) -> dict:
+    """A dense SwiGLU MLP (gate_proj, up_proj, down_proj) as an expert's w1, w3, w2."""
+    return {m: dense[prefix + n + ".weight"] for m, n in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))}
+
+
+def sink_attention(q, k, v, mask, sinks: torch.Tensor) -> torch.Tensor:
+    """gpt_oss attention: q [heads, T, D], k/v [kv heads, S, D], mask [T, S] bool or None,
+    sinks [heads] -> [heads, T, D]. Each head's sink is one more logit in the softmax whose
+    value is zero: it only takes probability away from the keys."""
+    rep = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
+    scores = (q @ k.transpose(1, 2)).float() * q.shape[-1] ** -0.5  # [heads, T, S]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return probs.to(v.dtype) @ v
 
 
 # -- norm and RoPE helpers ----------------------------------------------------------------------
@@ -262,10 +448,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, pos: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_frequencies(cfg: ModelConfig, device) -> tuple[torch.Tensor, float]:
+    """RoPE's inverse frequencies [D/2] and the factor on cos/sin (1 but for YaRN's).
+
+    A non-default rope type (gpt_oss's YaRN) is computed by transformers' own function for it,
+    so it is the reference's by construction.
+    """
+    if cfg.rope_scaling is None:
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64)
+                                        .to(device=device, dtype=torch.float32) / cfg.head_dim))
+        return inv, 1.0
+    from transformers import PretrainedConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    hf = PretrainedConfig(rope_parameters=dict(cfg.rope_scaling), hidden_size=cfg.hidden_size,
+                          num_attention_heads=cfg.num_heads, head_dim=cfg.head_dim,
+                          max_position_embeddings=cfg.max_position_embeddings)
+    inv, scale = ROPE_INIT_FUNCTIONS[cfg.rope_scaling["rope_type"]](hf, device)
+    return inv.to(device=device, dtype=torch.float32), float(scale)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, pos: torch.Tensor, dtype,
+                 scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     freqs = pos.float()[:, None] * inv_freq[None, :]  # [T, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]  # [T, 1, D]
+    return (emb.cos() * scale).to(dtype)[:, None, :], (emb.sin() * scale).to(dtype)[:, None, :]  # [T, 1, D]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -132,9 +132,12 @@ class ModelSizes:
 
     @classmethod
     def from_config(cls, config: dict, expert_bits: int, attn_bits: int, name: str = "") -> "ModelSizes":
-        """Sizes of a store converted from a Hugging Face Mixtral config.json (analytic)."""
-        L, E = config["num_hidden_layers"], config["num_local_experts"]
-        H, F, V = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+        """Sizes of a store converted from a Hugging Face config.json (analytic; Mixtral's
+        layout, which the other families' experts share: num_experts and moe_intermediate_size
+        are their spellings)."""
+        L, E = config["num_hidden_layers"], config.get("num_local_experts") or config["num_experts"]
+        H, V = config["hidden_size"], config["vocab_size"]
+        F = config.get("moe_intermediate_size") or config["intermediate_size"]
         nh = config["num_attention_heads"]
         nkv = config.get("num_key_value_heads", nh)
         hd = config.get("head_dim") or H // nh

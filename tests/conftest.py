@@ -58,9 +58,14 @@ def make_checkpoint(folder: Path, seed: int = 0, shard: str | None = None, dtype
     cfg.update(overrides)
     torch.manual_seed(seed)
     model = MixtralForCausalLM(MixtralConfig(**cfg)).to(dtype).eval()
+    return save_checkpoint(model, folder, shard)
+
+
+def save_checkpoint(model, folder: Path, shard: str | None = None):
+    """save_pretrained (sharded when shard is a size) plus a tokenizer for its vocabulary; returns model."""
     kwargs = {"max_shard_size": shard} if shard else {}
     model.save_pretrained(folder, **kwargs)
-    make_tokenizer(cfg["vocab_size"], folder)
+    make_tokenizer(model.config.vocab_size, folder)
     return model
 
 

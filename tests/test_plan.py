@@ -57,7 +57,8 @@ def test_catalog_sizes_are_honest():
     cat = json.loads(CATALOG.read_text())
     repos = {e["repo_id"] for e in cat["models"]}
     assert repos == {"lavawolfiee/Mixtral-8x7B-Instruct-v0.1-offloading-demo",
-                     "mistralai/Mixtral-8x7B-Instruct-v0.1", ""}
+                     "mistralai/Mixtral-8x7B-Instruct-v0.1", "Qwen/Qwen3-30B-A3B-Instruct-2507",
+                     "openai/gpt-oss-20b", "allenai/OLMoE-1B-7B-0125-Instruct", ""}
     by_id = {e["id"]: e for e in cat["models"]}
     for bits in (2, 3, 4):
         e = by_id[f"mixtral-8x7b-instruct-{bits}bit"]
