@@ -49,6 +49,9 @@ READ_TIMEOUT_S = 60
 MAX_RETRIES = 8
 BACKOFF_BASE_S = 1.0
 BACKOFF_MAX_S = 60.0
+RETRY_AFTER_MAX_S = 300.0  # a server's Retry-After is honoured up to this
+STALL_S = 120.0  # a download slower than MIN_RATE_BPS over this long counts as stalled
+MIN_RATE_BPS = 1024.0
 DISK_MARGIN_BYTES = 64 << 20
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
@@ -78,6 +81,19 @@ class _Dropped(Exception):
     """The server closed the connection before sending the whole body."""
 
 
+class _Stalled(Exception):
+    """The server sent less than the minimum rate over a whole stall window."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How long a download waits and how often it tries again."""
+    max_retries: int = MAX_RETRIES
+    backoff_s: float = BACKOFF_BASE_S
+    stall_s: float = STALL_S
+    min_rate_bps: float = MIN_RATE_BPS
+
+
 # ---------------------------------------------------------------------------------------------
 # Public entry points
 
@@ -87,13 +103,18 @@ def fetch_repo(repo_id: str, dest, revision: str | None = None, endpoint: str | 
                cancel: threading.Event | None = None, allow_patterns: list[str] | None = None,
                *, retry_corrupt: bool = False, use_hf_cache: bool = True,
                skip_pickle_duplicates: bool = True, max_retries: int = MAX_RETRIES,
-               backoff_s: float = BACKOFF_BASE_S, log: Callable[[str], None] | None = None) -> Path:
+               backoff_s: float = BACKOFF_BASE_S, log: Callable[[str], None] | None = None,
+               stall_s: float = STALL_S, min_rate_bps: float = MIN_RATE_BPS) -> Path:
     """Download `repo_id` at `revision` into the folder `dest` and return its path.
 
     Every LFS file is checked against the hub's sha256, other files against their size and
-    git hash. A file that fails is renamed `<file>.corrupt` inside DEST.partial and, unless
+    git hash. Files are fetched from the commit the listing names, so a resumed file cannot
+    mix two revisions. A download slower than `min_rate_bps` for `stall_s` seconds is retried
+    like a dropped one; a Retry-After from the server is honoured (up to RETRY_AFTER_MAX_S).
+    A file that fails is renamed `<file>.corrupt` inside DEST.partial and, unless
     `retry_corrupt`, is not fetched again. Files already in the Hugging Face cache with the
-    same hash are linked (or copied) instead of downloaded. Raises UserError with one
+    same hash are linked (or copied) instead of downloaded; a cache copy that fails its hash
+    is downloaded instead (and the log says the cache copy was damaged). Raises UserError with one
     sentence (exit code 2: wrong repo/revision/access/DEST; 1: network, disk, bad bytes) and
     FetchCancelled when `cancel` is set.
     """
@@ -103,6 +124,7 @@ def fetch_repo(repo_id: str, dest, revision: str | None = None, endpoint: str | 
     token = token if token is not None else _stored_token()
     log = log or (lambda msg: None)
     cancel = cancel or threading.Event()
+    policy = RetryPolicy(max_retries, backoff_s, stall_s, min_rate_bps)
 
     done_already = _complete_download(dest, repo_id)
     if done_already is not None and done_already.get("revision") == revision:
@@ -128,7 +150,7 @@ def fetch_repo(repo_id: str, dest, revision: str | None = None, endpoint: str | 
             if rf.path in state["verified"]:
                 continue
             ok = _fetch_one(rf, partial, state, listing, base, token, tracker, cancel,
-                            retry_corrupt, use_hf_cache, max_retries, backoff_s)
+                            retry_corrupt, use_hf_cache, policy)
             if not ok:
                 failed.append(rf.path)
         if failed:
@@ -325,7 +347,7 @@ def _size(path: Path) -> int:
 
 def _fetch_one(rf: RemoteFile, partial: Path, state: dict, listing: RepoListing, base: str,
                token: str | None, tracker: "_Tracker", cancel: threading.Event,
-               retry_corrupt: bool, use_hf_cache: bool, max_retries: int, backoff_s: float) -> bool:
+               retry_corrupt: bool, use_hf_cache: bool, policy: RetryPolicy) -> bool:
     """Bring one file into `partial` and verify it; False if it failed its hash."""
     local = partial / safe_relpath(rf.path)
     incomplete, corrupt = _sibling(local, ".incomplete"), _sibling(local, ".corrupt")
@@ -335,15 +357,23 @@ def _fetch_one(rf: RemoteFile, partial: Path, state: dict, listing: RepoListing,
         corrupt.unlink()
     local.parent.mkdir(parents=True, exist_ok=True)
     blob = cache_blob(cache_repo_dir(listing.repo_id), rf) if use_hf_cache else None
+    if blob is not None and incomplete.exists() and os.path.samefile(blob, incomplete):
+        incomplete.unlink()  # linked by a run that stopped before checking it: check it again
+    sha = None
     if blob is not None and _size(incomplete) == 0:
         _link_or_copy(blob, incomplete)
         tracker.start_file(rf, 0)
         sha = _hash_prefix(incomplete, rf.size, tracker, rf, "reuse", cancel).hexdigest()
-    else:
-        url = f"{base}/{listing.repo_id}/resolve/{urllib.parse.quote(listing.revision, safe='')}/" \
-              f"{urllib.parse.quote(rf.path)}"
-        sha = _download(url, token, incomplete, rf, tracker, cancel, max_retries, backoff_s,
-                        listing.repo_id)
+        if not _verified(incomplete, rf, sha):
+            # Unlink (never truncate: it may be a hard link to the cache's blob) and download.
+            incomplete.unlink()
+            tracker.advance(rf, -rf.size, transferred=False)
+            tracker.log(f"The Hugging Face cache's copy of {rf.path} ({blob}) is damaged (it fails "
+                        f"its checksum), so it is downloaded again instead.")
+            sha = None
+    if sha is None:
+        sha = _download(_resolve_url(base, listing, rf), token, incomplete, rf, tracker, cancel,
+                        policy, listing.repo_id, base)
     if not _verified(incomplete, rf, sha):
         os.replace(incomplete, corrupt)
         tracker.file_failed(rf)
@@ -353,6 +383,13 @@ def _fetch_one(rf: RemoteFile, partial: Path, state: dict, listing: RepoListing,
     _save_state(partial, state)
     tracker.file_done(rf)
     return True
+
+
+def _resolve_url(base: str, listing: RepoListing, rf: RemoteFile) -> str:
+    """The file at the listing's commit (the branch only when the hub named no commit)."""
+    rev = listing.commit if listing.commit and re.fullmatch(r"[0-9a-f]{40}", listing.commit) \
+        else listing.revision
+    return f"{base}/{listing.repo_id}/resolve/{urllib.parse.quote(rev, safe='')}/{urllib.parse.quote(rf.path)}"
 
 
 def _verified(path: Path, rf: RemoteFile, sha256: str) -> bool:
@@ -385,60 +422,93 @@ def _hash_prefix(path: Path, limit: int, tracker, rf, phase: str, cancel) -> "ha
     return h
 
 
+@dataclass
+class _Transfer:
+    """One file's bytes so far: `have` on disk (hashed), `got` in the current attempt, and the
+    bytes received since `window_start` (across attempts, so time-outs count as slowness)."""
+    have: int
+    hasher: "hashlib._Hash"
+    got: int = 0
+    window_start: float = field(default_factory=time.monotonic)
+    window_bytes: int = 0
+
+    def check_rate(self, policy: RetryPolicy) -> None:
+        """Raise _Stalled when a whole stall window passed below the minimum rate."""
+        now = time.monotonic()
+        if now - self.window_start >= policy.stall_s:
+            slow = self.window_bytes < policy.min_rate_bps * (now - self.window_start)
+            self.window_start, self.window_bytes = now, 0
+            if slow:
+                raise _Stalled()
+
+
 def _download(url: str, token: str | None, incomplete: Path, rf: RemoteFile, tracker,
-              cancel: threading.Event, max_retries: int, backoff_s: float, repo_id: str) -> str:
+              cancel: threading.Event, policy: RetryPolicy, repo_id: str, base: str) -> str:
     """Fetch url into `incomplete`, resuming from its length; returns the sha256 of the bytes."""
     have = _size(incomplete)
     if have > rf.size:
         incomplete.unlink()
         have = 0
     tracker.start_file(rf, 0)
-    hasher = _hash_prefix(incomplete, have, tracker, rf, "verify", cancel) if have else hashlib.sha256()
+    t = _Transfer(have, _hash_prefix(incomplete, have, tracker, rf, "verify", cancel) if have
+                  else hashlib.sha256())
     failures = 0
-    while have < rf.size:
+    while t.have < rf.size:
         if cancel.is_set():
             raise FetchCancelled()
-        got = 0
+        t.got = 0
         try:
-            resp = _open(url, token, have)
-            with resp:
-                start = _range_start(resp, have)
-                if start not in (have, 0):
+            with _open(url, token, t.have, policy) as resp:
+                start = _range_start(resp, t.have)
+                if start not in (t.have, 0):
                     raise _Dropped()  # a range we did not ask for: ask again
-                if start != have:  # the server ignored Range: start again from zero
-                    tracker.advance(rf, -have, transferred=False)
-                    have, hasher = 0, hashlib.sha256()
-                mode = "r+b" if have else "wb"
-                with open(incomplete, mode) as out:
-                    out.seek(have)
-                    out.truncate()
-                    while have < rf.size:
-                        if cancel.is_set():
-                            raise FetchCancelled()
-                        block = _read_block(resp, min(CHUNK, rf.size - have))
-                        if not block:
-                            raise _Dropped()
-                        _write(out, block, rf)
-                        hasher.update(block)
-                        have += len(block)
-                        got += len(block)
-                        tracker.advance(rf, len(block))
-                    out.flush()
-                    os.fsync(out.fileno())
+                if start != t.have:  # the server ignored Range: start again from zero
+                    tracker.advance(rf, -t.have, transferred=False)
+                    t.have, t.hasher = 0, hashlib.sha256()
+                _receive(resp, incomplete, rf, t, tracker, cancel, policy)
         except urllib.error.HTTPError as e:
-            if e.code == 416 and have:
+            if e.code == 416 and t.have:
                 incomplete.unlink(missing_ok=True)
-                tracker.advance(rf, -have, transferred=False)
-                have, hasher = 0, hashlib.sha256()
+                tracker.advance(rf, -t.have, transferred=False)
+                t.have, t.hasher = 0, hashlib.sha256()
                 continue
             if e.code not in RETRY_STATUS:
-                raise _http_error(e, rf, repo_id, token) from None
-            failures = _backoff(failures, got, max_retries, backoff_s, cancel, rf, f"HTTP {e.code}",
-                                tracker.log)
+                raise _http_error(e, rf, repo_id, token, base) from None
+            failures = _backoff(failures, t.got, policy, cancel, rf, f"HTTP {e.code}", tracker.log,
+                                e.code, _retry_after(e))
+        except _Stalled:
+            why = f"slower than {_fmt_bytes(policy.min_rate_bps)}/s for {policy.stall_s:.0f} s"
+            failures = _backoff(failures, 0, policy, cancel, rf, why, tracker.log)
         except (_Dropped, OSError, http.client.HTTPException) as e:
             why = "connection dropped" if isinstance(e, _Dropped) else type(e).__name__
-            failures = _backoff(failures, got, max_retries, backoff_s, cancel, rf, why, tracker.log)
-    return hasher.hexdigest()
+            try:
+                t.check_rate(policy)
+            except _Stalled:
+                why, t.got = f"{why}, slower than {_fmt_bytes(policy.min_rate_bps)}/s", 0
+            failures = _backoff(failures, t.got, policy, cancel, rf, why, tracker.log)
+    return t.hasher.hexdigest()
+
+
+def _receive(resp, incomplete: Path, rf: RemoteFile, t: _Transfer, tracker, cancel, policy) -> None:
+    """Append the response body to `incomplete` until the file is whole; _Stalled when too slow."""
+    with open(incomplete, "r+b" if t.have else "wb") as out:
+        out.seek(t.have)
+        out.truncate()
+        while t.have < rf.size:
+            if cancel.is_set():
+                raise FetchCancelled()
+            block = _read_block(resp, min(CHUNK, rf.size - t.have))
+            if not block:
+                raise _Dropped()
+            _write(out, block, rf)
+            t.hasher.update(block)
+            t.have += len(block)
+            t.got += len(block)
+            tracker.advance(rf, len(block))
+            t.window_bytes += len(block)
+            t.check_rate(policy)
+        out.flush()
+        os.fsync(out.fileno())
 
 
 def _read_block(resp, n: int) -> bytes:
@@ -454,14 +524,35 @@ def _write(out, block: bytes, rf: RemoteFile) -> None:
                         "and run again to resume.", 1) from None
 
 
-def _backoff(failures: int, got: int, max_retries: int, backoff_s: float, cancel, rf, why,
-             log) -> int:
+def _retry_after(e: urllib.error.HTTPError) -> float | None:
+    """The server's Retry-After in seconds (a number or an HTTP date), or None."""
+    value = (e.headers.get("Retry-After") if e.headers else None) or ""
+    try:
+        return max(float(value), 0.0)
+    except ValueError:
+        pass
+    try:
+        from email.utils import parsedate_to_datetime
+        return max(parsedate_to_datetime(value).timestamp() - time.time(), 0.0)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+
+
+def _backoff(failures: int, got: int, policy: RetryPolicy, cancel, rf, why, log,
+             status: int | None = None, retry_after: float | None = None) -> int:
+    """Wait before the next attempt (raise UserError once attempts run out); the new count."""
     failures = 1 if got else failures + 1  # progress resets the count
-    if failures > max_retries:
-        raise UserError(f"Downloading {rf.path} failed {max_retries} times in a row ({why}): check "
-                        "your network connection and run the same command again to resume.", 1)
-    wait = min(backoff_s * 2 ** (failures - 1), BACKOFF_MAX_S)
-    log(f"{rf.path}: {why}; resuming in {wait:.0f} s (attempt {failures} of {max_retries}).")
+    if failures > policy.max_retries:
+        if status == 429:
+            raise UserError(f"The hub kept refusing {rf.path} with HTTP 429 (too many requests) "
+                            f"{policy.max_retries} times in a row: wait a few minutes, then run the "
+                            "same command again to resume.", 1)
+        raise UserError(f"Downloading {rf.path} failed {policy.max_retries} times in a row ({why}): "
+                        "check your network connection and run the same command again to resume.", 1)
+    wait = min(policy.backoff_s * 2 ** (failures - 1), BACKOFF_MAX_S)
+    if retry_after is not None:
+        wait = min(max(retry_after, wait), RETRY_AFTER_MAX_S)
+    log(f"{rf.path}: {why}; resuming in {wait:.0f} s (attempt {failures} of {policy.max_retries}).")
     if cancel.wait(wait):
         raise FetchCancelled()
     return failures
@@ -475,10 +566,11 @@ def _range_start(resp, asked: int) -> int:
     return int(m.group(1)) if m else asked
 
 
-def _http_error(e: urllib.error.HTTPError, rf: RemoteFile, repo_id: str, token) -> UserError:
+def _http_error(e: urllib.error.HTTPError, rf: RemoteFile, repo_id: str, token,
+                base: str) -> UserError:
     code = e.headers.get("X-Error-Code", "") if e.headers else ""
     if code == "GatedRepo" or e.code in (401, 403):
-        return UserError(gated_message(repo_id, token), 2)
+        return UserError(gated_message(repo_id, token, base), 2)
     if e.code == 404:
         return UserError(f"{rf.path} was not found in {repo_id} on the hub although it was "
                          "listed: run again, or check the revision.", 1)
@@ -500,14 +592,14 @@ class _AuthRedirect(urllib.request.HTTPRedirectHandler):
 _opener = urllib.request.build_opener(_AuthRedirect)
 
 
-def _open(url: str, token: str | None, start: int):
+def _open(url: str, token: str | None, start: int, policy: RetryPolicy):
     req = urllib.request.Request(url, headers={"User-Agent": USER_AGENT,
                                                "Accept-Encoding": "identity"})
     if start:
         req.add_header("Range", f"bytes={start}-")
     if token:
         req.add_unredirected_header("Authorization", f"Bearer {token}")
-    return _opener.open(req, timeout=READ_TIMEOUT_S)
+    return _opener.open(req, timeout=min(READ_TIMEOUT_S, policy.stall_s))
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
