@@ -1,8 +1,15 @@
-"""Start the desktop app: `moeferry` with no subcommand calls run_gui()."""
+"""Start the desktop app: `moeferry` with no subcommand calls run_gui().
+
+Every start writes `moeferry.log` in the data folder (app/paths.py). Without a display (a
+Linux shell with neither DISPLAY nor WAYLAND_DISPLAY) run_gui says so in one sentence and
+returns 2 instead of letting Qt abort; a start that fails anyway is logged there and shown in
+a dialog that names the log file.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,20 +58,54 @@ def start(app: QApplication, folder: Path, engine: EngineBackend, setup: SetupBa
     return AppParts(settings, history, controller, window)
 
 
-def _setup_logging(folder: Path) -> None:
+LOG_FILE = "moeferry.log"
+NO_DISPLAY = "no display found; the desktop app needs one; the command line works: moeferry --help"
+# Qt platforms that draw without a display server
+HEADLESS_PLATFORMS = ("offscreen", "minimal", "minimalegl", "vnc", "linuxfb", "eglfs", "vkkhrdisplay")
+log = logging.getLogger(__name__)
+
+
+def has_display(env=os.environ, platform: str = sys.platform) -> bool:
+    """False on Linux and the BSDs when Qt would find no display to open (Windows and macOS have one)."""
+    if not platform.startswith(("linux", "freebsd", "openbsd", "netbsd")):
+        return True
+    if env.get("QT_QPA_PLATFORM", "").split(":")[0].split(";")[0] in HEADLESS_PLATFORMS:
+        return True
+    return bool(env.get("DISPLAY") or env.get("WAYLAND_DISPLAY"))
+
+
+def setup_logging(folder: Path) -> Path | None:
+    """Append this run's log to moeferry.log in the data folder; its path, or None if unwritable."""
+    path = folder / LOG_FILE
     try:
-        handler = logging.FileHandler(folder / "moeferry.log", encoding="utf-8")
+        handler = logging.FileHandler(path, encoding="utf-8")
     except OSError:
-        return  # no log file is no reason not to start
+        return None  # no log file is no reason not to start
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.addHandler(handler)
     root.setLevel(logging.INFO)
+    return path
+
+
+def start_failed(exc: BaseException, log_path: Path | None) -> None:
+    """Log a failed start and say so in a dialog that names the log file."""
+    log.error("MoE Ferry could not start", exc_info=exc)
+    where = f"The details are in {log_path}." if log_path else "No log file could be written."
+    if isinstance(exc, OSError):
+        what = (f"MoE Ferry cannot write to {exc.filename or 'the data folder'} ({exc.strerror or exc}); free "
+                f"some disk space or set {DATA_DIR_ENV} to a folder you can write to.")
+    else:
+        what = f"MoE Ferry could not start ({type(exc).__name__}: {str(exc)[:300]})."
+    QMessageBox.critical(None, "MoE Ferry cannot start", f"{what} {where}")
 
 
 def run_gui(argv: list[str] | None = None) -> int:
     """Run the app until its window closes; returns the exit code."""
     argv = list(sys.argv if argv is None else argv)
+    if QApplication.instance() is None and not has_display():
+        print(f"moeferry: {NO_DISPLAY}", file=sys.stderr)
+        return 2
     app = QApplication.instance() or QApplication(argv)
     app.setApplicationName("MoE Ferry")
     app.setOrganizationName("moeferry")
@@ -74,13 +115,17 @@ def run_gui(argv: list[str] | None = None) -> int:
         app.setWindowIcon(QIcon(str(icon)))
     try:
         folder = data_dir()
-        _setup_logging(folder)
-        parts = start(app, folder, real_engine_backend(), real_setup_backend())
     except OSError as exc:
         where = exc.filename or "the data folder"
         QMessageBox.critical(None, "MoE Ferry cannot start",
                              f"MoE Ferry cannot write to {where} ({exc.strerror or exc}); free some disk space "
                              f"or set {DATA_DIR_ENV} to a folder you can write to.")
+        return 1
+    log_path = setup_logging(folder)
+    try:
+        parts = start(app, folder, real_engine_backend(), real_setup_backend())
+    except Exception as exc:  # noqa: BLE001 - a desktop user sees no stderr: log it and say so
+        start_failed(exc, log_path)
         return 1
     code = app.exec()
     del parts

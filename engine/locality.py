@@ -271,7 +271,7 @@ def cli_locality(store: str, text_file: str | None, json_out: bool, plot: str | 
     path = resolve_store_path(store)
     model = load_dequantized_hf_model(store)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise UserError(f"Cannot load the tokenizer of {path} ({e}); run `moeferry verify {path}`.") from None
     ids = load_text_ids(tokenizer, text_file, max_tokens)

@@ -192,7 +192,7 @@ def main() -> None:
 
     samples = sample_answers(shipped)
     from transformers import AutoTokenizer
-    ids = locality.load_text_ids(AutoTokenizer.from_pretrained(str(shipped)), None)
+    ids = locality.load_text_ids(AutoTokenizer.from_pretrained(str(shipped), trust_remote_code=False), None)
     report = locality.measure_locality(load_dequantized_hf_model(shipped), ids)
     locality.plot_report(report, ROOT / "docs" / "locality.png",
                          title=f"Expert locality of the demo model, {report.tokens} held-out tokens")
