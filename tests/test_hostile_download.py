@@ -14,7 +14,8 @@ import pytest
 
 from engine import download
 from engine.errors import UserError
-from engine.hf_cache import path_problem, safe_relpath
+from engine import hf_cache
+from engine.hf_cache import safe_relpath
 from tests.test_download import (REPO, SHARD1, assert_same_files, clean_env, fetch, hub,  # noqa: F401
                                  make_hf_cache, tiny_files)
 
@@ -98,7 +99,7 @@ UNSAFE = ["D:evil", "C:/Windows/win.ini", "aux", "NUL", "nul.txt", "con.json", "
 def test_safe_relpath_applies_windows_rules_everywhere(name):
     with pytest.raises(UserError, match="unsafe file name"):
         safe_relpath(name)
-    assert path_problem(name)
+    assert hf_cache.path_problem(name)
 
 
 def test_the_refused_names_are_the_ones_windows_misreads():
@@ -114,7 +115,7 @@ def test_the_refused_names_are_the_ones_windows_misreads():
     # names that are safe on Windows too are accepted, and stay inside the folder
     for name in ("config.json", "tokenizer/tokenizer.json", "model-00001-of-00002.safetensors",
                  "auxiliary.json", "console/x.txt", "com10.bin", "a b.txt"):
-        assert path_problem(name) is None, name
+        assert hf_cache.path_problem(name) is None, name
         assert base in (base / name).parents and not (base / name).is_reserved(), name
         assert safe_relpath(name).as_posix() == name
 
