@@ -168,3 +168,21 @@ def test_a_failed_start_is_logged_and_shown_with_the_log_path(qapp, data_dir, mo
     assert shown and str(log_file) in shown[0] and "the model list is unreadable" in shown[0]
     text = log_file.read_text()
     assert "MoE Ferry could not start" in text and "Traceback" in text and "RuntimeError" in text
+
+
+def test_a_broken_qt_is_one_sentence_and_a_log_entry(data_dir, monkeypatch, capsys):
+    import app.main
+
+    monkeypatch.setitem(sys.modules, "PySide6.QtWidgets", None)  # `import` now raises ImportError
+    before = list(logging.getLogger().handlers)
+    try:
+        assert app.main.run_gui(["moeferry"]) == 1
+    finally:
+        for h in logging.getLogger().handlers:
+            if h not in before:
+                h.close()
+                logging.getLogger().removeHandler(h)
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moeferry: the desktop app cannot load Qt") and "\n" not in err
+    assert str(data_dir / "moeferry.log") in err
+    assert "Qt cannot be loaded" in (data_dir / "moeferry.log").read_text()
