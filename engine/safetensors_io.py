@@ -10,6 +10,7 @@ u64 little-endian header length, a JSON header, then the raw little-endian tenso
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -76,7 +77,7 @@ def check_entries(name: str, header: dict, data_bytes: int) -> None:
         if nbytes:
             spans.append(offsets)
     spans.sort()
-    for (_, end), (start, _) in zip(spans, spans[1:]):
+    for (_, end), (start, _) in itertools.pairwise(spans):
         if start < end:
             raise FormatError(f"{name}: two tensors share bytes; the file is damaged")
 

@@ -433,7 +433,7 @@ def experts_array(store: Store) -> torch.Tensor:
         raise UserError(f"Cannot read {path} ({e}); run `moeferry verify {store.path}`.") from None
     shape = tuple(entry["shape"])
     want = (store.config.num_layers, store.config.num_experts, store.expert_bytes)
-    if shape != want or os.path.getsize(path) < start + int(np.prod(shape)):
+    if shape != want or entry["dtype"] != "U8" or entry["data_offsets"][0] != 0:
         raise UserError(f"{path} does not hold {want[0]}x{want[1]} experts of {want[2]} bytes; "
                         f"run `moeferry verify {store.path}` and convert again.")
     mm = np.memmap(path, dtype=np.uint8, mode="r", offset=start, shape=shape)
