@@ -117,7 +117,7 @@ def load_all(conn: sqlite3.Connection, repaired: list[str] | None = None) -> lis
     convs = {}
     for cid, title, prompt, created, updated in conn.execute(
             "SELECT id, title, system_prompt, created, updated FROM conversations ORDER BY updated DESC"):
-        if not isinstance(title, str) or not isinstance(prompt, str) or not (_time(created) and _time(updated)):
+        if not (isinstance(title, str) and isinstance(prompt, str)) or None in (_time(created), _time(updated)):
             note("conversation title, prompt or time")
         convs[cid] = Conversation(id=str(cid), title=title if isinstance(title, str) else "Untitled chat",
                                   system_prompt=prompt if isinstance(prompt, str) else "",

@@ -437,3 +437,50 @@ def test_a_small_temperature_still_works(tiny_store):
     r = generate(tiny_store, "--temperature", "0.001", "--seed", "1", "--json")
     assert r.returncode == 0, r.stderr
     assert len(json.loads(r.stdout)["token_ids"]) >= 1
+
+
+def rewrite_header(path: Path, edit) -> None:
+    """Apply edit(header) to a safetensors file's header, keeping its data where it was."""
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    assert len(text) <= n
+    path.write_bytes(raw[:8] + text + b" " * (n - len(text)) + raw[8 + n:])
+
+
+@pytest.mark.parametrize("edit", ["dtype", "offset", "overlap"])
+def test_an_experts_file_that_is_not_one_byte_tensor_at_its_start_is_refused(tiny_store, tmp_path, edit):
+    st = copy_store(tiny_store, tmp_path / "s")
+
+    def change(h):
+        e = h["experts"]
+        start, end = e["data_offsets"]
+        if edit == "dtype":  # the same bytes read as float16 pairs
+            e.update(dtype="F16", shape=[e["shape"][0], e["shape"][1], e["shape"][2] // 2])
+        elif edit == "offset":  # a window shifted into the padding
+            h["experts"] = dict(e, shape=[e["shape"][0], e["shape"][1], e["shape"][2] - 1],
+                                data_offsets=[start + e["shape"][0] * e["shape"][1], end])
+        else:  # a second tensor over the same bytes
+            h["shadow"] = dict(e)
+
+    rewrite_header(st / "experts.safetensors", change)
+    rehash(st)
+    s = store.open_store(st)
+    with pytest.raises(UserError) as e:
+        store.experts_array(s)
+    assert "experts.safetensors" in str(e.value) and "Traceback" not in str(e.value)
+
+
+@pytest.mark.parametrize("changes", [
+    {"rope_parameters": [1]}, {"rope_parameters": {"rope_theta": "big", "rope_type": "default"}},
+    {"rms_norm_eps": -1}, {"sliding_window": True}, {"num_key_value_heads": 3}, {"head_dim": 10**9},
+    {"max_position_embeddings": 0}])
+def test_a_store_config_with_unusable_values_is_one_sentence(tiny_store, tmp_path, changes):
+    st = copy_store(tiny_store, tmp_path / "s")
+    edit_json(st / "config.json", **changes)
+    rehash(st)
+    with pytest.raises(UserError) as e:
+        store.open_store(st)
+    assert "config.json" in str(e.value) and "\n" not in str(e.value)
