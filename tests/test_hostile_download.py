@@ -12,12 +12,13 @@ from pathlib import PureWindowsPath
 
 import pytest
 
-from engine import download
+from engine import download, hf_cache
 from engine.errors import UserError
-from engine import hf_cache
 from engine.hf_cache import safe_relpath
-from tests.test_download import (REPO, SHARD1, assert_same_files, clean_env, fetch, hub,  # noqa: F401
-                                 make_hf_cache, tiny_files)
+from tests import test_download
+from tests.test_download import REPO, SHARD1, assert_same_files, fetch, make_hf_cache, tiny_files
+
+clean_env, hub = test_download.clean_env, test_download.hub  # the local hub's fixtures
 
 
 def test_a_damaged_cache_blob_is_downloaded_not_linked_again(hub, clean_env, tmp_path):

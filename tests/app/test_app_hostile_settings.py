@@ -84,8 +84,9 @@ def test_the_app_starts_and_says_which_settings_were_reset(launch, data_dir):
     for key in ("max_new_tokens", "temperature", "top_p", "pending_install", "installed"):
         assert key in text
     assert parts.window.wizard is None, "no pending install left to resume"
-    from app.chat_controller import sampling_from  # the reply's sampling is finite again
-    sampling = sampling_from(parts.settings)
+    from app.chat_controller import sampling_from
+
+    sampling = sampling_from(parts.settings)  # what a reply is generated with: finite again
     assert math.isfinite(sampling.temperature) and math.isfinite(sampling.top_p)
 
 
