@@ -72,6 +72,8 @@ _RANGES = {
     Key.MAX_NEW_TOKENS: (1, 32768),
     Key.SEED: (-1, 2**31 - 1),
 }
+# Above 0 but below this, a temperature divides the logits into infinities: 0 (greedy) or at least this
+MIN_TEMPERATURE = 1e-3
 
 
 def coerce(key: Key, value: Any) -> Any:
@@ -104,6 +106,8 @@ def coerce(key: Key, value: Any) -> Any:
     if key in _RANGES:
         lo, hi = _RANGES[key]
         out = min(max(out, lo), hi)
+    if key is Key.TEMPERATURE and 0 < out < MIN_TEMPERATURE:
+        return default
     return out
 
 
@@ -140,6 +144,8 @@ def validated(key: Key, value: Any) -> tuple[Any, bool]:
     if out is None or (key in _CHOICES and out not in _CHOICES[key]):
         return default, False
     if key in _RANGES and not _RANGES[key][0] <= out <= _RANGES[key][1]:
+        return default, False
+    if key is Key.TEMPERATURE and 0 < out < MIN_TEMPERATURE:
         return default, False
     return out, True
 

@@ -7,20 +7,23 @@ outside the store is read, no size read from a file is allocated before it is ch
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
 import struct
 import subprocess
 import sys
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from engine import store
 from engine.convert import convert_checkpoint
 from engine.errors import UserError
-from tests.conftest import ROOT, make_tokenizer, run_cli
+from tests.conftest import ROOT, make_tokenizer
 
 MARKER_CODE = "import pathlib\npathlib.Path({marker!r}).write_text('ran')\n"
 
@@ -58,8 +61,18 @@ def one_sentence(r, code: int, *needles: str) -> str:
     return msg
 
 
-def generate(path: Path, *extra: str):
-    return run_cli("generate", str(path), "--prompt", "hi", "--max-new-tokens", "2", "--device", "cpu", *extra)
+def cli(*args: str) -> SimpleNamespace:
+    """`moeferry ARGS` in this process (as engine.cli.main runs it): exit code, stdout, stderr."""
+    from engine.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main(list(args))
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
+def generate(path: Path, *extra: str) -> SimpleNamespace:
+    return cli("generate", str(path), "--prompt", "hi", "--max-new-tokens", "2", "--device", "cpu", *extra)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,7 +93,7 @@ def test_a_store_with_auto_map_is_refused_and_runs_nothing(tiny_store, tmp_path,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300)
     one_sentence(r, 2, "auto_map", where, "never runs code")
     assert "[y/N]" not in r.stdout + r.stderr and not marker.exists()
-    one_sentence(run_cli("verify", str(st)), 1, "auto_map")
+    one_sentence(cli("verify", str(st)), 1, "auto_map")
 
 
 def test_a_store_or_checkpoint_with_a_python_file_is_refused(tiny_store, tiny_checkpoint, tmp_path):
@@ -88,12 +101,12 @@ def test_a_store_or_checkpoint_with_a_python_file_is_refused(tiny_store, tiny_ch
     (st / "modeling_evil.py").write_text("raise SystemExit('ran')\n")
     rehash(st)
     one_sentence(generate(st), 2, "modeling_evil.py")
-    one_sentence(run_cli("verify", str(st)), 1, "modeling_evil.py")
+    one_sentence(cli("verify", str(st)), 1, "modeling_evil.py")
     ck = tmp_path / "ck"
     shutil.copytree(tiny_checkpoint[0], ck)
     (ck / "sub").mkdir()
     (ck / "sub" / "tokenization_evil.py").write_text("raise SystemExit('ran')\n")
-    one_sentence(run_cli("convert", str(ck), str(tmp_path / "out"), "--expert-bits", "16",
+    one_sentence(cli("convert", str(ck), str(tmp_path / "out"), "--expert-bits", "16",
                          "--attn-bits", "16"), 2, "tokenization_evil.py")
     assert not (tmp_path / "out").exists()
 
@@ -112,7 +125,7 @@ def test_an_unsupported_model_type_is_refused_at_load_and_verify(tiny_store, tmp
     edit_json(st / "config.json", model_type="custom_moe")
     rehash(st)
     one_sentence(generate(st), 2, "'custom_moe'", "cannot run")
-    one_sentence(run_cli("verify", str(st)), 1, "'custom_moe'")
+    one_sentence(cli("verify", str(st)), 1, "'custom_moe'")
 
 
 def test_the_tokenizer_never_runs_remote_code_even_past_the_checks(tiny_store, tmp_path, monkeypatch):
@@ -168,7 +181,7 @@ def test_verify_and_open_refuse_names_outside_the_store(tiny_store, tmp_path, mo
             call(st)
         assert e.value.exit_code == 1 and "plain files of its folder" in str(e.value)
     assert hashed == [], "nothing was read before the names were checked"
-    one_sentence(run_cli("verify", str(st)), 1, "cannot be trusted")
+    one_sentence(cli("verify", str(st)), 1, "cannot be trusted")
 
 
 def test_a_link_pointing_out_of_the_store_is_refused(tiny_store, tmp_path):
@@ -187,13 +200,13 @@ def test_an_empty_or_incomplete_manifest_is_refused(tiny_store, tmp_path):
     st = copy_store(tiny_store, tmp_path / "s")
     m = rehash(st)
     rehash(st, {})
-    one_sentence(run_cli("verify", str(st)), 1, "lists no files")
+    one_sentence(cli("verify", str(st)), 1, "lists no files")
     files = {k: v for k, v in m["files"].items() if k != "experts.safetensors"}
     data = bytearray((st / "experts.safetensors").read_bytes())
     data[-1] ^= 0xFF  # tampered, and its entry removed so that nothing would check it
     (st / "experts.safetensors").write_bytes(bytes(data))
     rehash(st, files)
-    one_sentence(run_cli("verify", str(st)), 1, "does not list experts.safetensors")
+    one_sentence(cli("verify", str(st)), 1, "does not list experts.safetensors")
     one_sentence(generate(st), 1, "does not list experts.safetensors")
 
 
@@ -204,7 +217,7 @@ def test_a_file_the_loader_reads_must_be_listed(tiny_store, tmp_path):
     (st / "chat_template.json").write_text('{"chat_template": "injected"}')  # not in the manifest
     bad = store.verify_store(st)
     assert bad == ["chat_template.json: read by the loader but not listed in the manifest"]
-    one_sentence(run_cli("verify", str(st)), 1, "chat_template.json")
+    one_sentence(cli("verify", str(st)), 1, "chat_template.json")
     with pytest.raises(UserError, match="chat_template.json"):
         store.open_store(st)
     (st / "chat_template.json").unlink()
@@ -215,7 +228,7 @@ def test_a_file_the_loader_reads_must_be_listed(tiny_store, tmp_path):
 def test_a_manifest_that_is_not_json_fails_verify_with_exit_1(tiny_store, tmp_path):
     st = copy_store(tiny_store, tmp_path / "s")
     (st / "manifest.json").write_text('{"format": "moeferry-store", "files": {')
-    one_sentence(run_cli("verify", str(st)), 1, "not valid JSON")
+    one_sentence(cli("verify", str(st)), 1, "not valid JSON")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,7 +274,7 @@ def test_a_checkpoint_header_claiming_3_gib_is_refused_without_allocating(tiny_c
     peak, err = peak_rss_of(code)
     assert peak < 1.5e9, f"peak RSS {peak / 1e9:.2f} GB"
     assert shard.name in err and "outside the file" in err
-    one_sentence(run_cli("convert", str(ck), str(tmp_path / "out2"), "--expert-bits", "16",
+    one_sentence(cli("convert", str(ck), str(tmp_path / "out2"), "--expert-bits", "16",
                          "--attn-bits", "16"), 2, "truncated or damaged")
 
 
@@ -318,7 +331,7 @@ def test_a_truncated_checkpoint_shard_gives_a_sentence(tiny_checkpoint, tmp_path
     shutil.copytree(tiny_checkpoint[0], ck)
     shard = sorted(ck.glob("model-*.safetensors"))[-1]
     shard.write_bytes(shard.read_bytes()[:-100])
-    one_sentence(run_cli("convert", str(ck), str(tmp_path / "out"), "--expert-bits", "16",
+    one_sentence(cli("convert", str(ck), str(tmp_path / "out"), "--expert-bits", "16",
                          "--attn-bits", "16"), 2, shard.name, "truncated")
 
 
@@ -408,7 +421,7 @@ def test_an_unwritable_dest_and_a_full_disk_give_a_sentence(tiny_checkpoint, tmp
 def test_a_tokenizer_smaller_than_the_vocabulary_is_refused(tiny_checkpoint, tmp_path):
     small = tmp_path / "tok"
     make_tokenizer(64, small)  # the model has 96 tokens
-    r = run_cli("convert", str(tiny_checkpoint[0]), str(tmp_path / "out"), "--expert-bits", "16",
+    r = cli("convert", str(tiny_checkpoint[0]), str(tmp_path / "out"), "--expert-bits", "16",
                 "--attn-bits", "16", "--tokenizer", str(small))
     one_sentence(r, 2, "knows 64 tokens", "has 96")
     assert not (tmp_path / "out").exists()

@@ -23,6 +23,7 @@ from tests.app.conftest import ROOT
 DAMAGED = [
     ('"max_new_tokens": 1e400', Key.MAX_NEW_TOKENS),
     ('"temperature": NaN', Key.TEMPERATURE),
+    ('"temperature": 1e-45', Key.TEMPERATURE),
     ('"top_p": Infinity', Key.TOP_P),
     ('"top_p": -Infinity', Key.TOP_P),
     ('"prefetch": 99', Key.PREFETCH),
