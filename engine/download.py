@@ -42,7 +42,7 @@ from engine.errors import UserError
 # other modules still import them from engine.download.
 from engine.hf_cache import (RemoteFile, RepoListing, cache_blob, cache_repo_dir,  # noqa: F401
                              find_in_hf_cache, gated_message, hf_cache_dir, list_repo_files,
-                             safe_relpath)
+                             path_problem, safe_relpath)
 
 STATE_NAME = ".moeferry-fetch.json"
 CHUNK = 1 << 20
@@ -216,11 +216,14 @@ def _read_json(path: Path) -> dict | None:
 def _complete_download(dest: Path, repo_id: str) -> dict | None:
     """The manifest of a finished download of repo_id in dest whose files are all there."""
     state = _read_json(dest / STATE_NAME)
-    if not state or not state.get("complete") or state.get("repo_id") != repo_id:
+    if not isinstance(state, dict) or not state.get("complete") or state.get("repo_id") != repo_id:
         return None
-    for f in state.get("files", []):
-        p = dest / safe_relpath(f["path"])
-        if not p.is_file() or p.stat().st_size != f["size"]:
+    files = _state_files(state)
+    if not files or len(files) != len(state["files"]):
+        return None
+    for path, f in files.items():
+        p = dest / safe_relpath(path)
+        if not p.is_file() or p.stat().st_size != f.get("size"):
             return None
     return state
 
@@ -233,23 +236,26 @@ def _save_state(partial: Path, state: dict) -> None:
 
 def _load_state(partial: Path, listing: RepoListing, files: list[RemoteFile]) -> dict:
     """Carry over what an earlier run fetched, dropping anything the hub now lists differently."""
-    old = _read_json(partial / STATE_NAME) or {}
+    old = _read_json(partial / STATE_NAME)
+    old = old if isinstance(old, dict) else {}  # a damaged state counts as none
     if old.get("repo_id") not in (None, listing.repo_id):
         raise UserError(f"{partial} holds a download of another repository "
-                        f"({old.get('repo_id')}): delete it or choose another DEST.", 2)
-    before = {f["path"]: f for f in old.get("files", [])}
+                        f"({str(old.get('repo_id'))[:80]}): delete it or choose another DEST.", 2)
+    before = _state_files(old)
     now = {f.path: f for f in files}
     for path, f in before.items():
         rf = now.get(path)
-        if rf is None or (rf.size, rf.sha256, rf.git_oid) != (f["size"], f.get("sha256"), f.get("git_oid")):
+        if rf is None or (rf.size, rf.sha256, rf.git_oid) != (f.get("size"), f.get("sha256"), f.get("git_oid")):
             local = partial / safe_relpath(path)
             for p in (local, _sibling(local, ".incomplete"), _sibling(local, ".corrupt")):
                 p.unlink(missing_ok=True)
     verified = {}
-    for path, sha in old.get("verified", {}).items():
-        local = partial / safe_relpath(path)
-        if path in now and path in before and local.is_file() and local.stat().st_size == now[path].size:
-            verified[path] = sha
+    old_verified = old.get("verified") if isinstance(old.get("verified"), dict) else {}
+    for path, sha in old_verified.items():
+        if path in now and path in before and isinstance(sha, str):
+            local = partial / safe_relpath(path)
+            if local.is_file() and local.stat().st_size == now[path].size:
+                verified[path] = sha
     state = {"format": "moeferry-fetch", "version": 1, "repo_id": listing.repo_id,
              "revision": listing.revision, "commit": listing.commit, "complete": False,
              "files": [{"path": f.path, "size": f.size, "sha256": f.sha256, "git_oid": f.git_oid}
@@ -257,6 +263,13 @@ def _load_state(partial: Path, listing: RepoListing, files: list[RemoteFile]) ->
              "verified": verified}
     _save_state(partial, state)
     return state
+
+
+def _state_files(state: dict) -> dict[str, dict]:
+    """The state's file entries that are well formed and have safe names, by path."""
+    files = state.get("files")
+    return {f["path"]: f for f in (files if isinstance(files, list) else [])
+            if isinstance(f, dict) and isinstance(f.get("path"), str) and not path_problem(f["path"])}
 
 
 def _sibling(path: Path, suffix: str) -> Path:

@@ -7,6 +7,7 @@ Retry-After, a server that trickles bytes, unsafe file names, and the Windows pa
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import PureWindowsPath
 
@@ -137,3 +138,26 @@ def test_gated_sentence_names_the_endpoint_used(hub, tmp_path):
     with pytest.raises(UserError) as e:
         fetch(hub, tmp_path / "out", repo_id="org/gated")
     assert f"{hub.url}/org/gated" in str(e.value) and "huggingface.co" not in str(e.value)
+
+
+@pytest.mark.parametrize("state", ['[1, 2]', '{"repo_id": "org/tiny", "files": [{"size": 3}, 7], "verified": [1]}',
+                                   '{"repo_id": "org/tiny", "files": [{"path": "../../x", "size": 1}], '
+                                   '"verified": {"../../x": "00"}}'])
+def test_a_damaged_or_hostile_fetch_state_is_ignored(hub, tmp_path, state):
+    partial = tmp_path / "out.partial"
+    partial.mkdir()
+    (partial / download.STATE_NAME).write_text(state)
+    (tmp_path / "x").write_text("keep")  # what a '../../x' entry would reach
+    fetch(hub, tmp_path / "out")
+    assert_same_files(tmp_path / "out", tiny_files())
+    assert (tmp_path / "x").read_text() == "keep"
+
+
+def test_a_finished_download_with_a_damaged_manifest_is_not_taken_as_complete(hub, tmp_path):
+    fetch(hub, tmp_path / "out")
+    state = tmp_path / "out" / download.STATE_NAME
+    data = json.loads(state.read_text())
+    data["files"].append({"path": "C:/x", "size": 1})
+    state.write_text(json.dumps(data))
+    with pytest.raises(UserError, match="damaged or of another repository"):
+        fetch(hub, tmp_path / "out")
