@@ -1,8 +1,15 @@
-"""The conversations database: schema, migrator and the queries. Plain sqlite3, no Qt."""
+"""The conversations database: schema, migrator and the queries. Plain sqlite3, no Qt.
+
+SQLite does not enforce column types, so rows are read field by field: a title, prompt or
+time of the wrong type is replaced by a default, a message whose role or content cannot be
+used is left out, and a `stats` value that is not a JSON object is dropped; open_or_recover
+names what it repaired in its notice. A database that fails SQLite's own check is moved aside.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,7 +90,11 @@ def open_or_recover(path: Path) -> tuple[list[Conversation], str]:
         try:
             if conn.execute("PRAGMA quick_check").fetchone()[0] != "ok":
                 raise sqlite3.DatabaseError("quick_check failed")
-            return load_all(conn), ""
+            repaired: list[str] = []
+            convs = load_all(conn, repaired)
+            if repaired:
+                return convs, f"A saved conversation was damaged and reset: {', '.join(repaired)}."
+            return convs, ""
         finally:
             conn.close()
     except sqlite3.DatabaseError:
@@ -96,23 +107,54 @@ def open_or_recover(path: Path) -> tuple[list[Conversation], str]:
         return [], f"The conversations database was damaged, so it was moved to {moved.name} and a new one was started."
 
 
-def load_all(conn: sqlite3.Connection) -> list[Conversation]:
-    convs = {
-        row[0]: Conversation(id=row[0], title=row[1], system_prompt=row[2], created=row[3], updated=row[4])
-        for row in conn.execute(
-            "SELECT id, title, system_prompt, created, updated FROM conversations ORDER BY updated DESC"
-        )
-    }
+def load_all(conn: sqlite3.Connection, repaired: list[str] | None = None) -> list[Conversation]:
+    """Every conversation with its messages; what had to be repaired is appended to `repaired`."""
+    notes: dict[str, int] = {}
+
+    def note(what: str) -> None:
+        notes[what] = notes.get(what, 0) + 1
+
+    convs = {}
+    for cid, title, prompt, created, updated in conn.execute(
+            "SELECT id, title, system_prompt, created, updated FROM conversations ORDER BY updated DESC"):
+        if not (isinstance(title, str) and isinstance(prompt, str)) or None in (_time(created), _time(updated)):
+            note("conversation title, prompt or time")
+        convs[cid] = Conversation(id=str(cid), title=title if isinstance(title, str) else "Untitled chat",
+                                  system_prompt=prompt if isinstance(prompt, str) else "",
+                                  created=_time(created) or 0.0, updated=_time(updated) or 0.0)
     for cid, mid, role, content, complete, created, stats in conn.execute(
         "SELECT conversation_id, id, role, content, complete, created, stats FROM messages "
         "ORDER BY conversation_id, position"
     ):
-        if cid in convs:
-            convs[cid].messages.append(
-                Message(id=mid, role=role, content=content, created=created, complete=bool(complete),
-                        stats=json.loads(stats) if stats else None)
-            )
+        if cid not in convs:
+            continue
+        if role not in ("user", "assistant") or not isinstance(content, str):
+            note("message left out")
+            continue
+        parsed = _stats(stats)
+        if stats is not None and parsed is None:
+            note("message stats")
+        convs[cid].messages.append(
+            Message(id=str(mid), role=role, content=content, created=_time(created) or 0.0,
+                    complete=bool(complete) if isinstance(complete, int) else False, stats=parsed))
+    if repaired is not None:
+        repaired += [f"{what} ({n})" for what, n in notes.items()]
     return list(convs.values())
+
+
+def _time(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def _stats(text) -> dict | None:
+    """A message's stats column: a JSON object, or None when absent or damaged."""
+    if not isinstance(text, str) or not text:
+        return None
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 # Writes. Each runs in its own transaction; the async writer calls them in order.

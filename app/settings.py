@@ -1,9 +1,16 @@
-"""App settings: one JSON file, keys in an enum, types coerced in one place. No Qt here."""
+"""App settings: one JSON file, keys in an enum, types coerced in one place. No Qt here.
+
+The file is read field by field: a value of the wrong type, out of its range, NaN or
+infinite (JSON's 1e400), an `installed` entry or a `pending_install` that does not have the
+fields the app reads, is replaced by its default and named in `Settings.notice` ("A setting
+was damaged and reset: ..."), so a damaged file can never stop the app from starting.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 from dataclasses import dataclass, field
@@ -75,11 +82,18 @@ _RANGES = {
     Key.API_PORT: (1024, 65535),
     Key.FONT_SIZE: (0.0, 32.0),
 }
+# Above 0 but below this, a temperature divides the logits into infinities: 0 (greedy) or at least this
+MIN_TEMPERATURE = 1e-3
 
 
 def coerce(key: Key, value: Any) -> Any:
-    """Return `value` as the key's type, clamped to its range; the default when it can't be read."""
+    """Return `value` as the key's type, clamped to its range; the default when it can't be read.
+
+    Lenient, for values set by the app (Qt may hand over strings); the file is read by `validated`.
+    """
     default = DEFAULTS[key]
+    if isinstance(value, float) and not math.isfinite(value):
+        return default
     try:
         if isinstance(default, bool):
             out: Any = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
@@ -93,14 +107,93 @@ def coerce(key: Key, value: Any) -> Any:
             out = [dict(v) for v in value] if isinstance(value, list) else list(default)
         else:  # optional dict
             out = dict(value) if isinstance(value, dict) else None
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
+        return default
+    if isinstance(out, float) and not math.isfinite(out):
         return default
     if key in _CHOICES and out not in _CHOICES[key]:
         return default
     if key in _RANGES:
         lo, hi = _RANGES[key]
         out = min(max(out, lo), hi)
+    if key is Key.TEMPERATURE and 0 < out < MIN_TEMPERATURE:
+        return default
     return out
+
+
+_ENTRY_FIELDS = {"path": str, "name": str}  # what the app reads of every `installed` entry
+_ENTRY_OPTIONAL = {"expert_bits": (int, type(None)), "attn_bits": (int, type(None)), "source_path": (str,),
+                   "source_deleted": (bool,)}
+_REQUEST_TYPES = {"str": (str,), "str | None": (str, type(None)), "bool": (bool,), "int": (int,)}
+
+
+def _number(value: Any, kind: type) -> Any:
+    """value as an int or float if it is one (finite; 512.0 counts as an int), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if kind is int:
+        return int(value) if float(value).is_integer() else None
+    return float(value)
+
+
+def validated(key: Key, value: Any) -> tuple[Any, bool]:
+    """(value, True) when the stored value is of the key's type and in its range, else (default, False)."""
+    default = DEFAULTS[key]
+    if key is Key.INSTALLED:
+        return _valid_installed(value)
+    if key is Key.PENDING_INSTALL:
+        return (value, True) if value is None or _valid_request(value) else (None, False)
+    if isinstance(default, bool):
+        out = value if isinstance(value, bool) else None
+    elif isinstance(default, (int, float)):
+        out = _number(value, type(default))
+    else:
+        out = value if isinstance(value, str) else None
+    if out is None or (key in _CHOICES and out not in _CHOICES[key]):
+        return default, False
+    if key in _RANGES and not _RANGES[key][0] <= out <= _RANGES[key][1]:
+        return default, False
+    if key is Key.TEMPERATURE and 0 < out < MIN_TEMPERATURE:
+        return default, False
+    return out, True
+
+
+def _is(value: Any, types: tuple) -> bool:
+    """isinstance, except that a bool is not taken for an int (JSON keeps them apart)."""
+    return isinstance(value, types) and (isinstance(value, bool) == (bool in types) or object in types)
+
+
+def _valid_entry(e: Any) -> bool:
+    return (isinstance(e, dict) and all(_is(e.get(k), (t,)) and e.get(k) for k, t in _ENTRY_FIELDS.items())
+            and all(_is(e[k], t) for k, t in _ENTRY_OPTIONAL.items() if k in e))
+
+
+def _valid_installed(value: Any) -> tuple[list, bool]:
+    """The well-formed entries, and whether there was nothing to drop."""
+    if not isinstance(value, list):
+        return [], False
+    good = [dict(e) for e in value if _valid_entry(e)]
+    return good, len(good) == len(value)
+
+
+def _valid_request(value: Any) -> bool:
+    """A pending install must be an InstallRequest's fields with their types (extra keys are ignored)."""
+    from dataclasses import MISSING, fields
+
+    from app.install import InstallRequest
+
+    if not isinstance(value, dict):
+        return False
+    for f in fields(InstallRequest):
+        if f.name not in value:
+            if f.default is MISSING:
+                return False
+            continue
+        if not _is(value[f.name], _REQUEST_TYPES.get(str(f.type), (object,))):
+            return False
+    return True
 
 
 @dataclass
@@ -165,7 +258,14 @@ def load_settings(folder: Path) -> Settings:
         settings.notice = f"The settings file was damaged, so it was moved to {moved.name} and defaults are used."
         return settings
     data = _migrate(data)
+    reset = []
     for key in Key:
         if key.value in data:
-            settings.values[key] = coerce(key, data[key.value])
+            value, ok = validated(key, data[key.value])
+            settings.values[key] = value
+            if not ok:
+                reset.append(key.value)
+    if reset:
+        settings.notice = f"A setting was damaged and reset: {', '.join(reset)}."
+        log.warning("settings reset to their defaults: %s", ", ".join(reset))
     return settings

@@ -196,12 +196,33 @@ def cmd_verify(args) -> int:
     return 0
 
 
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 100.0
+
+
+def check_sampling(temperature: float, top_p: float) -> None:
+    """NaN, infinities and temperatures too small to divide by are refused (0 means greedy)."""
+    if not (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
+        raise UserError(f"--temperature must be 0 (greedy) or a number from {MIN_TEMPERATURE:g} to "
+                        f"{MAX_TEMPERATURE:g}, not {temperature}.")
+    if not 0 < top_p <= 1:
+        raise UserError(f"--top-p must be a number above 0 and at most 1, not {top_p}.")
+
+
+def check_text(text: str, flag: str) -> None:
+    """Command-line text that is not valid UTF-8 arrives with lone surrogates: refuse it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UserError(f"{flag} is not valid UTF-8 text; give it as UTF-8 (check the terminal's "
+                        f"encoding).") from None
+
+
 def cmd_generate(args) -> int:
     from engine.generate import SamplingSettings, load_engine
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be 1 or more.")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        raise UserError("--temperature must be 0 or more and --top-p in (0, 1].")
+    check_sampling(args.temperature, args.top_p)
+    check_text(args.prompt, "--prompt")
     engine = load_engine(args.store, device=args.device, dtype=args.dtype,
                          cache_experts=args.cache_experts, vram_budget=args.vram_budget,
                          prefetch=args.prefetch, kernels=args.kernels)

@@ -16,6 +16,7 @@ interrupted conversion never leaves a folder that looks complete.
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import threading
@@ -29,12 +30,11 @@ from engine import mxfp4, quant, store
 from engine.errors import UserError
 from engine.generate import resolve_device
 from engine.model import ModelConfig
-from engine.safetensors_io import DTYPE_NAMES, FormatError, StreamingWriter, read_header, read_tensor
+from engine.safetensors_io import FormatError, StreamingWriter, read_header, read_tensor
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
-                   "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
-                   "chat_template.json")
+TOKENIZER_FILES = store.TOKENIZER_FILES
 EXTRA_FILES = ("generation_config.json",)
+SPACE_MARGIN_BYTES = 64 << 20  # beyond the store's own size: config, tokenizer, manifest
 
 
 class Cancelled(Exception):
@@ -56,16 +56,17 @@ class TensorRef:
 
 
 def read_hf_config(src: Path) -> dict:
+    """config.json of a checkpoint folder that ships no code, of a supported family, sizes checked."""
     if not src.is_dir():
         raise UserError(f"{src} is not a folder; give the folder of a Hugging Face Mixtral checkpoint.")
-    try:
-        cfg = json.loads((src / "config.json").read_text())
-    except FileNotFoundError:
+    if not (src / "config.json").is_file():
         raise UserError(f"{src} has no config.json, so it is not a Hugging Face checkpoint; "
-                        f"give the folder that holds config.json and the .safetensors files.") from None
-    except ValueError:
-        raise UserError(f"{src}/config.json is not valid JSON; download the checkpoint again.") from None
-    store.check_family(cfg, str(src))
+                        f"give the folder that holds config.json and the .safetensors files.")
+    cfg = store.read_json(src / "config.json")
+    if not isinstance(cfg, dict):
+        raise UserError(f"{src}/config.json is not valid JSON; download the checkpoint again.")
+    store.check_no_code(src, f"The checkpoint {src}")
+    store.model_config(cfg, f"The checkpoint {src}")
     return cfg
 
 
@@ -130,14 +131,20 @@ def expert_loader(refs: dict[str, TensorRef], cfg: ModelConfig):
     def fused(layer, e):
         return read_stacked_expert(refs, cfg, layer, e)
 
+    h, f, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
     if "model.layers.0.block_sparse_moe.experts.0.w1.weight" in refs:
-        need = [f"model.layers.{l}.block_sparse_moe.experts.{e}.{m}.weight"
-                for l in range(cfg.num_layers) for e in range(cfg.num_experts) for m in store.EXPERT_MATRICES]
-        check_present(refs, need)
+        check_count(len(refs), cfg.num_layers * n * len(store.EXPERT_MATRICES))  # before naming them all
+        need = {f"model.layers.{l}.block_sparse_moe.experts.{e}.{m}.weight": list(store.expert_shape(cfg, m))
+                for l in range(cfg.num_layers) for e in range(n) for m in store.EXPERT_MATRICES}
+        check_present(refs, list(need))
+        check_shapes(refs, need)
         return per_expert, refs["model.layers.0.block_sparse_moe.experts.0.w1.weight"].entry["dtype"]
     if "model.layers.0.mlp.experts.gate_up_proj" in refs:
-        check_present(refs, [f"model.layers.{l}.mlp.experts.{m}" for l in range(cfg.num_layers)
-                             for m in ("gate_up_proj", "down_proj")])
+        check_count(len(refs), cfg.num_layers * 2)
+        need = {f"model.layers.{l}.mlp.experts.{m}": shape for l in range(cfg.num_layers)
+                for m, shape in (("gate_up_proj", [n, 2 * f, h]), ("down_proj", [n, h, f]))}
+        check_present(refs, list(need))
+        check_shapes(refs, need)
         return fused, refs["model.layers.0.mlp.experts.gate_up_proj"].entry["dtype"]
     raise UserError("The checkpoint has no Mixtral expert weights (expected keys like "
                     "model.layers.0.block_sparse_moe.experts.0.w1.weight); is it a Mixtral checkpoint?")
@@ -232,6 +239,21 @@ def dense_names(cfg: ModelConfig, refs: dict) -> list[tuple[str, str]]:
         names += [(p + f"self_attn.{m}.weight",) * 2 for m in store.ATTN_MATRICES]
         names += family_layer_names(cfg, refs, p, l)
     check_present(refs, [src for _, src in names])
+    h = cfg.hidden_size
+    fixed = {"model.embed_tokens.weight": [cfg.vocab_size, h], "lm_head.weight": [cfg.vocab_size, h],
+             "model.norm.weight": [h]}
+    want = {}  # the shapes the config fixes (a family's extra tensors are checked by their use)
+    for dst, src in names:
+        proj, kind = dst.split(".")[-2:]
+        if dst in fixed:
+            want[src] = fixed[dst]
+        elif proj in store.ATTN_MATRICES and kind == "weight":
+            want[src] = list(store.attn_shape(cfg, proj))
+        elif dst.endswith("block_sparse_moe.gate.weight"):
+            want[src] = [cfg.num_experts, h]
+        elif dst.endswith("layernorm.weight"):
+            want[src] = [h]
+    check_shapes(refs, want)
     return names
 
 
@@ -254,6 +276,25 @@ def family_layer_names(cfg: ModelConfig, refs: dict, p: str, layer: int) -> list
         out += [(p + f"mlp.shared_expert.{m}.weight",) * 2 for m in store.MLP_MATRICES]
         out.append((p + "mlp.shared_expert_gate.weight",) * 2)
     return out
+
+
+def check_count(have: int, n: int) -> None:
+    """Refuse a config that implies more tensors than the checkpoint's headers hold (`have`)."""
+    if n > have:
+        raise UserError(f"The checkpoint's config.json implies {n} expert tensors, but its files hold "
+                        f"{have} tensors in all; the config does not belong to these weights.")
+
+
+def check_shapes(refs: dict, want: dict[str, list[int]]) -> None:
+    """Tensors whose shape the config fixes must have it (slices and views rely on it)."""
+    for name, shape in want.items():
+        if refs[name].entry["shape"] != shape:
+            raise UserError(f"The checkpoint's {name} has shape {refs[name].entry['shape']} where its "
+                            f"config.json implies {shape}; the config does not belong to these weights.")
+
+
+def checkpoint_bytes(refs: dict[str, TensorRef]) -> int:
+    return sum(p.stat().st_size for p in {r.file for r in refs.values()})
 
 
 def check_present(refs: dict, names: list[str]) -> None:
@@ -305,6 +346,7 @@ def convert_checkpoint(src, dest, expert_bits: int, attn_bits: int, device: str 
     hf = read_hf_config(src)
     cfg = ModelConfig.from_hf(hf)
     refs = index_tensors(src)
+    store.check_backed(cfg, checkpoint_bytes(refs), f"The checkpoint {src}")
     load_expert, src_dtype, bias_dtype = family_expert_loader(refs, cfg, keep_mxfp4=expert_bits == 16)
     names = dense_names(cfg, refs)
     dense_shapes = [sh for dst, _ in names if dst.endswith(".weight")
@@ -326,13 +368,17 @@ def convert_checkpoint(src, dest, expert_bits: int, attn_bits: int, device: str 
     except ValueError as e:
         raise UserError(f"This model's shapes do not fit the chosen quantization: {e}.") from None
     dev = resolve_device(device)
+    tok_dir = resolve_tokenizer_dir(tokenizer) if tokenizer else None
+    if tok_dir is not None:
+        check_tokenizer(tok_dir, cfg)
     check_destination(dest)
     tmp = store.temp_sibling(dest)
-    store.remove_partial(tmp)  # leftovers of an earlier interrupted run
-    tmp.mkdir(parents=True)
+    store.remove_partial(tmp)  # leftovers of an earlier interrupted run, before measuring space
+    dense_bytes = sum(nbytes(dt, shape) for _, dt, shape in dense_entries(cfg, refs, names, aq)[0])
+    check_free_space(dest, dense_bytes + cfg.num_layers * cfg.num_experts * store.expert_layout(cfg, eq)[1])
+    make_temp(tmp)
     report = progress or (lambda f, m: None)
     try:
-        tok_dir = resolve_tokenizer_dir(tokenizer) if tokenizer else None
         copy_tokenizer(src, tok_dir, tmp)
         (tmp / "config.json").write_text(json.dumps(hf, indent=2))
         total = len(names) + cfg.num_moe_layers * cfg.num_experts
@@ -352,10 +398,57 @@ def convert_checkpoint(src, dest, expert_bits: int, attn_bits: int, device: str 
     except Cancelled:
         store.remove_partial(tmp)
         raise UserError("Conversion cancelled; nothing was written.", exit_code=1) from None
+    except OSError as e:
+        store.remove_partial(tmp)
+        raise file_error(e, dest) from None
     except BaseException:
         store.remove_partial(tmp)
         raise
     return dest
+
+
+def nbytes(dtype: torch.dtype, shape) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def check_free_space(dest: Path, store_bytes: int) -> None:
+    """Refuse up front when the store (its size is known from the config) does not fit."""
+    where = dest.parent if dest.parent != Path("") else Path(".")
+    need = store_bytes + SPACE_MARGIN_BYTES
+    free = shutil.disk_usage(where).free
+    if need > free:
+        raise UserError(f"Not enough free disk space in {where}: the store needs {need / 1e9:.2f} GB but "
+                        f"only {free / 1e9:.2f} GB is free; free some space or choose another DEST.", 1)
+
+
+def make_temp(tmp: Path) -> None:
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise UserError(f"Cannot create the store in {tmp.parent} ({e.strerror or e}); choose a DEST in a "
+                        f"folder you can write to.") from None
+
+
+def file_error(e: OSError, dest: Path) -> UserError:
+    """A disk or file failure during a conversion, as one sentence (the partial store is gone)."""
+    return UserError(f"Writing the store {dest} failed ({e.strerror or e}"
+                     f"{': ' + str(e.filename) if e.filename else ''}); nothing was kept: free some disk "
+                     f"space or check the folders, then run again.", 1)
+
+
+def check_tokenizer(tok_dir: Path, cfg: ModelConfig) -> None:
+    """A tokenizer given with --tokenizer must ship no code and cover the model's vocabulary."""
+    store.check_no_code(tok_dir, f"The tokenizer folder {tok_dir}")
+    from transformers import AutoTokenizer
+    try:
+        tok = AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad folder
+        raise UserError(f"Cannot load the tokenizer in {tok_dir} ({type(e).__name__}); give the folder "
+                        f"of the model's own tokenizer with --tokenizer.") from None
+    if len(tok) < cfg.vocab_size:
+        raise UserError(f"The tokenizer in {tok_dir} knows {len(tok)} tokens but the model has "
+                        f"{cfg.vocab_size}, so some of its output could not be shown; give the model's own "
+                        f"tokenizer with --tokenizer.")
 
 
 def check_destination(dest: Path) -> None:
@@ -381,7 +474,8 @@ def resolve_tokenizer_dir(arg) -> Path:
     return found
 
 
-def write_dense(tmp: Path, cfg: ModelConfig, refs, names, aq: dict, dev, tick) -> str:
+def dense_entries(cfg: ModelConfig, refs, names, aq: dict) -> tuple[list, list]:
+    """dense.safetensors' declared tensors (name, dtype, shape) and how each is made."""
     entries, plan = [], []
     for dst, src_name in names:
         entry = refs[src_name].entry
@@ -396,6 +490,11 @@ def write_dense(tmp: Path, cfg: ModelConfig, refs, names, aq: dict, dev, tick) -
             dtype = DTYPES[aq["dtype"]] if shape is not None else DTYPES[entry["dtype"]]
             entries.append((dst, dtype, tuple(entry["shape"])))
             plan.append((dst, src_name, dst, False))
+    return entries, plan
+
+
+def write_dense(tmp: Path, cfg: ModelConfig, refs, names, aq: dict, dev, tick) -> str:
+    entries, plan = dense_entries(cfg, refs, names, aq)
     w = StreamingWriter(tmp / "dense.safetensors", entries, {"format": store.FORMAT})
     for dst, src_name, base, quantized in plan:
         t = refs[src_name].load()

@@ -31,17 +31,18 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+# FetchProgress is imported from here by the app
+from engine.download_progress import FetchProgress, _fmt_bytes, _ProgressBar, _Tracker  # noqa: F401
 from engine.errors import UserError
 # find_in_hf_cache, hf_cache_dir, list_repo_files, RemoteFile and RepoListing lived here once;
 # other modules still import them from engine.download.
 from engine.hf_cache import (RemoteFile, RepoListing, cache_blob, cache_repo_dir,  # noqa: F401
                              find_in_hf_cache, gated_message, hf_cache_dir, list_repo_files,
-                             safe_relpath)
+                             path_problem, safe_relpath)
 
 STATE_NAME = ".moeferry-fetch.json"
 CHUNK = 1 << 20
@@ -49,25 +50,13 @@ READ_TIMEOUT_S = 60
 MAX_RETRIES = 8
 BACKOFF_BASE_S = 1.0
 BACKOFF_MAX_S = 60.0
+RETRY_AFTER_MAX_S = 300.0  # a server's Retry-After is honoured up to this
+STALL_S = 120.0  # a download slower than MIN_RATE_BPS over this long counts as stalled
+MIN_RATE_BPS = 1024.0
 DISK_MARGIN_BYTES = 64 << 20
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 USER_AGENT = "moeferry-fetch/0.1"
-
-
-@dataclass
-class FetchProgress:
-    """One progress event; `phase` is "download", "verify", "reuse" or "done"."""
-    file: str
-    file_done: int
-    file_total: int
-    done: int
-    total: int
-    rate_bps: float
-    eta_s: float | None
-    files_done: int
-    files_total: int
-    phase: str = "download"
 
 
 class FetchCancelled(Exception):
@@ -76,6 +65,19 @@ class FetchCancelled(Exception):
 
 class _Dropped(Exception):
     """The server closed the connection before sending the whole body."""
+
+
+class _Stalled(Exception):
+    """The server sent less than the minimum rate over a whole stall window."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How long a download waits and how often it tries again."""
+    max_retries: int = MAX_RETRIES
+    backoff_s: float = BACKOFF_BASE_S
+    stall_s: float = STALL_S
+    min_rate_bps: float = MIN_RATE_BPS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,13 +89,18 @@ def fetch_repo(repo_id: str, dest, revision: str | None = None, endpoint: str | 
                cancel: threading.Event | None = None, allow_patterns: list[str] | None = None,
                *, retry_corrupt: bool = False, use_hf_cache: bool = True,
                skip_pickle_duplicates: bool = True, max_retries: int = MAX_RETRIES,
-               backoff_s: float = BACKOFF_BASE_S, log: Callable[[str], None] | None = None) -> Path:
+               backoff_s: float = BACKOFF_BASE_S, log: Callable[[str], None] | None = None,
+               stall_s: float = STALL_S, min_rate_bps: float = MIN_RATE_BPS) -> Path:
     """Download `repo_id` at `revision` into the folder `dest` and return its path.
 
     Every LFS file is checked against the hub's sha256, other files against their size and
-    git hash. A file that fails is renamed `<file>.corrupt` inside DEST.partial and, unless
+    git hash. Files are fetched from the commit the listing names, so a resumed file cannot
+    mix two revisions. A download slower than `min_rate_bps` for `stall_s` seconds is retried
+    like a dropped one; a Retry-After from the server is honoured (up to RETRY_AFTER_MAX_S).
+    A file that fails is renamed `<file>.corrupt` inside DEST.partial and, unless
     `retry_corrupt`, is not fetched again. Files already in the Hugging Face cache with the
-    same hash are linked (or copied) instead of downloaded. Raises UserError with one
+    same hash are linked (or copied) instead of downloaded; a cache copy that fails its hash
+    is downloaded instead (and the log says the cache copy was damaged). Raises UserError with one
     sentence (exit code 2: wrong repo/revision/access/DEST; 1: network, disk, bad bytes) and
     FetchCancelled when `cancel` is set.
     """
@@ -103,6 +110,7 @@ def fetch_repo(repo_id: str, dest, revision: str | None = None, endpoint: str | 
     token = token if token is not None else _stored_token()
     log = log or (lambda msg: None)
     cancel = cancel or threading.Event()
+    policy = RetryPolicy(max_retries, backoff_s, stall_s, min_rate_bps)
 
     done_already = _complete_download(dest, repo_id)
     if done_already is not None and done_already.get("revision") == revision:
@@ -128,7 +136,7 @@ def fetch_repo(repo_id: str, dest, revision: str | None = None, endpoint: str | 
             if rf.path in state["verified"]:
                 continue
             ok = _fetch_one(rf, partial, state, listing, base, token, tracker, cancel,
-                            retry_corrupt, use_hf_cache, max_retries, backoff_s)
+                            retry_corrupt, use_hf_cache, policy)
             if not ok:
                 failed.append(rf.path)
         if failed:
@@ -208,11 +216,14 @@ def _read_json(path: Path) -> dict | None:
 def _complete_download(dest: Path, repo_id: str) -> dict | None:
     """The manifest of a finished download of repo_id in dest whose files are all there."""
     state = _read_json(dest / STATE_NAME)
-    if not state or not state.get("complete") or state.get("repo_id") != repo_id:
+    if not isinstance(state, dict) or not state.get("complete") or state.get("repo_id") != repo_id:
         return None
-    for f in state.get("files", []):
-        p = dest / safe_relpath(f["path"])
-        if not p.is_file() or p.stat().st_size != f["size"]:
+    files = _state_files(state)
+    if not files or len(files) != len(state["files"]):
+        return None
+    for path, f in files.items():
+        p = dest / safe_relpath(path)
+        if not p.is_file() or p.stat().st_size != f.get("size"):
             return None
     return state
 
@@ -225,23 +236,26 @@ def _save_state(partial: Path, state: dict) -> None:
 
 def _load_state(partial: Path, listing: RepoListing, files: list[RemoteFile]) -> dict:
     """Carry over what an earlier run fetched, dropping anything the hub now lists differently."""
-    old = _read_json(partial / STATE_NAME) or {}
+    old = _read_json(partial / STATE_NAME)
+    old = old if isinstance(old, dict) else {}  # a damaged state counts as none
     if old.get("repo_id") not in (None, listing.repo_id):
         raise UserError(f"{partial} holds a download of another repository "
-                        f"({old.get('repo_id')}): delete it or choose another DEST.", 2)
-    before = {f["path"]: f for f in old.get("files", [])}
+                        f"({str(old.get('repo_id'))[:80]}): delete it or choose another DEST.", 2)
+    before = _state_files(old)
     now = {f.path: f for f in files}
     for path, f in before.items():
         rf = now.get(path)
-        if rf is None or (rf.size, rf.sha256, rf.git_oid) != (f["size"], f.get("sha256"), f.get("git_oid")):
+        if rf is None or (rf.size, rf.sha256, rf.git_oid) != (f.get("size"), f.get("sha256"), f.get("git_oid")):
             local = partial / safe_relpath(path)
             for p in (local, _sibling(local, ".incomplete"), _sibling(local, ".corrupt")):
                 p.unlink(missing_ok=True)
     verified = {}
-    for path, sha in old.get("verified", {}).items():
-        local = partial / safe_relpath(path)
-        if path in now and path in before and local.is_file() and local.stat().st_size == now[path].size:
-            verified[path] = sha
+    old_verified = old.get("verified") if isinstance(old.get("verified"), dict) else {}
+    for path, sha in old_verified.items():
+        if path in now and path in before and isinstance(sha, str):
+            local = partial / safe_relpath(path)
+            if local.is_file() and local.stat().st_size == now[path].size:
+                verified[path] = sha
     state = {"format": "moeferry-fetch", "version": 1, "repo_id": listing.repo_id,
              "revision": listing.revision, "commit": listing.commit, "complete": False,
              "files": [{"path": f.path, "size": f.size, "sha256": f.sha256, "git_oid": f.git_oid}
@@ -249,6 +263,13 @@ def _load_state(partial: Path, listing: RepoListing, files: list[RemoteFile]) ->
              "verified": verified}
     _save_state(partial, state)
     return state
+
+
+def _state_files(state: dict) -> dict[str, dict]:
+    """The state's file entries that are well formed and have safe names, by path."""
+    files = state.get("files")
+    return {f["path"]: f for f in (files if isinstance(files, list) else [])
+            if isinstance(f, dict) and isinstance(f.get("path"), str) and not path_problem(f["path"])}
 
 
 def _sibling(path: Path, suffix: str) -> Path:
@@ -325,7 +346,7 @@ def _size(path: Path) -> int:
 
 def _fetch_one(rf: RemoteFile, partial: Path, state: dict, listing: RepoListing, base: str,
                token: str | None, tracker: "_Tracker", cancel: threading.Event,
-               retry_corrupt: bool, use_hf_cache: bool, max_retries: int, backoff_s: float) -> bool:
+               retry_corrupt: bool, use_hf_cache: bool, policy: RetryPolicy) -> bool:
     """Bring one file into `partial` and verify it; False if it failed its hash."""
     local = partial / safe_relpath(rf.path)
     incomplete, corrupt = _sibling(local, ".incomplete"), _sibling(local, ".corrupt")
@@ -335,15 +356,23 @@ def _fetch_one(rf: RemoteFile, partial: Path, state: dict, listing: RepoListing,
         corrupt.unlink()
     local.parent.mkdir(parents=True, exist_ok=True)
     blob = cache_blob(cache_repo_dir(listing.repo_id), rf) if use_hf_cache else None
+    if blob is not None and incomplete.exists() and os.path.samefile(blob, incomplete):
+        incomplete.unlink()  # linked by a run that stopped before checking it: check it again
+    sha = None
     if blob is not None and _size(incomplete) == 0:
         _link_or_copy(blob, incomplete)
         tracker.start_file(rf, 0)
         sha = _hash_prefix(incomplete, rf.size, tracker, rf, "reuse", cancel).hexdigest()
-    else:
-        url = f"{base}/{listing.repo_id}/resolve/{urllib.parse.quote(listing.revision, safe='')}/" \
-              f"{urllib.parse.quote(rf.path)}"
-        sha = _download(url, token, incomplete, rf, tracker, cancel, max_retries, backoff_s,
-                        listing.repo_id)
+        if not _verified(incomplete, rf, sha):
+            # Unlink (never truncate: it may be a hard link to the cache's blob) and download.
+            incomplete.unlink()
+            tracker.advance(rf, -rf.size, transferred=False)
+            tracker.log(f"The Hugging Face cache's copy of {rf.path} ({blob}) is damaged (it fails "
+                        f"its checksum), so it is downloaded again instead.")
+            sha = None
+    if sha is None:
+        sha = _download(_resolve_url(base, listing, rf), token, incomplete, rf, tracker, cancel,
+                        policy, listing.repo_id, base)
     if not _verified(incomplete, rf, sha):
         os.replace(incomplete, corrupt)
         tracker.file_failed(rf)
@@ -353,6 +382,13 @@ def _fetch_one(rf: RemoteFile, partial: Path, state: dict, listing: RepoListing,
     _save_state(partial, state)
     tracker.file_done(rf)
     return True
+
+
+def _resolve_url(base: str, listing: RepoListing, rf: RemoteFile) -> str:
+    """The file at the listing's commit (the branch only when the hub named no commit)."""
+    rev = listing.commit if listing.commit and re.fullmatch(r"[0-9a-f]{40}", listing.commit) \
+        else listing.revision
+    return f"{base}/{listing.repo_id}/resolve/{urllib.parse.quote(rev, safe='')}/{urllib.parse.quote(rf.path)}"
 
 
 def _verified(path: Path, rf: RemoteFile, sha256: str) -> bool:
@@ -385,60 +421,93 @@ def _hash_prefix(path: Path, limit: int, tracker, rf, phase: str, cancel) -> "ha
     return h
 
 
+@dataclass
+class _Transfer:
+    """One file's bytes so far: `have` on disk (hashed), `got` in the current attempt, and the
+    bytes received since `window_start` (across attempts, so time-outs count as slowness)."""
+    have: int
+    hasher: "hashlib._Hash"
+    got: int = 0
+    window_start: float = field(default_factory=time.monotonic)
+    window_bytes: int = 0
+
+    def check_rate(self, policy: RetryPolicy) -> None:
+        """Raise _Stalled when a whole stall window passed below the minimum rate."""
+        now = time.monotonic()
+        if now - self.window_start >= policy.stall_s:
+            slow = self.window_bytes < policy.min_rate_bps * (now - self.window_start)
+            self.window_start, self.window_bytes = now, 0
+            if slow:
+                raise _Stalled()
+
+
 def _download(url: str, token: str | None, incomplete: Path, rf: RemoteFile, tracker,
-              cancel: threading.Event, max_retries: int, backoff_s: float, repo_id: str) -> str:
+              cancel: threading.Event, policy: RetryPolicy, repo_id: str, base: str) -> str:
     """Fetch url into `incomplete`, resuming from its length; returns the sha256 of the bytes."""
     have = _size(incomplete)
     if have > rf.size:
         incomplete.unlink()
         have = 0
     tracker.start_file(rf, 0)
-    hasher = _hash_prefix(incomplete, have, tracker, rf, "verify", cancel) if have else hashlib.sha256()
+    t = _Transfer(have, _hash_prefix(incomplete, have, tracker, rf, "verify", cancel) if have
+                  else hashlib.sha256())
     failures = 0
-    while have < rf.size:
+    while t.have < rf.size:
         if cancel.is_set():
             raise FetchCancelled()
-        got = 0
+        t.got = 0
         try:
-            resp = _open(url, token, have)
-            with resp:
-                start = _range_start(resp, have)
-                if start not in (have, 0):
+            with _open(url, token, t.have, policy) as resp:
+                start = _range_start(resp, t.have)
+                if start not in (t.have, 0):
                     raise _Dropped()  # a range we did not ask for: ask again
-                if start != have:  # the server ignored Range: start again from zero
-                    tracker.advance(rf, -have, transferred=False)
-                    have, hasher = 0, hashlib.sha256()
-                mode = "r+b" if have else "wb"
-                with open(incomplete, mode) as out:
-                    out.seek(have)
-                    out.truncate()
-                    while have < rf.size:
-                        if cancel.is_set():
-                            raise FetchCancelled()
-                        block = _read_block(resp, min(CHUNK, rf.size - have))
-                        if not block:
-                            raise _Dropped()
-                        _write(out, block, rf)
-                        hasher.update(block)
-                        have += len(block)
-                        got += len(block)
-                        tracker.advance(rf, len(block))
-                    out.flush()
-                    os.fsync(out.fileno())
+                if start != t.have:  # the server ignored Range: start again from zero
+                    tracker.advance(rf, -t.have, transferred=False)
+                    t.have, t.hasher = 0, hashlib.sha256()
+                _receive(resp, incomplete, rf, t, tracker, cancel, policy)
         except urllib.error.HTTPError as e:
-            if e.code == 416 and have:
+            if e.code == 416 and t.have:
                 incomplete.unlink(missing_ok=True)
-                tracker.advance(rf, -have, transferred=False)
-                have, hasher = 0, hashlib.sha256()
+                tracker.advance(rf, -t.have, transferred=False)
+                t.have, t.hasher = 0, hashlib.sha256()
                 continue
             if e.code not in RETRY_STATUS:
-                raise _http_error(e, rf, repo_id, token) from None
-            failures = _backoff(failures, got, max_retries, backoff_s, cancel, rf, f"HTTP {e.code}",
-                                tracker.log)
+                raise _http_error(e, rf, repo_id, token, base) from None
+            failures = _backoff(failures, t.got, policy, cancel, rf, f"HTTP {e.code}", tracker.log,
+                                e.code, _retry_after(e))
+        except _Stalled:
+            why = f"slower than {_fmt_bytes(policy.min_rate_bps)}/s for {policy.stall_s:.0f} s"
+            failures = _backoff(failures, 0, policy, cancel, rf, why, tracker.log)
         except (_Dropped, OSError, http.client.HTTPException) as e:
             why = "connection dropped" if isinstance(e, _Dropped) else type(e).__name__
-            failures = _backoff(failures, got, max_retries, backoff_s, cancel, rf, why, tracker.log)
-    return hasher.hexdigest()
+            try:
+                t.check_rate(policy)
+            except _Stalled:
+                why, t.got = f"{why}, slower than {_fmt_bytes(policy.min_rate_bps)}/s", 0
+            failures = _backoff(failures, t.got, policy, cancel, rf, why, tracker.log)
+    return t.hasher.hexdigest()
+
+
+def _receive(resp, incomplete: Path, rf: RemoteFile, t: _Transfer, tracker, cancel, policy) -> None:
+    """Append the response body to `incomplete` until the file is whole; _Stalled when too slow."""
+    with open(incomplete, "r+b" if t.have else "wb") as out:
+        out.seek(t.have)
+        out.truncate()
+        while t.have < rf.size:
+            if cancel.is_set():
+                raise FetchCancelled()
+            block = _read_block(resp, min(CHUNK, rf.size - t.have))
+            if not block:
+                raise _Dropped()
+            _write(out, block, rf)
+            t.hasher.update(block)
+            t.have += len(block)
+            t.got += len(block)
+            tracker.advance(rf, len(block))
+            t.window_bytes += len(block)
+            t.check_rate(policy)
+        out.flush()
+        os.fsync(out.fileno())
 
 
 def _read_block(resp, n: int) -> bytes:
@@ -454,14 +523,35 @@ def _write(out, block: bytes, rf: RemoteFile) -> None:
                         "and run again to resume.", 1) from None
 
 
-def _backoff(failures: int, got: int, max_retries: int, backoff_s: float, cancel, rf, why,
-             log) -> int:
+def _retry_after(e: urllib.error.HTTPError) -> float | None:
+    """The server's Retry-After in seconds (a number or an HTTP date), or None."""
+    value = (e.headers.get("Retry-After") if e.headers else None) or ""
+    try:
+        return max(float(value), 0.0)
+    except ValueError:
+        pass
+    try:
+        from email.utils import parsedate_to_datetime
+        return max(parsedate_to_datetime(value).timestamp() - time.time(), 0.0)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+
+
+def _backoff(failures: int, got: int, policy: RetryPolicy, cancel, rf, why, log,
+             status: int | None = None, retry_after: float | None = None) -> int:
+    """Wait before the next attempt (raise UserError once attempts run out); the new count."""
     failures = 1 if got else failures + 1  # progress resets the count
-    if failures > max_retries:
-        raise UserError(f"Downloading {rf.path} failed {max_retries} times in a row ({why}): check "
-                        "your network connection and run the same command again to resume.", 1)
-    wait = min(backoff_s * 2 ** (failures - 1), BACKOFF_MAX_S)
-    log(f"{rf.path}: {why}; resuming in {wait:.0f} s (attempt {failures} of {max_retries}).")
+    if failures > policy.max_retries:
+        if status == 429:
+            raise UserError(f"The hub kept refusing {rf.path} with HTTP 429 (too many requests) "
+                            f"{policy.max_retries} times in a row: wait a few minutes, then run the "
+                            "same command again to resume.", 1)
+        raise UserError(f"Downloading {rf.path} failed {policy.max_retries} times in a row ({why}): "
+                        "check your network connection and run the same command again to resume.", 1)
+    wait = min(policy.backoff_s * 2 ** (failures - 1), BACKOFF_MAX_S)
+    if retry_after is not None:
+        wait = min(max(retry_after, wait), RETRY_AFTER_MAX_S)
+    log(f"{rf.path}: {why}; resuming in {wait:.0f} s (attempt {failures} of {policy.max_retries}).")
     if cancel.wait(wait):
         raise FetchCancelled()
     return failures
@@ -475,10 +565,11 @@ def _range_start(resp, asked: int) -> int:
     return int(m.group(1)) if m else asked
 
 
-def _http_error(e: urllib.error.HTTPError, rf: RemoteFile, repo_id: str, token) -> UserError:
+def _http_error(e: urllib.error.HTTPError, rf: RemoteFile, repo_id: str, token,
+                base: str) -> UserError:
     code = e.headers.get("X-Error-Code", "") if e.headers else ""
     if code == "GatedRepo" or e.code in (401, 403):
-        return UserError(gated_message(repo_id, token), 2)
+        return UserError(gated_message(repo_id, token, base), 2)
     if e.code == 404:
         return UserError(f"{rf.path} was not found in {repo_id} on the hub although it was "
                          "listed: run again, or check the revision.", 1)
@@ -500,14 +591,14 @@ class _AuthRedirect(urllib.request.HTTPRedirectHandler):
 _opener = urllib.request.build_opener(_AuthRedirect)
 
 
-def _open(url: str, token: str | None, start: int):
+def _open(url: str, token: str | None, start: int, policy: RetryPolicy):
     req = urllib.request.Request(url, headers={"User-Agent": USER_AGENT,
                                                "Accept-Encoding": "identity"})
     if start:
         req.add_header("Range", f"bytes={start}-")
     if token:
         req.add_unredirected_header("Authorization", f"Bearer {token}")
-    return _opener.open(req, timeout=READ_TIMEOUT_S)
+    return _opener.open(req, timeout=min(READ_TIMEOUT_S, policy.stall_s))
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -517,126 +608,9 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
 
 
-# ---------------------------------------------------------------------------------------------
-# Progress
-
-
-class _Tracker:
-    """Counts bytes, estimates the rate over the last seconds, and throttles events."""
-
-    WINDOW_S = 5.0
-    EVERY_S = 0.1
-
-    def __init__(self, files: list[RemoteFile], state: dict, callback, log=None):
-        self.callback = callback
-        self.log = log or (lambda msg: None)
-        self.total = sum(f.size for f in files)
-        self.files_total = len(files)
-        self.done = sum(f.size for f in files if f.path in state["verified"])
-        self.files_done = sum(1 for f in files if f.path in state["verified"])
-        self.transferred = 0
-        self.samples: deque = deque([(time.monotonic(), 0)])
-        self.file_done_bytes = 0
-        self.last_emit = 0.0
-        self.current: RemoteFile | None = None
-
-    def start_file(self, rf: RemoteFile, done: int) -> None:
-        self.current, self.file_done_bytes = rf, done
-
-    def advance(self, rf: RemoteFile, n: int, transferred: bool = True, phase: str = "download"):
-        self.file_done_bytes += n
-        self.done += n
-        if transferred:
-            self.transferred += n
-        self.emit(rf.path, self.file_done_bytes, rf.size, phase)
-
-    def file_done(self, rf: RemoteFile) -> None:
-        self.files_done += 1
-        self.emit(rf.path, rf.size, rf.size, "download", force=True)
-
-    def file_failed(self, rf: RemoteFile) -> None:
-        self.done -= self.file_done_bytes
-        self.emit(rf.path, 0, rf.size, "verify", force=True)
-
-    def rate(self) -> float:
-        now = time.monotonic()
-        self.samples.append((now, self.transferred))
-        while len(self.samples) > 2 and now - self.samples[0][0] > self.WINDOW_S:
-            self.samples.popleft()
-        t0, b0 = self.samples[0]
-        return (self.transferred - b0) / (now - t0) if now > t0 else 0.0
-
-    def emit(self, name: str, file_done: int, file_total: int, phase: str, force: bool = False):
-        now = time.monotonic()
-        if self.callback is None or (not force and now - self.last_emit < self.EVERY_S):
-            return
-        self.last_emit = now
-        rate = self.rate()
-        left = max(self.total - self.done, 0)
-        eta = left / rate if rate > 0 else (0.0 if left == 0 else None)
-        self.callback(FetchProgress(name, file_done, file_total, self.done, self.total, rate, eta,
-                                    self.files_done, self.files_total, phase))
-
-
-@dataclass
-class _ProgressBar:
-    """Renders FetchProgress on a terminal (one redrawn line) or a log (a line now and then)."""
-    stream: object
-    width: int = 24
-    log_every_s: float = 10.0
-    _last_log: float = 0.0
-    _drawn: bool = field(default=False)
-
-    def __call__(self, p: FetchProgress) -> None:
-        frac = p.done / p.total if p.total else 1.0
-        fill = int(frac * self.width)
-        eta = _fmt_duration(p.eta_s) if p.eta_s is not None else "--"
-        line = (f"{frac * 100:5.1f}% [{'#' * fill}{'-' * (self.width - fill)}] "
-                f"{_fmt_bytes(p.done)}/{_fmt_bytes(p.total)} {_fmt_bytes(p.rate_bps)}/s "
-                f"ETA {eta}  {p.file}")
-        if _isatty(self.stream):
-            self.stream.write("\r" + line[:120].ljust(120))
-            self._drawn = True
-        elif time.monotonic() - self._last_log >= self.log_every_s or p.phase == "done":
-            self._last_log = time.monotonic()
-            self.stream.write(line + "\n")
-        self.stream.flush()
-
-    def message(self, text: str) -> None:
-        self.finish()
-        self.stream.write(text + "\n")
-
-    def finish(self) -> None:
-        if self._drawn:
-            self.stream.write("\n")
-            self._drawn = False
-
-
-def _isatty(stream) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False
-
-
 def _corrupt_message(failed: list[str], partial: Path) -> str:
     names = ", ".join(failed[:3]) + (f" and {len(failed) - 3} more" if len(failed) > 3 else "")
     verb = "was" if len(failed) == 1 else "were"
     return (f"{names} did not match the hub's checksum and {verb} kept aside as .corrupt in "
             f"{partial}: delete the .corrupt file(s) and run the same command again to download "
             f"them again.")
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def _fmt_duration(s: float) -> str:
-    s = int(s)
-    if s >= 3600:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 60}m{s % 60:02d}s"

@@ -387,7 +387,7 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
     report = progress or (lambda f, m: None)
     report(0.0, "reading the model")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(st.path))
+        tokenizer = AutoTokenizer.from_pretrained(str(st.path), trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad folder
         raise UserError(f"Cannot load the tokenizer from {st.path} ({type(e).__name__}); "
                         f"run `moeferry verify {st.path}`.") from None

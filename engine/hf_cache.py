@@ -72,12 +72,42 @@ def list_repo_files(repo_id: str, revision: str, endpoint: str, token: str | Non
     return RepoListing(repo_id, revision, commit, files)
 
 
+WINDOWS_DEVICES = {"con", "prn", "aux", "nul", "conin$", "conout$",
+                   *(f"{d}{i}" for d in ("com", "lpt") for i in (*"0123456789", "¹", "²", "³"))}
+WINDOWS_FORBIDDEN = set('<>:"|?*\\') | {chr(c) for c in range(32)}
+
+
+def path_problem(path: str) -> str | None:
+    """Why `path` (a '/'-separated relative name) could leave its folder on some platform, or None.
+
+    The rules are Windows' as well as POSIX's, on every platform, so that a folder made on Linux
+    is safe when copied to Windows: no absolute or drive-qualified names (`/x`, `C:x`), no
+    `..`, `.` or empty parts, no backslashes, no `name:stream`, no reserved device names
+    (`nul`, `aux.txt`, `COM1`), no part ending in a dot or a space, no control characters.
+    """
+    if not isinstance(path, str) or not path:
+        return "is empty or not text"
+    if path.startswith("/"):
+        return "is an absolute path"
+    for part in path.split("/"):
+        if part in ("", ".", ".."):
+            return "leaves its folder (an empty, '.' or '..' part)"
+        bad = sorted(set(part) & WINDOWS_FORBIDDEN)
+        if bad:
+            return f"holds the character {bad[0]!r}, which names a drive, a stream or nothing on Windows"
+        if part[-1] in ". ":
+            return "has a part ending in a dot or a space, which Windows drops"
+        if part.split(".")[0].rstrip(" ").lower() in WINDOWS_DEVICES:
+            return "is a reserved device name on Windows"
+    return None
+
+
 def safe_relpath(path: str) -> Path:
     """A hub-listed file name as a relative path that cannot leave the download folder."""
-    parts = path.split("/")
-    if path.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in path:
-        raise UserError(f"The hub listed an unsafe file name {path!r}: check --endpoint.", 1)
-    return Path(*parts)
+    problem = path_problem(path)
+    if problem:
+        raise UserError(f"The hub listed an unsafe file name {path!r} (it {problem}): check --endpoint.", 1)
+    return Path(*path.split("/"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,8 +163,8 @@ def _transport_errors() -> tuple[type, ...]:
     return tuple(errors)
 
 
-def gated_message(repo_id: str, token: str | None) -> str:
-    page = f"https://huggingface.co/{repo_id}"
+def gated_message(repo_id: str, token: str | None, endpoint: str) -> str:
+    page = f"{endpoint.rstrip('/')}/{repo_id}"
     if token:
         return (f"{repo_id} is gated and your token has no access to it: accept its licence on "
                 f"{page} with the account the token belongs to, then run again.")
@@ -150,13 +180,13 @@ def _api_error(e: Exception, repo_id: str, revision: str, endpoint: str,
         return e
     status = _status(e)
     if isinstance(e, hf_errors.GatedRepoError) or status == 403:
-        return UserError(gated_message(repo_id, token), 2)
+        return UserError(gated_message(repo_id, token, endpoint), 2)
     if isinstance(e, hf_errors.RevisionNotFoundError):
         return UserError(f"Revision {revision} was not found in {repo_id}: check --revision.", 2)
     if isinstance(e, hf_errors.RepositoryNotFoundError) and status == 401:
         return UserError(
             f"The hub refused access to {repo_id} (HTTP 401): if it is gated, accept its licence "
-            f"on https://huggingface.co/{repo_id} and log in with `hf auth login` (or set "
+            f"on {endpoint.rstrip('/')}/{repo_id} and log in with `hf auth login` (or set "
             f"HF_TOKEN); otherwise check the repository name.", 2)
     if isinstance(e, hf_errors.RepositoryNotFoundError) or status == 404:
         return UserError(f"Repository {repo_id} was not found on {endpoint}: check its name "
@@ -240,17 +270,15 @@ def cache_blob(cache_repo: Path | None, rf: RemoteFile) -> Path | None:
 
 
 def _safetensors_whole(path: Path) -> bool:
-    """True when the file is as long as its header says (catches truncated copies)."""
+    """True when the file is as long as its (valid) header says (catches truncated copies)."""
+    from engine.safetensors_io import FormatError, read_header  # torch: only when asked
+
     try:
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if n <= 0 or n > 100 << 20:
-                return False
-            header = json.loads(f.read(n))
-    except (OSError, ValueError):
+        header, start = read_header(path)
+    except (OSError, FormatError):
         return False
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    return path.stat().st_size == 8 + n + end
+    end = max((v["data_offsets"][1] for v in header.values()), default=0)
+    return path.stat().st_size == start + end
 
 
 def _snapshot_complete(snap: Path) -> bool:

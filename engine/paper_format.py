@@ -79,6 +79,7 @@ class Checkpoint:
 def open_checkpoint(src: Path, tokenizer=None) -> Checkpoint:
     if not src.is_dir():
         raise UserError(f"{src} is not a folder; give the folder of the paper's offloading checkpoint.")
+    store.check_no_code(src, f"The checkpoint {src}")
     weight_map, files = convert.read_index(src)
     hf = read_config(src, tokenizer)
     headers, refs = {}, {}
@@ -285,7 +286,9 @@ class Plan:
 
 
 def plan_import(ck: Checkpoint) -> Plan:
-    cfg = ModelConfig.from_hf(ck.hf_config)
+    cfg = ModelConfig.from_hf(ck.hf_config)  # checked by convert.read_hf_config
+    store.check_backed(cfg, sum((ck.src / f).stat().st_size for f in ck.headers), f"The checkpoint {ck.src}")
+    convert.check_count(sum(len(h) for h, _ in ck.headers.values()), cfg.num_layers * cfg.num_experts * 3)
     dense = [("model.embed_tokens.weight",) * 2, ("model.norm.weight",) * 2]
     if "lm_head.weight" in ck.refs or not cfg.tie_word_embeddings:
         dense.append(("lm_head.weight",) * 2)
@@ -390,12 +393,15 @@ def import_paper_checkpoint(src, dest, expert_bits: int | None = None, attn_bits
     plan = plan_import(ck)
     check_requested_bits(expert_bits, attn_bits, plan)
     tok_dir = find_tokenizer(src, tokenizer)
+    cfg = plan.cfg
+    if tokenizer is not None:
+        convert.check_tokenizer(tok_dir, cfg)
     convert.check_destination(dest)
     tmp = store.temp_sibling(dest)
-    store.remove_partial(tmp)  # leftovers of an earlier interrupted run
-    tmp.mkdir(parents=True)
+    store.remove_partial(tmp)  # leftovers of an earlier interrupted run, before measuring space
+    convert.check_free_space(dest, store_bytes(ck, plan))
+    convert.make_temp(tmp)
     report = progress or (lambda f, m: None)
-    cfg = plan.cfg
     total = len(plan.dense) + len(plan.attn) + cfg.num_layers * cfg.num_experts
     done = [0]
 
@@ -419,18 +425,34 @@ def import_paper_checkpoint(src, dest, expert_bits: int | None = None, attn_bits
     except convert.Cancelled:
         store.remove_partial(tmp)
         raise UserError("Import cancelled; nothing was written.", exit_code=1) from None
+    except OSError as e:
+        store.remove_partial(tmp)
+        raise convert.file_error(e, dest) from None
     except BaseException:
         store.remove_partial(tmp)
         raise
     return dest
 
 
-def write_dense(tmp: Path, ck: Checkpoint, plan: Plan, tick) -> str:
+def dense_entries(ck: Checkpoint, plan: Plan) -> list[tuple]:
+    """dense.safetensors' declared tensors (name, dtype, shape)."""
     entries = [(dst, DTYPES[ck.refs[src].entry["dtype"]], tuple(ck.refs[src].entry["shape"]))
                for dst, src in plan.dense]
     for prefix, info in plan.attn.items():
         fields = store.matrix_fields(info.rows, info.cols, plan.aq)
         entries += [(prefix + k, dt, shape) for k, (dt, shape) in fields.items()]
+    return entries
+
+
+def store_bytes(ck: Checkpoint, plan: Plan) -> int:
+    """The tensor bytes of the store the plan makes (dense and experts)."""
+    cfg = plan.cfg
+    dense = sum(convert.nbytes(dt, shape) for _, dt, shape in dense_entries(ck, plan))
+    return dense + cfg.num_layers * cfg.num_experts * store.expert_layout(cfg, plan.eq)[1]
+
+
+def write_dense(tmp: Path, ck: Checkpoint, plan: Plan, tick) -> str:
+    entries = dense_entries(ck, plan)
     w = StreamingWriter(tmp / "dense.safetensors", entries, {"format": store.FORMAT})
     for dst, src in plan.dense:
         w.write(dst, ck.refs[src].load())

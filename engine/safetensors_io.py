@@ -10,7 +10,10 @@ u64 little-endian header length, a JSON header, then the raw little-endian tenso
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import math
+import os
 import struct
 from pathlib import Path
 
@@ -22,6 +25,7 @@ DTYPES = {
     "U8": torch.uint8, "BOOL": torch.bool,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+MAX_HEADER_BYTES = 100_000_000
 
 
 class FormatError(Exception):
@@ -29,27 +33,66 @@ class FormatError(Exception):
 
 
 def read_header(path: Path) -> tuple[dict, int]:
-    """(header without __metadata__, byte offset where tensor data starts)."""
+    """(header without __metadata__, byte offset where tensor data starts).
+
+    Every entry is checked against the file before anything is allocated: a known dtype, a
+    shape of non-negative integers, data_offsets [start, end] with end - start equal to the
+    shape's bytes, inside the file, and no two tensors sharing bytes.
+    """
     with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         raw = f.read(8)
         if len(raw) != 8:
             raise FormatError(f"{path.name} is not a safetensors file (too short)")
         (n,) = struct.unpack("<Q", raw)
-        if n > 100_000_000:
+        if n > min(MAX_HEADER_BYTES, size - 8):
             raise FormatError(f"{path.name} is not a safetensors file (bad header length)")
         try:
             header = json.loads(f.read(n))
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise FormatError(f"{path.name} is not a safetensors file ({e})") from None
+    if not isinstance(header, dict):
+        raise FormatError(f"{path.name} is not a safetensors file (its header is not an object)")
     header.pop("__metadata__", None)
+    check_entries(path.name, header, size - 8 - n)
     return header, 8 + n
 
 
+def check_entries(name: str, header: dict, data_bytes: int) -> None:
+    """Raise FormatError unless every entry fits the data section (data_bytes long)."""
+    spans = []
+    for key, e in header.items():
+        if not isinstance(e, dict) or e.get("dtype") not in DTYPES:
+            raise FormatError(f"{name}: tensor {key!r} has no known dtype")
+        shape, offsets = e.get("shape"), e.get("data_offsets")
+        if not _ints(shape) or any(d < 0 for d in shape):
+            raise FormatError(f"{name}: tensor {key!r} has a bad shape {shape!r}")
+        if not _ints(offsets) or len(offsets) != 2 or not 0 <= offsets[0] <= offsets[1] <= data_bytes:
+            raise FormatError(f"{name}: tensor {key!r} lies outside the file (data_offsets "
+                              f"{offsets!r}, {data_bytes} data bytes); the file is truncated or damaged")
+        nbytes = math.prod(shape) * DTYPES[e["dtype"]].itemsize
+        if offsets[1] - offsets[0] != nbytes:
+            raise FormatError(f"{name}: tensor {key!r} claims {offsets[1] - offsets[0]} bytes for "
+                              f"shape {shape} ({nbytes} bytes)")
+        if nbytes:
+            spans.append(offsets)
+    spans.sort()
+    for (_, end), (start, _) in itertools.pairwise(spans):
+        if start < end:
+            raise FormatError(f"{name}: two tensors share bytes; the file is damaged")
+
+
+def _ints(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+
+
 def read_tensor(path: Path, entry: dict, data_start: int) -> torch.Tensor:
-    """Read one tensor (header entry) into a fresh CPU tensor."""
+    """Read one tensor (header entry, checked by read_header) into a fresh CPU tensor."""
     start, end = entry["data_offsets"]
-    buf = bytearray(end - start)
     with open(path, "rb") as f:
+        if data_start + end > os.fstat(f.fileno()).st_size:  # the file shrank since its header was read
+            raise FormatError(f"{path.name} is truncated")
+        buf = bytearray(end - start)
         f.seek(data_start + start)
         if f.readinto(buf) != len(buf):
             raise FormatError(f"{path.name} is truncated")

@@ -24,12 +24,20 @@ quantization's bias_dtype), as the fields listed in the manifest (name, dtype, s
 offset), each 256-byte aligned so fields can be viewed in place. Expert matrices are HQQ
 (engine/quant.py), source precision (bits 16) or MXFP4 as gpt-oss ships them (method
 "mxfp4", engine/mxfp4.py).
+
+Nothing in a store is trusted before it is checked (docs/STORE.md lists the checks): the
+manifest names plain files of the folder only (no `..`, absolute, drive, device or stream
+names, no links out) and lists REQUIRED_FILES and a tokenizer; every file the loader reads
+(LOADER_FILES) is listed; the config's model_type is one of SUPPORTED_FAMILIES and its
+sizes are bounded and backed by the files' real bytes; no `auto_map` and no Python file,
+so no code shipped inside a store or checkpoint ever runs.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -40,6 +48,7 @@ import torch
 
 from engine import mxfp4, quant
 from engine.errors import UserError
+from engine.hf_cache import path_problem
 from engine.model import ModelConfig
 from engine.safetensors_io import DTYPE_NAMES, DTYPES, FormatError, read_header, read_tensor
 
@@ -51,6 +60,18 @@ EXPERT_BIASES = ("b1", "b3", "b2")  # of w1, w3, w2, where the family has them
 ATTN_MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MATRICES = ("gate_proj", "up_proj", "down_proj")  # dense layers' and the shared expert's
 FIELD_ALIGN = 256
+
+REQUIRED_FILES = ("config.json", "dense.safetensors", "experts.safetensors")
+TOKENIZER_MODELS = ("tokenizer.json", "tokenizer.model")  # a store holds at least one
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                   "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                   "chat_template.json")
+LOADER_FILES = REQUIRED_FILES + TOKENIZER_FILES + ("generation_config.json",)
+# What a config may claim, far above every released MoE model, so that no count read from a
+# file can make a loop or an allocation unbounded before the files' real sizes are compared.
+CONFIG_LIMITS = {"vocab_size": 1 << 22, "hidden_size": 1 << 16, "intermediate_size": 1 << 18,
+                 "num_layers": 1024, "num_heads": 1024, "num_kv_heads": 1024, "head_dim": 4096,
+                 "num_experts": 4096, "top_k": 4096, "max_position_embeddings": 1 << 24}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,23 +202,18 @@ def resolve_store_path(arg: str | Path) -> Path:
 
 
 def open_store(arg: str | Path) -> Store:
+    """Open a store after every check that needs no hashing (verify_store re-hashes)."""
     path, manifest = read_manifest(arg)
-    try:
-        hf_config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        raise UserError(f"{path}/config.json is missing or damaged; run `moeferry verify {path}`.") from None
-    check_family(hf_config, f"The store {path}")
-    return Store(path, manifest, hf_config, ModelConfig.from_hf(hf_config))
-
-
-def check_family(hf_config: dict, what: str) -> None:
-    """One sentence for a model family (config.json's model_type) this engine does not run."""
-    kind = hf_config.get("model_type")
-    if not kind and "MixtralForCausalLM" in hf_config.get("architectures", []):
-        return  # ModelConfig.from_hf reads a config without model_type as Mixtral's
-    if kind not in SUPPORTED_FAMILIES:
-        raise UserError(f"{what} holds a {kind or 'unknown'!r} model; MoE Ferry runs these model "
-                        f"types: {', '.join(SUPPORTED_FAMILIES)}.")
+    listed_file_problems(path, manifest, hashing=False, exit_code=1)
+    check_no_code(path, f"The store {path}")
+    hf_config = read_json(path / "config.json")
+    if not isinstance(hf_config, dict):
+        raise UserError(f"{path}/config.json is missing or damaged; run `moeferry verify {path}`.", 1)
+    cfg = model_config(hf_config, f"The store {path}")
+    check_layout(path, manifest, cfg)
+    check_backed(cfg, sum((path / f).stat().st_size for f in ("dense.safetensors", "experts.safetensors")),
+                 f"The store {path}")
+    return Store(path, manifest, hf_config, cfg)
 
 
 def read_manifest(arg: str | Path) -> tuple[Path, dict]:
@@ -209,17 +225,81 @@ def read_manifest(arg: str | Path) -> tuple[Path, dict]:
     if not mpath.is_file():
         raise UserError(f"{path} has no manifest.json, so it is not a MoE Ferry store; "
                         f"convert a checkpoint into it first with `moeferry convert`.")
-    try:
-        manifest = json.loads(mpath.read_text())
-    except ValueError:
-        raise UserError(f"{mpath} is damaged (not valid JSON); convert or download the model again.") from None
-    if manifest.get("format") != FORMAT:
+    if not inside(path, mpath):
+        raise UserError(f"{mpath} is a link to a file outside the store; convert or download the model "
+                        f"again.", 1)
+    manifest = read_json(mpath)
+    if manifest is None:
+        raise UserError(f"{mpath} is damaged (not valid JSON); convert or download the model again.", 1)
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else None
         raise UserError(f"{path} is not a MoE Ferry store (its manifest names format "
-                        f"{manifest.get('format')!r}); convert the checkpoint with `moeferry convert`.")
+                        f"{got!r}); convert the checkpoint with `moeferry convert`.")
     if manifest.get("version") != VERSION:
         raise UserError(f"{path} is a store of format version {manifest.get('version')}, but this "
                         f"MoE Ferry reads version {VERSION}; convert the model again or update MoE Ferry.")
+    problem = manifest_problem(manifest)
+    if problem:
+        raise UserError(f"{mpath} {problem}, so the store cannot be trusted; convert or download the "
+                        f"model again.", 1)
     return path, manifest
+
+
+def manifest_problem(manifest: dict) -> str | None:
+    """Why the manifest's file list cannot be used, or None."""
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        return "lists no files"
+    for name, meta in files.items():
+        problem = path_problem(name) or ("is in a subfolder" if "/" in name else None)
+        if problem:
+            return f"names the file {name[:80]!r}, which {problem}; a store holds plain files of its folder"
+        if not (isinstance(meta, dict) and type(meta.get("size")) is int and meta["size"] >= 0
+                and isinstance(meta.get("sha256"), str) and len(meta["sha256"]) == 64):
+            return f"has no size and sha256 for {name}"
+    missing = [f for f in REQUIRED_FILES if f not in files]
+    if not any(f in files for f in TOKENIZER_MODELS):
+        missing.append(" or ".join(TOKENIZER_MODELS))
+    if missing:
+        return f"does not list {', '.join(missing)}, which every store has"
+    for key in ("quantization", "experts"):
+        if not isinstance(manifest.get(key), dict):
+            return f"has no {key} section"
+    return None
+
+
+def inside(folder: Path, p: Path) -> bool:
+    """True when p, links followed, lies in folder (links followed too)."""
+    try:
+        return p.resolve().is_relative_to(folder.resolve())
+    except (OSError, RuntimeError):  # a link loop
+        return False
+
+
+def listed_file_problems(path: Path, manifest: dict, hashing: bool, exit_code: int = 1,
+                         progress=None) -> list[str]:
+    """A sentence per listed file that is missing, a link out, the wrong size or (hashing) changed,
+    and per unlisted file the loader would read. Without hashing, the first problem is raised."""
+    files = manifest["files"]
+    bad = []
+    for i, (name, want) in enumerate(sorted(files.items())):
+        p = path / name
+        if progress:
+            progress(i / len(files), f"checking {name}")
+        if p.is_symlink() and not inside(path, p):
+            bad.append(f"{name}: a link to a file outside the store")
+        elif not p.is_file():
+            bad.append(f"{name}: missing")
+        elif p.stat().st_size != want["size"]:
+            bad.append(f"{name}: size {p.stat().st_size} bytes, expected {want['size']}")
+        elif hashing and sha256_file(p) != want["sha256"]:
+            bad.append(f"{name}: contents changed (sha256 mismatch)")
+    bad += [f"{f}: read by the loader but not listed in the manifest"
+            for f in LOADER_FILES if f not in files and (path / f).exists()]
+    if bad and not hashing:
+        raise UserError(f"The store {path} is damaged ({bad[0]}); run `moeferry verify {path}`, then "
+                        f"convert or download the model again.", exit_code)
+    return bad
 
 
 def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
@@ -231,21 +311,113 @@ def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
 
 
 def verify_store(arg: str | Path, progress=None) -> list[str]:
-    """Re-hash every file in the manifest; return a sentence for each bad or missing file."""
+    """Re-hash every file in the manifest; return a sentence for each bad, missing or unlisted file.
+
+    A store that would run code, or whose config the engine refuses, raises UserError (exit 1).
+    """
     path, manifest = read_manifest(arg)
-    bad = []
-    files = manifest["files"]
-    for i, (name, want) in enumerate(sorted(files.items())):
-        p = path / name
-        if progress:
-            progress(i / len(files), f"checking {name}")
-        if not p.is_file():
-            bad.append(f"{name}: missing")
-        elif p.stat().st_size != want["size"]:
-            bad.append(f"{name}: size {p.stat().st_size} bytes, expected {want['size']}")
-        elif sha256_file(p) != want["sha256"]:
-            bad.append(f"{name}: contents changed (sha256 mismatch)")
+    check_no_code(path, f"The store {path}", exit_code=1)
+    bad = listed_file_problems(path, manifest, hashing=True, progress=progress)
+    if not any(b.startswith("config.json:") for b in bad):
+        hf = read_json(path / "config.json")
+        if not isinstance(hf, dict):
+            bad.append("config.json: not a JSON object")
+        else:
+            model_config(hf, f"The store {path}", exit_code=1)
     return bad
+
+
+# ---------------------------------------------------------------------------------------------
+# Trust: families, code, sizes (for stores and checkpoints alike)
+
+
+def read_json(path: Path):
+    """The file's JSON value, or None when it is missing or not JSON."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
+def check_no_code(folder: Path, what: str, exit_code: int = 2) -> None:
+    """Refuse a folder that ships Python files or names custom code (`auto_map`) in its configs."""
+    py = next(iter(sorted(folder.rglob("*.py"))), None)
+    if py is not None:
+        raise UserError(f"{what} contains the Python file {py.relative_to(folder)}; MoE Ferry never "
+                        f"runs code shipped with a model, so it refuses the folder: use a checkpoint "
+                        f"without custom code.", exit_code)
+    for name in ("config.json",) + TOKENIZER_FILES + ("generation_config.json",):
+        if name.endswith(".json") and name != "tokenizer.json" and _has_key(read_json(folder / name), "auto_map"):
+            raise UserError(f"{what} has an auto_map in {name}, which asks to run custom code; MoE "
+                            f"Ferry never runs code shipped with a model, so it refuses the folder.",
+                            exit_code)
+
+
+def _has_key(obj, key: str) -> bool:
+    if isinstance(obj, dict):
+        return key in obj or any(_has_key(v, key) for v in obj.values())
+    if isinstance(obj, list):
+        return any(_has_key(v, key) for v in obj)
+    return False
+
+
+def model_config(hf: dict, what: str, exit_code: int = 2) -> ModelConfig:
+    """The engine's config from a Hugging Face config.json, after its family and every count
+    in it are checked (positive integers within CONFIG_LIMITS)."""
+    kind = hf.get("model_type")
+    if kind not in SUPPORTED_FAMILIES:
+        raise UserError(f"{what} holds a {str(kind or 'unknown')[:40]!r} model, which MoE Ferry cannot run "
+                        f"(it runs model_type {', '.join(SUPPORTED_FAMILIES)}); use a checkpoint of one of "
+                        f"those.", exit_code)
+    try:
+        cfg = ModelConfig.from_hf(hf)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
+        raise UserError(f"{what} has a config.json without a usable {e.args[0] if e.args else 'value'!s:.60}; "
+                        f"it is damaged or not a {kind} config.", exit_code) from None
+    for name, limit in CONFIG_LIMITS.items():
+        v = getattr(cfg, name)
+        if type(v) is not int or not 1 <= v <= limit:
+            raise UserError(f"{what} has a config.json whose {name} is {str(v)[:40]}, not a whole number "
+                            f"from 1 to {limit}; it is damaged.", exit_code)
+    ok = (cfg.top_k <= cfg.num_experts and cfg.num_heads % cfg.num_kv_heads == 0
+          and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+                  for x in (cfg.rms_norm_eps, cfg.rope_theta))
+          and (cfg.sliding_window is None or (type(cfg.sliding_window) is int and cfg.sliding_window > 0)))
+    if not ok:
+        raise UserError(f"{what} has a config.json whose experts per token, heads, rms_norm_eps, rope_theta "
+                        f"or sliding_window do not fit together; it is damaged.", exit_code)
+    return cfg
+
+
+def min_model_bytes(cfg: ModelConfig) -> int:
+    """A lower bound on the bytes any file set holding this model needs: every weight at one bit."""
+    attn = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    experts = cfg.num_experts * 3 * cfg.hidden_size * cfg.intermediate_size
+    return (cfg.num_layers * attn + cfg.num_moe_layers * experts + cfg.vocab_size * cfg.hidden_size) // 8
+
+
+def check_backed(cfg: ModelConfig, nbytes: int, what: str) -> None:
+    """Refuse a config that claims more weights than the files' real bytes could hold."""
+    need = min_model_bytes(cfg)
+    if need > nbytes:
+        raise UserError(f"{what} has a config.json describing {cfg.num_layers} layers of {cfg.num_experts} "
+                        f"experts (at least {need / 2**30:.1f} GiB even at 1 bit per weight), but its weight "
+                        f"files hold {nbytes / 2**30:.3f} GiB; the config does not belong to these weights.")
+
+
+def check_layout(path: Path, manifest: dict, cfg: ModelConfig) -> None:
+    """The manifest's quantization and expert layout must be what this config implies."""
+    try:
+        q = manifest["quantization"]
+        fields, stride = expert_layout(cfg, q["experts"])
+        for m in ATTN_MATRICES:
+            matrix_fields(*attn_shape(cfg, m), q["attention"])
+        ok = manifest["experts"].get("stride") == stride and manifest["experts"].get("fields") == fields
+    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError):
+        ok = False
+    if not ok:
+        raise UserError(f"{path}/manifest.json describes a quantization or expert layout that does not fit "
+                        f"its config.json; the store is damaged: convert the model again.", 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,6 +431,7 @@ def read_dense(store: Store) -> dict:
         header, start = read_header(path)
     except (OSError, FormatError) as e:
         raise UserError(f"Cannot read {path} ({e}); run `moeferry verify {store.path}`.") from None
+    check_dense_shapes(store, header)
     raw = {name: read_tensor(path, entry, start) for name, entry in header.items()}
     out, grouped = {}, {}
     for name, t in raw.items():
@@ -272,6 +445,31 @@ def read_dense(store: Store) -> dict:
     return out
 
 
+def check_dense_shapes(store: Store, header: dict) -> None:
+    """Every tensor whose shape the config fixes must have it (views and matmuls rely on it)."""
+    cfg = store.config
+    h, v = cfg.hidden_size, cfg.vocab_size
+    known = {"model.embed_tokens.weight": [v, h], "lm_head.weight": [v, h], "model.norm.weight": [h]}
+    for name, entry in header.items():
+        want = known.get(name)
+        parts = name.split(".")
+        if want is None and len(parts) == 6 and parts[3] == "self_attn" and parts[4] in ATTN_MATRICES \
+                and parts[5] == "bias":
+            want = [attn_shape(cfg, parts[4])[0]]
+        elif want is None and len(parts) == 6 and parts[3] == "self_attn" and parts[4] in ATTN_MATRICES:
+            fields = matrix_fields(*attn_shape(cfg, parts[4]), store.attn_quant)
+            dtype, shape = fields.get(parts[5], (None, None))
+            want = list(shape) if shape is not None and DTYPE_NAMES[dtype] == entry["dtype"] else "none"
+        elif want is None and name.endswith(("input_layernorm.weight", "post_attention_layernorm.weight")):
+            want = [h]
+        elif want is None and name.endswith("block_sparse_moe.gate.weight"):
+            want = [cfg.num_experts, h]
+        if want is not None and entry["shape"] != want:
+            raise UserError(f"{store.path}/dense.safetensors holds {name} as {entry['dtype']} {entry['shape']}, "
+                            f"which does not fit the store's config and quantization; run "
+                            f"`moeferry verify {store.path}` and convert again.", 1)
+
+
 def experts_array(store: Store) -> torch.Tensor:
     """All experts as a read-only CPU uint8 tensor [layers, experts, stride] backed by mmap."""
     path = store.path / "experts.safetensors"
@@ -282,7 +480,7 @@ def experts_array(store: Store) -> torch.Tensor:
         raise UserError(f"Cannot read {path} ({e}); run `moeferry verify {store.path}`.") from None
     shape = tuple(entry["shape"])
     want = (store.config.num_moe_layers, store.config.num_experts, store.expert_bytes)
-    if shape != want or os.path.getsize(path) < start + int(np.prod(shape)):
+    if shape != want or entry["dtype"] != "U8" or entry["data_offsets"][0] != 0:
         raise UserError(f"{path} does not hold {want[0]}x{want[1]} experts of {want[2]} bytes; "
                         f"run `moeferry verify {store.path}` and convert again.")
     mm = np.memmap(path, dtype=np.uint8, mode="r", offset=start, shape=shape)
@@ -359,12 +557,35 @@ def verify_and_install(tmp: Path, dest: Path, what: str = "converted") -> None:
     if bad:
         raise UserError(f"The {what} store failed verification ({bad[0]}); check the disk and run again.",
                         exit_code=1)
+    fsync_folder(tmp)
     if dest.is_dir():
         dest.rmdir()  # empty: callers refuse a non-empty destination up front
     if dest.exists():
         raise UserError(f"{dest} appeared while the store was being written; move it away and run again.")
     os.replace(tmp, dest)
+    fsync_dir(dest.parent)
+
+
+def fsync_folder(folder: Path) -> None:
+    """Flush every file of the folder and the folder itself to the disk (before it is renamed)."""
+    for p in sorted(folder.iterdir()):
+        if p.is_file() and not p.is_symlink():
+            with open(p, "r+b") as f:
+                os.fsync(f.fileno())
+    fsync_dir(folder)
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a folder's entries durable (POSIX; Windows has no directory handles to flush)."""
+    if os.name == "nt":
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def remove_partial(tmp: Path) -> None:
+    """Delete a temporary sibling (this run's, or the leftovers of one that was killed)."""
     shutil.rmtree(tmp, ignore_errors=True)

@@ -12,7 +12,8 @@ JSON field names:
 
 Errors carry the hub's X-Error-Code header (RepoNotFound, RevisionNotFound, EntryNotFound,
 GatedRepo). Knobs for tests: gated repos (401 without the right token, 403 with another),
-dropping the connection after N bytes of a file, serving corrupted bytes, throttling.
+dropping the connection after N bytes of a file, serving corrupted bytes, throttling,
+answering HTTP 429 (with a Retry-After) for the first N requests of a file.
 Every request is recorded with its headers in `HubServer.requests`.
 """
 
@@ -47,6 +48,7 @@ class Request:
     method: str
     path: str
     headers: dict[str, str]
+    at: float = field(default_factory=time.monotonic)  # when it arrived
 
 
 @dataclass
@@ -59,6 +61,8 @@ class HubServer:
     redirect_lfs: bool = False
     tree_supported: bool = True  # False: /tree answers a bare 404, like a minimal mirror
     ignore_range: bool = False  # True: always 200 with the whole file, like some proxies
+    rate_limited: dict[str, int] = field(default_factory=dict)  # file -> how many 429s first
+    retry_after: str = ""  # the Retry-After header sent with a 429 ("" = none)
     requests: list[Request] = field(default_factory=list)
     url: str = ""
     _server: ThreadingHTTPServer | None = None
@@ -208,6 +212,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if file not in repo.files:
             return self._error(404, "EntryNotFound", f"{file} does not exist")
+        if self.server_hub.rate_limited.get(file, 0) > 0:
+            self.server_hub.rate_limited[file] -= 1
+            return self._error(429, "", "Too many requests")
         if self.server_hub.redirect_lfs and repo.is_lfs(file):
             self.send_response(302)
             self.send_header("Location", "/cdn/" + hashlib.sha256(repo.files[file]).hexdigest())
@@ -288,6 +295,8 @@ class _Handler(BaseHTTPRequestHandler):
         if code:
             self.send_header("X-Error-Code", code)
         self.send_header("X-Error-Message", message)
+        if status == 429 and self.server_hub.retry_after:
+            self.send_header("Retry-After", self.server_hub.retry_after)
         self.send_header("Content-Length", str(len(raw)))
         self.end_headers()
         if self.command != "HEAD":

@@ -20,6 +20,7 @@ from engine.mxfp4 import dequantize as mxfp4_dequantize
 from engine.store import (
     SUPPORTED_FAMILIES,
     experts_array,
+    sha256_file,
     load_dequantized_hf_model,
     open_store,
     view_expert,
@@ -316,6 +317,10 @@ def test_a_store_of_an_unsupported_family_is_refused(tiny_store, tmp_path):
     shutil.copytree(tiny_store, st)
     hf = json.loads((st / "config.json").read_text())
     (st / "config.json").write_text(json.dumps(hf | {"model_type": "jamba"}))
+    manifest = json.loads((st / "manifest.json").read_text())  # listed as it now is: only the family is wrong
+    manifest["files"]["config.json"] = {"size": (st / "config.json").stat().st_size,
+                                        "sha256": sha256_file(st / "config.json")}
+    (st / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(UserError, match="jamba.*qwen3_moe"):
         open_store(st)
 

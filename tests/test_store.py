@@ -103,7 +103,7 @@ def test_bad_checkpoints_get_one_sentence_and_exit_2(tmp_path, case):
     assert r.returncode == 2, r.stderr
     msg = r.stderr.strip()
     assert msg.startswith("moeferry: ") and "Traceback" not in msg and msg.count("\n") == 0, msg
-    expected = {"not_mixtral": "'llama' model; MoE Ferry runs these model types: mixtral,", "missing_shard": "missing 1 of", "no_folder": "not a folder",
+    expected = {"not_mixtral": "'llama' model, which MoE Ferry cannot run", "missing_shard": "missing 1 of", "no_folder": "not a folder",
                 "dest_exists": "already exists", "no_tokenizer": "no tokenizer",
                 "damaged_index": "missing or damaged"}[case]
     assert expected in msg

@@ -134,8 +134,8 @@ def save(model, args: TrainArgs, log: dict) -> None:
 def print_samples(folder: Path, device: torch.device, prompts=SAMPLE_PROMPTS) -> None:
     """Greedy answers of the saved (best) model, as a first look at its quality."""
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    model = MixtralForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(device).eval()
+    tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
+    model = MixtralForCausalLM.from_pretrained(str(folder), dtype=torch.float32, trust_remote_code=False).to(device).eval()
     for p in prompts:
         text = tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                        add_generation_prompt=True)
@@ -156,7 +156,7 @@ def train(args: TrainArgs) -> dict:
     vocab = json.loads((args.data / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"]
     config = demo_config(len(vocab))
     if args.init:  # continue from a saved checkpoint's weights (fresh optimizer and schedule)
-        model = MixtralForCausalLM.from_pretrained(str(args.init), dtype=torch.float32).to(device)
+        model = MixtralForCausalLM.from_pretrained(str(args.init), dtype=torch.float32, trust_remote_code=False).to(device)
         config = model.config
     else:
         model = MixtralForCausalLM(config).to(device)
