@@ -1,0 +1,217 @@
+"""Experts computed on the CPU from host memory, with torch's own weight-only kernels.
+
+No compiler is needed on the user's machine: the kernels are torch's prebuilt CPU ops
+(AVX2 / AVX-512). A CPU copy of an expert has its own layout, derived from the dequantized
+expert (the store's HQQ layout groups along OUTPUT rows, these kernels group along the
+INPUT dimension). One CpuMatrix W [N, K] (N outputs, K inputs) is one of:
+
+  "int4"  torch.ops.aten._weight_int4pack_mm_for_cpu: codes q in [0, 16), groups of g input
+          columns (g in 32, 64, 128, 256), scale and zero per (group, row):
+              W[n, k] = (q[n, k] - 8) * s[k // g, n] + z[k // g, n]
+          `packed` = _convert_weight_to_int4pack_for_cpu(q int32 [N, K]) (uint8 [N, K / 2]),
+          `meta` = scales_and_zeros [K / g, N, 2] in bfloat16.
+          HQQ's (q - zh) * s is the same form with z = (8 - zh) * s.
+  "int8"  torch.ops.aten._weight_int8pack_mm: W[n, k] = q[n, k] * s[n], q int8 [N, K]
+          symmetric per output row, `meta` = s [N] in bfloat16.
+  "dense" the weight itself (the GPU copy's dequantized values: exact), `packed` [N, K] in
+          the model's compute dtype.
+int4 and int8 take bfloat16 activations: that is their fast path (measured on 2 cores, one
+14336x4096 matrix: int4 1.1 ms with bfloat16, 57 ms with float32 or float16 activations).
+
+An expert is two matrices: w13 = [w1; w3] ([2I, H], one product gives gate and up) and
+w2 [H, I]; out = w2 (silu(w1 x) * w3 x). forward() takes and returns float32; inside, x is
+rounded to the matrix's activation dtype (bfloat16 for int4/int8, as on the GPU).
+torch has no 2- or 3-bit CPU kernel, and a pure-torch one (unpack, then matmul) writes the
+unpacked weights back to RAM: slower than int4 read at RAM speed (benchmarks/cpu_experts.py).
+
+CpuWorker keeps one thread ready (torch's intra-op pool warm): torch ops release the GIL,
+so the main thread keeps queuing GPU work and copies while the CPU computes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+FORMATS = ("int4", "int8", "dense")
+GROUPS = (128, 64, 32)  # int4 groups used, largest (fewest bytes) first; the kernel also takes 256
+CLIPS = (1.0, 0.96, 0.92, 0.88, 0.84)  # int4 range shrink factors tried per group
+
+
+@dataclass
+class CpuMatrix:
+    fmt: str
+    rows: int  # N (outputs)
+    cols: int  # K (inputs)
+    packed: torch.Tensor
+    meta: torch.Tensor | None = None
+    group_size: int = 0
+
+    def nbytes(self) -> int:
+        meta = 0 if self.meta is None else self.meta.numel() * self.meta.element_size()
+        return self.packed.numel() * self.packed.element_size() + meta
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype inside the kernel."""
+        return self.packed.dtype if self.fmt == "dense" else torch.bfloat16
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] -> float32 [T, N]."""
+        x = x.to(self.dtype)
+        if self.fmt == "int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.meta)
+        elif self.fmt == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(x, self.packed, self.meta)
+        else:
+            y = F.linear(x, self.packed)
+        return y.float()
+
+
+
+@dataclass
+class CpuExpert:
+    w13: CpuMatrix
+    w2: CpuMatrix
+
+    def nbytes(self) -> int:
+        return self.w13.nbytes() + self.w2.nbytes()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x float32 [T, H] -> float32 [T, H]."""
+        gate, up = self.w13.matmul(x).chunk(2, dim=-1)
+        return self.w2.matmul(F.silu(gate) * up)
+
+
+# ---------------------------------------------------------------------------------------------
+# Making CPU copies
+
+
+def int4_group(cols: int) -> int:
+    g = next((g for g in GROUPS if cols % g == 0), None)
+    if g is None:
+        raise ValueError(f"an int4 CPU copy needs the input size {cols} to be a multiple of 32")
+    return g
+
+
+def int4_codes(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (q int32 [N, K] in [0, 16), s [N, K / g], z [N, K / g]) with
+    W ~ (q - 8) * s + z per group of g input columns (asymmetric); s and z are float32
+    holding bfloat16 values.
+
+    Per group the range [lo, hi] is shrunk about its centre by each factor of CLIPS and the
+    one with the least squared error is kept (clipping a few outliers beats a wide grid).
+    """
+    N, K = w.shape
+    g = group_size
+    wg = w.detach().float().reshape(N, K // g, g)
+    lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+    mid, half = (hi + lo) / 2, (hi - lo) / 2
+    best_err = best = None
+    for c in CLIPS:
+        a = mid - half * c
+        s = (2 * half * c / 15).clamp(min=1e-10)
+        q = ((wg - a) / s).round().clamp(0, 15)
+        err = ((q * s + a - wg) ** 2).sum(-1, keepdim=True)
+        if best is None:
+            best_err, best = err, (q, s, a)
+        else:
+            take = err < best_err
+            best_err = torch.where(take, err, best_err)
+            best = tuple(torch.where(take, new, old) for new, old in zip((q, s, a), best))
+    _, s, a = best
+    # scale and zero as the kernel reads them (bfloat16), then the codes that fit those
+    s, z = s.bfloat16().float(), (a + 8 * s).bfloat16().float()  # (q - 8) * s + z == q * s + a
+    q = ((wg - z) / s + 8).round().clamp(0, 15)
+    return q.reshape(N, K).to(torch.int32), s.reshape(N, K // g), z.reshape(N, K // g)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int | None = None) -> CpuMatrix:
+    N, K = w.shape
+    g = group_size or int4_group(K)
+    q, s, z = int4_codes(w, g)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    meta = torch.stack([s.T, z.T], dim=-1).bfloat16().contiguous()  # [K / g, N, 2]
+    return CpuMatrix("int4", N, K, packed, meta, g)
+
+
+def quantize_int8(w: torch.Tensor) -> CpuMatrix:
+    wf = w.detach().float()
+    s = (wf.abs().amax(dim=1) / 127).clamp(min=1e-10)
+    q = (wf / s[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return CpuMatrix("int8", *w.shape, q.contiguous(), s.bfloat16())
+
+
+def make_matrix(w: torch.Tensor, fmt: str) -> CpuMatrix:
+    if fmt == "int4":
+        return quantize_int4(w)
+    if fmt == "int8":
+        return quantize_int8(w)
+    if fmt == "dense":
+        return CpuMatrix("dense", *w.shape, w.detach().contiguous())
+    raise ValueError(f"unknown CPU expert format {fmt!r}; use one of {', '.join(FORMATS)}")
+
+
+def make_expert(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, fmt: str) -> CpuExpert:
+    """The CPU copy of one expert from its float weights (w1, w3 [I, H], w2 [H, I])."""
+    return CpuExpert(make_matrix(torch.cat([w1, w3]), fmt), make_matrix(w2, fmt))
+
+
+def supported(fmt: str, hidden: int, intermediate: int) -> bool:
+    """Whether `fmt` can hold experts of this shape (int4 needs inputs in multiples of 32)."""
+    return fmt != "int4" or (hidden % 32 == 0 and intermediate % 32 == 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker
+
+
+@dataclass
+class CpuRunStats:
+    experts: int = 0
+    bytes_read: int = 0
+    seconds: float = 0.0
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class CpuWorker:
+    """One persistent thread running CPU experts, so no call pays a thread start.
+
+    `threads` sets torch's intra-op pool (process-wide: the main thread's own CPU ops, if any,
+    use it too). run() returns a Future; the stats are updated by the worker thread only.
+    """
+
+    def __init__(self, threads: int | None = None):
+        if threads:
+            torch.set_num_threads(threads)
+        self.threads = torch.get_num_threads()
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeferry-cpu-experts")
+        self.stats = CpuRunStats()
+        self.lock = threading.Lock()
+        self.pool.submit(torch.ones(64, 64).sum).result()  # start the thread and its pool now
+
+    def run(self, jobs: list[tuple[CpuExpert, torch.Tensor]]) -> Future:
+        """Compute expert(x) for each (expert, x float32 [T, H]); Future of the outputs, in order."""
+        return self.pool.submit(self._run, jobs)
+
+    def _run(self, jobs):
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = [e.forward(x) for e, x in jobs]
+        dt = time.perf_counter() - t0
+        with self.lock:
+            self.stats.experts += len(jobs)
+            self.stats.bytes_read += sum(e.nbytes() for e, _ in jobs)
+            self.stats.seconds += dt
+        return out
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
