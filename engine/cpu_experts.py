@@ -30,6 +30,7 @@ so the main thread keeps queuing GPU work and copies while the CPU computes.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -182,6 +183,19 @@ class CpuRunStats:
         return self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
+def run_jobs(jobs: list[tuple[CpuExpert, torch.Tensor]], stats: CpuRunStats, lock=None) -> list[torch.Tensor]:
+    """expert(x) for each (expert, x [T, H]), float32 [T, H] each; counts bytes and time."""
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = [e.forward(x) for e, x in jobs]
+    dt = time.perf_counter() - t0
+    with lock or contextlib.nullcontext():
+        stats.experts += len(jobs)
+        stats.bytes_read += sum(e.nbytes() for e, _ in jobs)
+        stats.seconds += dt
+    return out
+
+
 class CpuWorker:
     """One persistent thread running CPU experts, so no call pays a thread start.
 
@@ -203,15 +217,106 @@ class CpuWorker:
         return self.pool.submit(self._run, jobs)
 
     def _run(self, jobs):
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = [e.forward(x) for e, x in jobs]
-        dt = time.perf_counter() - t0
-        with self.lock:
-            self.stats.experts += len(jobs)
-            self.stats.bytes_read += sum(e.nbytes() for e, _ in jobs)
-            self.stats.seconds += dt
-        return out
+        return run_jobs(jobs, self.stats, self.lock)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine's side: which experts of a step run here, and adding their results
+
+
+class CpuExperts:
+    """The CPU copies of some experts, the worker, and the per-layer choice of what runs here.
+
+    mode "all": every miss that has a CPU copy runs on the CPU; "auto": placement's cost model
+    splits the misses between the link and the CPU. every_expert: no device cache at all (a
+    machine without a GPU): every routed expert runs on the CPU, in the calling thread.
+    """
+
+    def __init__(self, copies: dict[tuple[int, int], CpuExpert], mode: str, costs=None,
+                 gpu_bytes: int = 0, params: int = 0, every_expert: bool = False,
+                 threads: int | None = None):
+        from engine import placement
+
+        if mode not in ("auto", "all"):
+            raise ValueError(f"unknown CPU expert mode {mode!r}")
+        self.copies, self.mode, self.costs, self.every_expert = copies, mode, costs, every_expert
+        cpu_bytes = max((c.nbytes() for c in copies.values()), default=0)
+        self.sizes = placement.ExpertSizes(gpu_bytes, cpu_bytes, params)
+        self.worker = None if every_expert else CpuWorker(threads)
+        self.stats = CpuRunStats() if every_expert else self.worker.stats
+        self.stage: torch.Tensor | None = None  # pinned [top_k, H]: results on their way up
+
+    def nbytes(self) -> int:
+        return sum(c.nbytes() for c in self.copies.values())
+
+    def choose(self, layer: int, needed: list[int], ids_host: list[list[int]], cache):
+        """-> (rows, both): rows = expert -> [(token, top-k position)] for the experts of this
+        step that run on the CPU; both = those of them also copied into the cache for later."""
+        from engine import placement
+
+        uses = {e: [(t, row.index(e)) for t, row in enumerate(ids_host) if e in row] for e in needed}
+        if self.every_expert:
+            return uses, []
+        if cache.policy != "lru":
+            return {}, []
+        resident = set(cache.resident(layer))
+        misses = [e for e in needed if e not in resident]
+        able = {e for e in misses if (layer, e) in self.copies}
+        if self.mode == "all" or not able:
+            run, both = sorted(able), []
+        else:
+            plan = placement.choose_misses(self.costs, self.sizes, misses, len(needed) - len(misses),
+                                           able, {e: len(uses[e]) for e in misses})
+            run, both = sorted(plan.cpu), list(plan.both)
+        cache.stats.misses += len(run)
+        cache.stats.misses_cpu += len(run)
+        cache.stats.misses_both += len(both)
+        return {e: uses[e] for e in run}, both
+
+    def start(self, layer: int, rows: dict, h: torch.Tensor, weights: torch.Tensor, out: torch.Tensor):
+        """Send h down and queue rows' experts (see choose); returns finish(), which waits for
+        them and adds each output times its routing weight to out as the device path does:
+        out += (y.to(out.dtype) * weight).to(out.dtype)."""
+        experts = sorted(rows)
+        h_host = h.detach().to("cpu", torch.float32)  # the host synced on routing: h is final
+        jobs = [(self.copies[layer, e], h_host[[t for t, _ in rows[e]]]) for e in experts]
+        if self.worker is None:
+            result = run_jobs(jobs, self.stats)
+        else:
+            future = self.worker.run(jobs)
+
+        def finish() -> None:
+            ys = result if self.worker is None else future.result()
+            decode = h.shape[0] == 1
+            up = self._up(ys, out) if decode else [y.to(out.device, out.dtype) for y in ys]
+            for e, y in zip(experts, up):
+                if decode:
+                    k = rows[e][0][1]
+                    out.add_((y * weights[:, k:k + 1]).to(out.dtype))
+                else:
+                    t = torch.tensor([t for t, _ in rows[e]], device=out.device)
+                    k = torch.tensor([k for _, k in rows[e]], device=out.device)
+                    out.index_add_(0, t, (y * weights[t, k, None]).to(out.dtype))
+
+        return finish
+
+    def _up(self, ys: list[torch.Tensor], out: torch.Tensor) -> list[torch.Tensor]:
+        """Decode results [1, H] each -> on out's device, through one pinned staging buffer
+        (one copy, not waiting for the device). The buffer is rewritten only after the next
+        layer's routing sync, by which time this copy has run."""
+        if out.device.type == "cpu":
+            return [y.to(out.dtype) for y in ys]
+        n = len(ys)
+        if self.stage is None or self.stage.shape[0] < n or self.stage.dtype != out.dtype:
+            self.stage = torch.empty((max(n, 8), out.shape[-1]), dtype=out.dtype, pin_memory=True)
+        for j, y in enumerate(ys):
+            self.stage[j].copy_(y[0])
+        up = self.stage[:n].to(out.device, non_blocking=True)
+        return [up[j:j + 1] for j in range(n)]
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
