@@ -25,7 +25,7 @@ import torch
 from engine import quant, store as store_mod
 from engine.errors import UserError
 from engine.expert_cache import ExpertCache
-from engine.generate import fmt_bytes, parse_size, workspace_bytes
+from engine.generate import cpu_copies_of, cpu_experts_for, fmt_bytes, parse_size, workspace_bytes
 from engine.model import KVCache, ModelConfig, OffloadedMixtral
 
 MIXTRAL = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
@@ -51,6 +51,9 @@ class ModeResult:
     achieved_over_bound: float
     peak_vram_bytes: int
     under_budget: bool
+    misses_cpu: int = 0  # hybrid: misses computed on the CPU (the rest were copied)
+    misses_both: int = 0
+    cpu_gb_per_s: float = 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,7 +153,7 @@ def cache_size_for(budget: int | None, cfg, dense_bytes, stride, context, device
 
 
 def run_mode(cfg, dense, host, fields, eq, device, policy, k, prefetch, kernels, prompt, new_tokens,
-             graphs=True):
+             graphs=True, cpu_copies=None):
     torch.cuda.synchronize(device)
     gc.collect()  # the previous mode's cache and graphs
     torch.cuda.empty_cache()
@@ -158,6 +161,8 @@ def run_mode(cfg, dense, host, fields, eq, device, policy, k, prefetch, kernels,
     cache = ExpertCache(host, k, device, expert_views(cfg, fields, eq), policy=policy)
     model = OffloadedMixtral(cfg, dense, cache, device, torch.bfloat16, kernels)
     model.prefetch_depth = prefetch
+    if cpu_copies is not None:  # the hybrid: misses computed on the CPU too, by the cost model
+        model.hybrid = cpu_experts_for(cpu_copies, cfg, host, cache, "auto")
     model.setup_kv(len(prompt) + new_tokens)
     model.use_cuda_graphs(graphs and kernels == "fused")  # the reference path stays eager, as HQQ's
     if model.graphs is not None:
@@ -175,6 +180,9 @@ def run_mode(cfg, dense, host, fields, eq, device, policy, k, prefetch, kernels,
     decode = time.perf_counter() - t1
     after = asdict(cache.stats)
     d = {key: after[key] - before[key] for key in after}
+    if model.hybrid is not None:
+        d["cpu_gb_per_s"] = model.hybrid.stats.gb_per_s
+        model.hybrid.close()
     peak = torch.cuda.max_memory_allocated(device)
     model.graphs = None  # break the model <-> graphs cycle so the slots go now
     del model, cache
@@ -193,6 +201,7 @@ class Synthetic:
     pinned_bytes_per_s: float
     expert_bits: int
     attn_bits: int
+    cpu_copies: dict | None = None  # the hybrid mode's int4 CPU copies, made on first use
 
 
 def build(layers: int = 32, expert_bits: int = 2, attn_bits: int = 4, seed: int = 0, log=print) -> Synthetic:
@@ -238,8 +247,13 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
         for kern in kernels:
             policy = "naive" if mode == "naive" else "lru"
             kk = cfg.top_k if mode == "naive" else ks[kern]
-            depth = prefetch if mode == "full" else 0
-            first, decode, d, peak = run_mode(*common, policy, kk, depth, kern, prompt, new_tokens)
+            depth = prefetch if mode in ("full", "hybrid") else 0
+            if mode == "hybrid" and s.cpu_copies is None:
+                log("  making int4 CPU copies of every expert (on the GPU)")
+                s.cpu_copies = cpu_copies_of(cfg, s.host, expert_views(cfg, s.fields, s.eq), device, "int4",
+                                             None, kk)
+            first, decode, d, peak = run_mode(*common, policy, kk, depth, kern, prompt, new_tokens,
+                                              cpu_copies=s.cpu_copies if mode == "hybrid" else None)
             steps = new_tokens - 1
             per_tok = decode / steps
             moved = d["bytes_h2d"] / steps
@@ -255,7 +269,8 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
                 gb_per_token=moved / 1e9, h2d_gb_per_s=d["bytes_h2d"] / decode / 1e9,
                 bound_ms_per_token=bound * 1e3, achieved_ms_per_token=per_tok * 1e3,
                 achieved_over_bound=per_tok / bound, peak_vram_bytes=peak,
-                under_budget=budget is None or peak <= budget)
+                under_budget=budget is None or peak <= budget, misses_cpu=d["misses_cpu"],
+                misses_both=d["misses_both"], cpu_gb_per_s=d.get("cpu_gb_per_s", 0.0))
             results.append(r)
             log(f"  {mode:5s} {kern:9s} {r.decode_tokens_per_s:7.2f} tok/s  first token {first:.2f} s  "
                 f"hits {r.hit_rate:.2f}  {r.gb_per_token:.2f} GB/token  peak {fmt_bytes(peak)}")
@@ -301,7 +316,7 @@ def cli_bench(argv: list[str]) -> int:
     p.add_argument("--attn-bits", type=int, default=4, choices=(4, 8))
     p.add_argument("--prompt-len", default="128", help="one or several, comma-separated")
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--modes", default="naive,lru,full")
+    p.add_argument("--modes", default="naive,lru,full", help="naive, lru, full, hybrid (full + CPU experts)")
     p.add_argument("--kernels", default="reference,fused")
     p.add_argument("--prefetch", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print the report(s) as JSON")

@@ -136,8 +136,8 @@ def quantize_int4(w: torch.Tensor, group_size: int | None = None) -> CpuMatrix:
     N, K = w.shape
     g = group_size or int4_group(K)
     q, s, z = int4_codes(w, g)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    meta = torch.stack([s.T, z.T], dim=-1).bfloat16().contiguous()  # [K / g, N, 2]
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.cpu(), 1)
+    meta = torch.stack([s.T, z.T], dim=-1).bfloat16().cpu().contiguous()  # [K / g, N, 2]
     return CpuMatrix("int4", N, K, packed, meta, g)
 
 
@@ -145,7 +145,7 @@ def quantize_int8(w: torch.Tensor) -> CpuMatrix:
     wf = w.detach().float()
     s = (wf.abs().amax(dim=1) / 127).clamp(min=1e-10)
     q = (wf / s[:, None]).round().clamp(-127, 127).to(torch.int8)
-    return CpuMatrix("int8", *w.shape, q.contiguous(), s.bfloat16())
+    return CpuMatrix("int8", *w.shape, q.cpu().contiguous(), s.bfloat16().cpu())
 
 
 def make_matrix(w: torch.Tensor, fmt: str) -> CpuMatrix:
@@ -154,12 +154,13 @@ def make_matrix(w: torch.Tensor, fmt: str) -> CpuMatrix:
     if fmt == "int8":
         return quantize_int8(w)
     if fmt == "dense":
-        return CpuMatrix("dense", *w.shape, w.detach().contiguous())
+        return CpuMatrix("dense", *w.shape, w.detach().cpu().contiguous())
     raise ValueError(f"unknown CPU expert format {fmt!r}; use one of {', '.join(FORMATS)}")
 
 
 def make_expert(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, fmt: str) -> CpuExpert:
-    """The CPU copy of one expert from its float weights (w1, w3 [I, H], w2 [H, I])."""
+    """The CPU copy of one expert from its float weights (w1, w3 [I, H], w2 [H, I]) on any
+    device (quantized there); the copy is in host memory."""
     return CpuExpert(make_matrix(torch.cat([w1, w3]), fmt), make_matrix(w2, fmt))
 
 
@@ -230,8 +231,9 @@ class CpuWorker:
 class CpuExperts:
     """The CPU copies of some experts, the worker, and the per-layer choice of what runs here.
 
-    mode "all": every miss that has a CPU copy runs on the CPU; "auto": placement's cost model
-    splits the misses between the link and the CPU. every_expert: no device cache at all (a
+    mode "all": every miss that has a CPU copy runs on the CPU, and is copied into the cache
+    meanwhile for its next use (the layer never waits for the link; the cache still learns);
+    "auto": placement's cost model splits the misses between the link and the CPU. every_expert: no device cache at all (a
     machine without a GPU): every routed expert runs on the CPU, in the calling thread.
     """
 
@@ -265,8 +267,9 @@ class CpuExperts:
         resident = set(cache.resident(layer))
         misses = [e for e in needed if e not in resident]
         able = {e for e in misses if (layer, e) in self.copies}
-        if self.mode == "all" or not able:
-            run, both = sorted(able), []
+        if self.mode == "all" or not able:  # all: computed here, copied for later off the critical path
+            run = sorted(able)
+            both = run if self.mode == "all" else []
         else:
             plan = placement.choose_misses(self.costs, self.sizes, misses, len(needed) - len(misses),
                                            able, {e: len(uses[e]) for e in misses})

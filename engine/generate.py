@@ -440,6 +440,8 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
         model.hybrid = make_cpu_experts(st, host, cache, cpu_experts, cpu_format, cpu_threads,
                                         parse_size(ram_budget) if isinstance(ram_budget, str) else ram_budget,
                                         every_expert, lambda f, m: report(0.9 * f, m))
+        if every_expert:
+            cache.host = None  # never copied from: the CPU copies are the experts' only home
     model.prefetch_depth = 0 if every_expert else prefetch  # nothing is read from the cache
     model.setup_kv(context)  # allocated once, at full size: budgeted above and graph-friendly
     model.use_cuda_graphs(cuda_graphs)
@@ -470,35 +472,49 @@ def check_cpu_options(mode: str, fmt: str | None, cfg: ModelConfig) -> None:
 def make_cpu_experts(st: store_mod.Store, host: torch.Tensor, cache: ExpertCache, mode: str,
                      fmt: str | None, threads: int | None, ram_budget: int | None, every_expert: bool,
                      progress):
-    """CPU copies of the experts that fit ram_budget (placement.cpu_copies), derived from the
-    store's experts, and, for "auto", the costs measured on them."""
+    """CPU copies of the experts that fit ram_budget, and the CpuExperts that runs them."""
+    cfg = st.config
+    view = lambda buf: store_mod.view_expert(buf, st.expert_fields, st.expert_quant, cfg)  # noqa: E731
+    copies = cpu_copies_of(cfg, host, view, cache.device, fmt, ram_budget, cache.K, progress)
+    if every_expert and len(copies) < cfg.num_layers * cfg.num_experts:
+        raise UserError("The RAM budget cannot hold a CPU copy of every expert; raise --ram-budget.")
+    return cpu_experts_for(copies, cfg, host, cache, mode, threads, every_expert)
+
+
+def cpu_copies_of(cfg: ModelConfig, host: torch.Tensor, view, device: torch.device, fmt: str | None,
+                  ram_budget: int | None, slots: int, progress=None) -> dict:
+    """(layer, expert) -> CpuExpert for the experts placement.cpu_copies picks within ram_budget,
+    each derived from the dequantized stored expert (dequantized and re-quantized on the
+    compute device: minutes on a CPU for Mixtral, seconds on a GPU)."""
     from engine import cpu_experts as ce, placement
 
-    cfg = st.config
     fmt = fmt or ("int4" if ce.supported("int4", cfg.hidden_size, cfg.intermediate_size) else "int8")
+    dtype = torch.float32 if fmt != "dense" or device.type == "cpu" else torch.bfloat16
 
-    def weights(layer, e):
-        w = store_mod.view_expert(host[layer, e], st.expert_fields, st.expert_quant, cfg)
-        dtype = torch.float32 if fmt != "dense" else cache_dtype(cache)
-        return [compute_ready(w[m], dtype) for m in ("w1", "w3", "w2")]
+    def copy(layer, e):
+        w = view(host[layer, e].to(device))
+        return ce.make_expert(*(compute_ready(w[m], dtype) for m in ("w1", "w3", "w2")), fmt)
 
-    one = ce.make_expert(*weights(0, 0), fmt)
-    keys = placement.cpu_copies(cfg.num_layers, cfg.num_experts, one.nbytes(), ram_budget, cache.K)
-    if every_expert and len(keys) < cfg.num_layers * cfg.num_experts:
-        raise UserError("The RAM budget cannot hold a CPU copy of every expert; raise --ram-budget.")
+    first = copy(0, 0)
+    keys = placement.cpu_copies(cfg.num_layers, cfg.num_experts, first.nbytes(), ram_budget, slots)
     copies = {}
     for n, (layer, e) in enumerate(keys):
-        copies[layer, e] = ce.make_expert(*weights(layer, e), fmt)
-        progress((n + 1) / len(keys), "making the CPU copies of the experts")
+        copies[layer, e] = first if (layer, e) == (0, 0) else copy(layer, e)
+        if progress:
+            progress((n + 1) / len(keys), "making the CPU copies of the experts")
+    return copies
+
+
+def cpu_experts_for(copies: dict, cfg: ModelConfig, host: torch.Tensor, cache: ExpertCache, mode: str,
+                    threads: int | None = None, every_expert: bool = False):
+    """The CpuExperts over these copies; for "auto", with its costs measured here."""
+    from engine import cpu_experts as ce
+
     params = 3 * cfg.hidden_size * cfg.intermediate_size
-    hybrid = ce.CpuExperts(copies, mode, None, st.expert_bytes, params, every_expert, threads)
+    hybrid = ce.CpuExperts(copies, mode, None, host.shape[2], params, every_expert, threads)
     if mode == "auto" and not every_expert and copies:
         hybrid.costs = measure_costs(hybrid, next(iter(copies.values())), host, cache)
     return hybrid
-
-
-def cache_dtype(cache: ExpertCache) -> torch.dtype:
-    return torch.float32 if cache.device.type == "cpu" else torch.bfloat16
 
 
 def measure_costs(hybrid, copy, host: torch.Tensor, cache: ExpertCache):
@@ -519,6 +535,8 @@ def measure_costs(hybrid, copy, host: torch.Tensor, cache: ExpertCache):
         return min(times)
 
     cpu_s = best(lambda: hybrid.worker.run([(copy, x)]).result())
+    many = torch.zeros(32, x.shape[1])  # a prompt's worth: the kernel's compute rate
+    flops_s = best(lambda: hybrid.worker.run([(copy, many)]).result(), reps=2)
     if cache.cuda:
         from engine import hardware
         link = hardware.measure_h2d(torch, cache.device.index or 0, cache.B, 0.2)["h2d_bytes_per_s"]
@@ -529,6 +547,8 @@ def measure_costs(hybrid, copy, host: torch.Tensor, cache: ExpertCache):
         w = cache.decode(cache.views[0][0]) if cache.decode else cache.views[0][0]
         h = torch.zeros(1, x.shape[1], dtype=w["w1"].dtype)
         gpu_s = best(lambda: F.linear(F.silu(F.linear(h, w["w1"])) * F.linear(h, w["w3"]), w["w2"]))
+    params = copy.w13.rows * copy.w13.cols + copy.w2.rows * copy.w2.cols
     return placement.Costs(link_gbps=link / 1e9, cpu_gbps=copy.nbytes() / cpu_s / 1e9, gpu_expert_s=gpu_s,
+                           cpu_gflops=2 * params * 32 / flops_s / 1e9,
                            cpu_overhead_s=20e-6 if cache.cuda else 0.0,  # + h down, the result up
                            cpu_threads=hybrid.worker.threads)
