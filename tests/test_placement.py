@@ -82,3 +82,20 @@ def test_predicted_hybrid_layer_beats_copy_only():
     gpu_only, hybrid = pl.predicted_miss_s(DESKTOP, MIXTRAL, misses_per_layer=2, hits_per_layer=0)
     assert gpu_only == pytest.approx(2 * 66.7e6 / 25e9 + 2 * 40e-6)
     assert hybrid < 0.75 * gpu_only
+
+
+def test_plan_predicts_the_hybrid_from_the_probe():
+    from engine import plan
+
+    m = plan.ModelSizes.from_config(plan.MIXTRAL_8X7B_CONFIG, 2, 4)
+    desktop = {"gpu_name": "RTX 3060", "h2d_bytes_per_s": 25e9, "gpu_mem_bandwidth_bytes_per_s": 360e9,
+               "ram_total_bytes": 64 << 30}
+    slow_ram, fast_ram = dict(desktop, cpu_matvec_params_per_s=1e9), dict(desktop, cpu_matvec_params_per_s=12e9)
+    p_slow, p_fast = plan.make_plan(slow_ram, m, 12 << 30), plan.make_plan(fast_ram, m, 12 << 30)
+    assert p_slow.predicted_tokens_per_s == pytest.approx(p_fast.predicted_tokens_per_s)  # GPU-only
+    # 4 GB/s of RAM: the CPU never wins a miss; 43 GB/s (dual-channel DDR4): it takes many
+    assert p_slow.predicted_hybrid_tokens_per_s == pytest.approx(p_slow.predicted_tokens_per_s)
+    assert p_fast.predicted_hybrid_tokens_per_s > 1.1 * p_fast.predicted_tokens_per_s
+    assert "--cpu-experts auto" in p_fast.notes[-1]
+    everything = plan.make_plan(dict(fast_ram, gpu_name="H200"), m, 80 << 30)
+    assert everything.cache_experts_per_layer == 8 and everything.predicted_hybrid_tokens_per_s is None
