@@ -136,7 +136,8 @@ def quantize_int4(w: torch.Tensor, group_size: int | None = None) -> CpuMatrix:
     N, K = w.shape
     g = group_size or int4_group(K)
     q, s, z = int4_codes(w, g)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.cpu(), 1)
+    q = q.to(torch.uint8).cpu().to(torch.int32)  # a quarter of the bytes when q is on a GPU
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
     meta = torch.stack([s.T, z.T], dim=-1).bfloat16().cpu().contiguous()  # [K / g, N, 2]
     return CpuMatrix("int4", N, K, packed, meta, g)
 

@@ -238,6 +238,8 @@ class Engine:
             self.last_stats, self.last_trace = stats, trace
 
     def close(self) -> None:
+        if self.model is not None and self.model.hybrid is not None:
+            self.model.hybrid.close()  # the CPU experts' worker thread
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

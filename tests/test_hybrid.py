@@ -149,3 +149,36 @@ def test_cpu_experts_options_are_checked(store16):
         load_engine(store16[0], device="cpu", cpu_experts="sometimes")
     with pytest.raises(UserError, match="--cpu-format must be"):
         load_engine(store16[0], device="cpu", cpu_experts="all", cpu_format="int3")
+
+
+def test_prefill_gives_the_cpu_the_experts_with_fewest_tokens(store16):
+    """For T tokens a CPU expert costs max(read, 2 * params * T / flops) and a copy the same
+    for any T: in each prefill layer the CPU takes the experts serving the fewest tokens and the
+    link the rest, at once; decode's single tokens go to the CPU. Tokens stay exact."""
+    path, want = store16
+    engine = load_engine(path, device="cpu", dtype="float32", cache_experts=1, prefetch=0,
+                         cpu_experts="auto", cpu_format="dense")
+    hybrid, stats = engine.model.hybrid, engine.model.cache.stats
+    hybrid.costs = Costs(link_gbps=0.5, cpu_gbps=1.0, gpu_expert_s=0.0, cpu_overhead_s=0.0, cpu_gflops=0.5)
+    layers, choose = [], hybrid.choose
+
+    def spy(layer, needed, ids_host, cache):
+        misses = [e for e in needed if e not in cache.resident(layer)]
+        tokens = {e: sum(e in row for row in ids_host) for e in misses}
+        rows, both = choose(layer, needed, ids_host, cache)
+        layers.append(([tokens[e] for e in rows], [tokens[e] for e in misses if e not in rows]))
+        return rows, both
+
+    hybrid.choose = spy
+    prompt = PROMPT * 4  # 32 tokens
+    engine.model.setup_kv(64)
+    engine.model.forward(torch.tensor(prompt), 0)
+    split = [(cpu, copied) for cpu, copied in layers if cpu and copied]
+    assert split and all(max(cpu) <= min(copied) for cpu, copied in split), layers
+    assert sum(sum(copied) for _, copied in layers) > sum(sum(cpu) for cpu, _ in layers)
+    before = stats.misses_cpu
+    for n in range(6):
+        engine.model.forward(torch.tensor([3 + n]), len(prompt) + n)
+    assert stats.misses_cpu > before
+    hybrid.choose = choose
+    assert greedy(engine) == want and engine.last_stats.first_token_s > 0
