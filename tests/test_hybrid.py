@@ -182,3 +182,21 @@ def test_prefill_gives_the_cpu_the_experts_with_fewest_tokens(store16):
     assert stats.misses_cpu > before
     hybrid.choose = choose
     assert greedy(engine) == want and engine.last_stats.first_token_s > 0
+
+
+def test_generate_cli_cpu_experts_json(tiny_store):
+    import json
+
+    from tests.conftest import run_cli
+
+    args = ("generate", str(tiny_store), "--prompt", "hello there", "--device", "cpu", "--max-new-tokens", "6",
+            "--json")
+    off = run_cli(*args)
+    on = run_cli(*args, "--cpu-experts", "all", "--cpu-format", "dense", "--cpu-threads", "1")
+    assert off.returncode == 0 and on.returncode == 0, on.stderr
+    a, b = json.loads(off.stdout), json.loads(on.stdout)
+    assert a["token_ids"] == b["token_ids"]
+    assert b["stats"]["cpu_expert_runs"] > 0 and b["stats"]["cache_misses"] == 0
+    assert a["stats"]["cpu_expert_runs"] == 0
+    bad = run_cli(*args, "--cpu-experts", "all", "--ram-budget", "1KB")
+    assert bad.returncode == 2 and "raise --ram-budget" in bad.stderr and "Traceback" not in bad.stderr
