@@ -441,7 +441,7 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
     if cpu_experts != "off" and (every_expert or k < cfg.num_experts):  # else nothing ever misses
         model.hybrid = make_cpu_experts(st, host, cache, cpu_experts, cpu_format, cpu_threads,
                                         parse_size(ram_budget) if isinstance(ram_budget, str) else ram_budget,
-                                        every_expert, lambda f, m: report(0.9 * f, m))
+                                        every_expert, lambda f, m: report(0.9 * f, m), dtype)
         if every_expert:
             cache.host = None  # never copied from: the CPU copies are the experts' only home
     model.prefetch_depth = 0 if every_expert else prefetch  # nothing is read from the cache
@@ -473,25 +473,26 @@ def check_cpu_options(mode: str, fmt: str | None, cfg: ModelConfig) -> None:
 
 def make_cpu_experts(st: store_mod.Store, host: torch.Tensor, cache: ExpertCache, mode: str,
                      fmt: str | None, threads: int | None, ram_budget: int | None, every_expert: bool,
-                     progress):
+                     progress, dtype):
     """CPU copies of the experts that fit ram_budget, and the CpuExperts that runs them."""
     cfg = st.config
     view = lambda buf: store_mod.view_expert(buf, st.expert_fields, st.expert_quant, cfg)  # noqa: E731
-    copies = cpu_copies_of(cfg, host, view, cache.device, fmt, ram_budget, cache.K, progress)
+    copies = cpu_copies_of(cfg, host, view, cache.device, fmt, ram_budget, cache.K, progress, dtype)
     if every_expert and len(copies) < cfg.num_layers * cfg.num_experts:
         raise UserError("The RAM budget cannot hold a CPU copy of every expert; raise --ram-budget.")
     return cpu_experts_for(copies, cfg, host, cache, mode, threads, every_expert)
 
 
 def cpu_copies_of(cfg: ModelConfig, host: torch.Tensor, view, device: torch.device, fmt: str | None,
-                  ram_budget: int | None, slots: int, progress=None) -> dict:
+                  ram_budget: int | None, slots: int, progress=None, dtype=torch.bfloat16) -> dict:
     """(layer, expert) -> CpuExpert for the experts placement.cpu_copies picks within ram_budget,
     each derived from the dequantized stored expert (dequantized and re-quantized on the
-    compute device: minutes on a CPU for Mixtral, seconds on a GPU)."""
+    compute device: minutes on a CPU for Mixtral, seconds on a GPU). dense copies keep the
+    model's compute dtype."""
     from engine import cpu_experts as ce, placement
 
     fmt = fmt or ("int4" if ce.supported("int4", cfg.hidden_size, cfg.intermediate_size) else "int8")
-    dtype = torch.float32 if fmt != "dense" or device.type == "cpu" else torch.bfloat16
+    dtype = dtype if fmt == "dense" else torch.float32  # float32 in, the copy rounds it
 
     def copy(layer, e):
         w = view(host[layer, e].to(device))
