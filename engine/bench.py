@@ -54,6 +54,7 @@ class ModeResult:
     misses_cpu: int = 0  # hybrid: misses computed on the CPU (the rest were copied)
     misses_both: int = 0
     cpu_gb_per_s: float = 0.0
+    cpu_wait_ms_per_token: float = 0.0  # the CPU's share of the critical path
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,6 +183,7 @@ def run_mode(cfg, dense, host, fields, eq, device, policy, k, prefetch, kernels,
     d = {key: after[key] - before[key] for key in after}
     if model.hybrid is not None:
         d["cpu_gb_per_s"] = model.hybrid.stats.gb_per_s
+        d["cpu_wait_s"] = model.hybrid.stats.waited_s  # the host waiting on the CPU (prefill included)
         model.hybrid.close()
     peak = torch.cuda.max_memory_allocated(device)
     model.graphs = None  # break the model <-> graphs cycle so the slots go now
@@ -270,7 +272,8 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
                 bound_ms_per_token=bound * 1e3, achieved_ms_per_token=per_tok * 1e3,
                 achieved_over_bound=per_tok / bound, peak_vram_bytes=peak,
                 under_budget=budget is None or peak <= budget, misses_cpu=d["misses_cpu"],
-                misses_both=d["misses_both"], cpu_gb_per_s=d.get("cpu_gb_per_s", 0.0))
+                misses_both=d["misses_both"], cpu_gb_per_s=d.get("cpu_gb_per_s", 0.0),
+                cpu_wait_ms_per_token=d.get("cpu_wait_s", 0.0) / new_tokens * 1e3)
             results.append(r)
             log(f"  {mode:5s} {kern:9s} {r.decode_tokens_per_s:7.2f} tok/s  first token {first:.2f} s  "
                 f"hits {r.hit_rate:.2f}  {r.gb_per_token:.2f} GB/token  peak {fmt_bytes(peak)}")

@@ -178,7 +178,8 @@ def supported(fmt: str, hidden: int, intermediate: int) -> bool:
 class CpuRunStats:
     experts: int = 0
     bytes_read: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # the CPU computing
+    waited_s: float = 0.0  # the main thread waiting for the CPU after queuing the device's work
 
     @property
     def gb_per_s(self) -> float:
@@ -293,7 +294,9 @@ class CpuExperts:
             future = self.worker.run(jobs)
 
         def finish() -> None:
+            t0 = time.perf_counter()
             ys = result if self.worker is None else future.result()
+            self.stats.waited_s += time.perf_counter() - t0  # the CPU was this layer's critical path
             decode = h.shape[0] == 1
             up = self._up(ys, out) if decode else [y.to(out.device, out.dtype) for y in ys]
             for e, y in zip(experts, up):

@@ -82,6 +82,8 @@ class GenerationStats:
     misses_both: int = 0  # computed on the CPU and copied for later
     cpu_expert_runs: int = 0  # expert uses computed on the CPU (all of them without a GPU)
     cpu_gb_per_s: float = 0.0  # the CPU kernels' achieved read speed
+    cpu_s: float = 0.0  # time the CPU computed experts
+    cpu_wait_s: float = 0.0  # of it, time the host waited for the CPU (the CPU bound the layer)
 
     def contract(self) -> dict:
         """The fields `moeferry generate --json` promises, first, then the rest."""
@@ -225,8 +227,8 @@ class Engine:
             stats.misses_both = after["misses_both"] - before["misses_both"]
             stats.misses_copied = stats.cache_misses - stats.misses_cpu
             if model.hybrid is not None:
-                runs, nbytes, secs = (a - b for a, b in zip(asdict(model.hybrid.stats).values(), cpu_before))
-                stats.cpu_expert_runs = runs
+                runs, nbytes, secs, waited = (a - b for a, b in zip(asdict(model.hybrid.stats).values(), cpu_before))
+                stats.cpu_expert_runs, stats.cpu_s, stats.cpu_wait_s = runs, secs, waited
                 stats.cpu_gb_per_s = nbytes / secs / 1e9 if secs > 0 else 0.0
             total = stats.prefill_s + stats.decode_s
             stats.h2d_gb_per_s = stats.bytes_h2d / total / 1e9 if total > 0 else 0.0
@@ -439,8 +441,9 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
     model = OffloadedMixtral(cfg, dense, cache, dev, dtype, kernels)
     model.dense_bytes = dense_b
     if cpu_experts != "off" and (every_expert or k < cfg.num_experts):  # else nothing ever misses
+        ram = parse_size(ram_budget) if isinstance(ram_budget, str) else ram_budget
         model.hybrid = make_cpu_experts(st, host, cache, cpu_experts, cpu_format, cpu_threads,
-                                        parse_size(ram_budget) if isinstance(ram_budget, str) else ram_budget,
+                                        default_ram_budget() if ram is None else ram,
                                         every_expert, lambda f, m: report(0.9 * f, m), dtype)
         if every_expert:
             cache.host = None  # never copied from: the CPU copies are the experts' only home
@@ -451,6 +454,10 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
         model.graphs.prepare(min(context, 1024), lambda f, m: report(0.9 + 0.1 * f, m))
     note = "" if (cache.pinned or cache.host is None or dev.type != "cuda") else \
         "Pinned memory is unavailable, so expert copies use pageable memory and are slower."
+    if model.hybrid is not None and len(model.hybrid.copies) < cfg.num_layers * cfg.num_experts:
+        note = (note + " " if note else "") + (
+            f"The RAM budget holds CPU copies of {len(model.hybrid.copies)} of the "
+            f"{cfg.num_layers * cfg.num_experts} experts; the others are always copied to the GPU.")
     report(1.0, "ready")
     return Engine(st, model, tokenizer, dev, dtype, budget, context, note)
 
@@ -481,6 +488,16 @@ def make_cpu_experts(st: store_mod.Store, host: torch.Tensor, cache: ExpertCache
     if every_expert and len(copies) < cfg.num_layers * cfg.num_experts:
         raise UserError("The RAM budget cannot hold a CPU copy of every expert; raise --ram-budget.")
     return cpu_experts_for(copies, cfg, host, cache, mode, threads, every_expert)
+
+
+def default_ram_budget() -> int | None:
+    """RAM the CPU copies may take when no --ram-budget is given: what is available now (the
+    store's experts already loaded) less the system's share (plan.HOST_RESERVE_BYTES)."""
+    from engine.hardware import _ram_info
+    from engine.plan import HOST_RESERVE_BYTES
+
+    available = _ram_info().get("ram_available_bytes")
+    return None if available is None else max(0, available - HOST_RESERVE_BYTES)
 
 
 def cpu_copies_of(cfg: ModelConfig, host: torch.Tensor, view, device: torch.device, fmt: str | None,

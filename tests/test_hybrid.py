@@ -56,6 +56,7 @@ def test_hybrid_tokens_equal_transformers_and_cache_only(store16, mode, costs, k
     s = hyb.last_stats
     assert s.misses_cpu + s.misses_copied == s.cache_misses
     assert s.cpu_expert_runs == s.misses_cpu
+    assert 0 <= s.cpu_wait_s <= s.prefill_s + s.decode_s and (s.cpu_s > 0) == (s.misses_cpu > 0)
     if mode == "all" or costs is SLOW_LINK:  # every miss has a CPU copy: none waits for a copy
         assert s.misses_cpu > 0 and s.misses_copied == 0 and s.cpu_gb_per_s > 0
         # all: each is also copied for later (not on the critical path); a slow link: never
@@ -200,3 +201,19 @@ def test_generate_cli_cpu_experts_json(tiny_store):
     assert a["stats"]["cpu_expert_runs"] == 0
     bad = run_cli(*args, "--cpu-experts", "all", "--ram-budget", "1KB")
     assert bad.returncode == 2 and "raise --ram-budget" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_default_ram_budget_is_what_is_available(store16, monkeypatch):
+    from engine import hardware
+    from engine.plan import HOST_RESERVE_BYTES
+
+    path, want = store16
+    full = load_engine(path, device="cpu", dtype="float32", cache_experts=2, cpu_experts="all", cpu_format="dense")
+    per_copy = next(iter(full.model.hybrid.copies.values())).nbytes()
+    assert len(full.model.hybrid.copies) == 24 and full.note == ""
+    available = HOST_RESERVE_BYTES + 5 * per_copy
+    monkeypatch.setattr(hardware, "_ram_info", lambda: {"ram_available_bytes": available})
+    tight = load_engine(path, device="cpu", dtype="float32", cache_experts=2, cpu_experts="all", cpu_format="dense")
+    assert len(tight.model.hybrid.copies) == 5
+    assert "CPU copies of 5 of the 24 experts" in tight.note
+    assert greedy(tight) == want
