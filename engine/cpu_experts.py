@@ -235,8 +235,9 @@ class CpuExperts:
 
     mode "all": every miss that has a CPU copy runs on the CPU, and is copied into the cache
     meanwhile for its next use (the layer never waits for the link; the cache still learns);
-    "auto": placement's cost model splits the misses between the link and the CPU. every_expert: no device cache at all (a
-    machine without a GPU): every routed expert runs on the CPU, in the calling thread.
+    "auto": placement's cost model splits the misses between the link and the CPU.
+    every_expert: no device cache at all (a machine without a GPU): every routed expert runs
+    on the CPU, in the calling thread.
     """
 
     def __init__(self, copies: dict[tuple[int, int], CpuExpert], mode: str, costs=None,

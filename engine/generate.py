@@ -227,7 +227,8 @@ class Engine:
             stats.misses_both = after["misses_both"] - before["misses_both"]
             stats.misses_copied = stats.cache_misses - stats.misses_cpu
             if model.hybrid is not None:
-                runs, nbytes, secs, waited = (a - b for a, b in zip(asdict(model.hybrid.stats).values(), cpu_before))
+                now = asdict(model.hybrid.stats).values()
+                runs, nbytes, secs, waited = (a - b for a, b in zip(now, cpu_before))
                 stats.cpu_expert_runs, stats.cpu_s, stats.cpu_wait_s = runs, secs, waited
                 stats.cpu_gb_per_s = nbytes / secs / 1e9 if secs > 0 else 0.0
             total = stats.prefill_s + stats.decode_s

@@ -216,7 +216,7 @@ class OffloadedMixtral:
             if on_cpu:  # queued first: the CPU works while the host queues copies and kernels
                 finish = self.hybrid.start(i, on_cpu, *io)
         slots = []
-        for e in (e for e in needed if e not in on_cpu):  # the host queues copies and compute without waiting for either
+        for e in (e for e in needed if e not in on_cpu):  # copies and compute queued, waiting for neither
             w, slot = self.cache.acquire(i, e, keep=needed)
             if add_all is None:
                 add_expert(w, slot, e, ids_host[0].index(e) if len(ids_host) == 1 else None)

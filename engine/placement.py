@@ -108,7 +108,8 @@ def cpu_copies(num_layers: int, num_experts: int, cpu_bytes: int, ram_budget: in
     return picks[:fit]
 
 
-def predicted_miss_s(c: Costs, s: ExpertSizes, misses_per_layer: int, hits_per_layer: int) -> tuple[float, float]:
+def predicted_miss_s(c: Costs, s: ExpertSizes, misses_per_layer: int,
+                     hits_per_layer: int) -> tuple[float, float]:
     """(GPU-only, hybrid) seconds for one layer with that many misses at batch 1: what the
     probe and the plan quote for the hybrid's speed."""
     misses = list(range(misses_per_layer))
