@@ -277,6 +277,10 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
             results.append(r)
             log(f"  {mode:5s} {kern:9s} {r.decode_tokens_per_s:7.2f} tok/s  first token {first:.2f} s  "
                 f"hits {r.hit_rate:.2f}  {r.gb_per_token:.2f} GB/token  peak {fmt_bytes(peak)}")
+            if mode == "hybrid":
+                log(f"        misses on the CPU {r.misses_cpu} (also copied {r.misses_both}), copied "
+                    f"{d['misses'] - r.misses_cpu}; CPU {r.cpu_gb_per_s:.1f} GB/s, the host waited on it "
+                    f"{r.cpu_wait_ms_per_token:.2f} ms/token")
     return {
         "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(device),
         "layers": cfg.num_layers, "vram_budget": vram_budget, "vram_budget_bytes": budget,
