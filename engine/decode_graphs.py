@@ -146,6 +146,9 @@ class GraphedDecode:
             jobs = [(("layer", i, s), lambda i=i, s=s: self.layer_segment(i, s)) for s in spans for i in layers]
             if self.grouped:
                 jobs += [(("moe", i), lambda i=i: self.moe_segment(i)) for i in layers]
+                if m.hybrid is not None:  # the GPU part of a layer that also runs CPU experts
+                    jobs += [(("moe", i, n), lambda i=i, n=n: self.moe_subset_segment(i, n))
+                             for i in layers for n in range(1, m.cfg.top_k)]
             else:
                 jobs += [(("expert", i, slot, k), lambda i=i, slot=slot, k=k: self.expert_segment(m.cache.views[i][slot], k))
                          for i in layers for slot in range(m.cache.K) for k in range(m.cfg.top_k)]
