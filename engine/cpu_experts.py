@@ -6,7 +6,7 @@ expert (the store's HQQ layout groups along OUTPUT rows, these kernels group alo
 INPUT dimension). One CpuMatrix W [N, K] (N outputs, K inputs) is one of:
 
   "int4"  torch.ops.aten._weight_int4pack_mm_for_cpu: codes q in [0, 16), groups of g input
-          columns (g in 32, 64, 128, 256), scale and zero per (group, row):
+          columns (g = 128 where K allows, else 64 or 32), scale and zero per (group, row):
               W[n, k] = (q[n, k] - 8) * s[k // g, n] + z[k // g, n]
           `packed` = _convert_weight_to_int4pack_for_cpu(q int32 [N, K]) (uint8 [N, K / 2]),
           `meta` = scales_and_zeros [K / g, N, 2] in bfloat16.
@@ -22,7 +22,7 @@ An expert is two matrices: w13 = [w1; w3] ([2I, H], one product gives gate and u
 w2 [H, I]; out = w2 (silu(w1 x) * w3 x). forward() takes and returns float32; inside, x is
 rounded to the matrix's activation dtype (bfloat16 for int4/int8, as on the GPU).
 torch has no 2- or 3-bit CPU kernel, and a pure-torch one (unpack, then matmul) writes the
-unpacked weights back to RAM: slower than int4 read at RAM speed (benchmarks/cpu_experts.py).
+unpacked weights back to RAM: about 100x slower than int4 (benchmarks/cpu_experts.py).
 
 CpuWorker keeps one thread ready (torch's intra-op pool warm): torch ops release the GIL,
 so the main thread keeps queuing GPU work and copies while the CPU computes.
