@@ -107,29 +107,35 @@ def int4_codes(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Te
 
     Per group the range [lo, hi] is shrunk about its centre by each factor of CLIPS and the
     one with the least squared error is kept (clipping a few outliers beats a wide grid).
+    Rows go in blocks of 4 MB: the search keeps no full-size temporaries (a Mixtral matrix is
+    235 MB in float32).
     """
     N, K = w.shape
     g = group_size
     wg = w.detach().float().reshape(N, K // g, g)
-    lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
-    mid, half = (hi + lo) / 2, (hi - lo) / 2
-    best_err = best = None
-    for c in CLIPS:
-        a = mid - half * c
-        s = (2 * half * c / 15).clamp(min=1e-10)
-        q = ((wg - a) / s).round().clamp(0, 15)
-        err = ((q * s + a - wg) ** 2).sum(-1, keepdim=True)
-        if best is None:
-            best_err, best = err, (q, s, a)
-        else:
-            take = err < best_err
-            best_err = torch.where(take, err, best_err)
-            best = tuple(torch.where(take, new, old) for new, old in zip((q, s, a), best))
-    _, s, a = best
+    rows = max(1, (1 << 20) // K)  # 4 MB of float32 per block
+    s, a = (torch.cat(part) for part in zip(*(_best_range(wg[r:r + rows]) for r in range(0, N, rows))))
     # scale and zero as the kernel reads them (bfloat16), then the codes that fit those
     s, z = s.bfloat16().float(), (a + 8 * s).bfloat16().float()  # (q - 8) * s + z == q * s + a
     q = ((wg - z) / s + 8).round().clamp(0, 15)
     return q.reshape(N, K).to(torch.int32), s.reshape(N, K // g), z.reshape(N, K // g)
+
+
+def _best_range(wg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """wg [n, groups, g] -> (scale, low end) [n, groups, 1] of the CLIPS factor with least error."""
+    lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+    mid, half = (hi + lo) / 2, (hi - lo) / 2
+    best = None
+    for c in CLIPS:
+        a = mid - half * c
+        s = (2 * half * c / 15).clamp(min=1e-10)
+        err = ((((wg - a) / s).round().clamp(0, 15) * s + a - wg) ** 2).sum(-1, keepdim=True)
+        if best is None:
+            best = (err, s, a)
+        else:
+            take = err < best[0]
+            best = tuple(torch.where(take, new, old) for new, old in zip((err, s, a), best))
+    return best[1], best[2]
 
 
 def quantize_int4(w: torch.Tensor, group_size: int | None = None) -> CpuMatrix:
