@@ -208,18 +208,18 @@ def run_jobs(jobs: list[tuple[CpuExpert, torch.Tensor]], stats: CpuRunStats, loc
 class CpuWorker:
     """One persistent thread running CPU experts, so no call pays a thread start.
 
-    `threads` sets torch's intra-op pool (process-wide: the main thread's own CPU ops, if any,
-    use it too). run() returns a Future; the stats are updated by the worker thread only.
+    `threads` sets that thread's intra-op pool only (torch keeps the count per thread; the
+    main thread's is left as it is). run() returns a Future; stats are updated under a lock.
     """
 
     def __init__(self, threads: int | None = None):
-        if threads:
-            torch.set_num_threads(threads)
-        self.threads = torch.get_num_threads()
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeferry-cpu-experts")
+        if threads:
+            self.pool.submit(torch.set_num_threads, threads).result()
+        self.threads = self.pool.submit(torch.get_num_threads).result()
         self.stats = CpuRunStats()
         self.lock = threading.Lock()
-        self.pool.submit(torch.ones(64, 64).sum).result()  # start the thread and its pool now
+        self.pool.submit(torch.ones(256, 256).sum).result()  # the pool's threads start now
 
     def run(self, jobs: list[tuple[CpuExpert, torch.Tensor]]) -> Future:
         """Compute expert(x) for each (expert, x float32 [T, H]); Future of the outputs, in order."""

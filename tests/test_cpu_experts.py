@@ -130,8 +130,10 @@ def test_worker_runs_jobs_on_its_own_thread_and_counts_bytes():
     experts = [ce.make_expert(torch.randn(64, 32, generator=gen), torch.randn(64, 32, generator=gen),
                               torch.randn(32, 64, generator=gen), "int4") for _ in range(2)]
     xs = [torch.randn(1, 32, generator=gen) for _ in range(2)]
-    worker = ce.CpuWorker()
+    main_threads = torch.get_num_threads()
+    worker = ce.CpuWorker(threads=main_threads + 1)
     try:
+        assert worker.threads == main_threads + 1 and torch.get_num_threads() == main_threads  # its own
         names = worker.pool.submit(lambda: threading.current_thread().name).result()
         assert names.startswith("moeferry-cpu-experts") and names != threading.current_thread().name
         out = worker.run(list(zip(experts, xs))).result()
