@@ -257,6 +257,8 @@ class CpuExperts:
         cpu_bytes = max((c.nbytes() for c in copies.values()), default=0)
         self.sizes = placement.ExpertSizes(gpu_bytes, cpu_bytes, params)
         self.worker = None if every_expert else CpuWorker(threads)
+        if every_expert and threads:  # the experts run in the calling thread
+            torch.set_num_threads(threads)
         self.stats = CpuRunStats() if every_expert else self.worker.stats
         self.stage: torch.Tensor | None = None  # pinned [top_k, H]: results on their way up
 
