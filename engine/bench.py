@@ -34,7 +34,7 @@ from engine import quant, routing as routing_mod, store as store_mod
 from engine.bench_shapes import MODEL_SHAPES, family_dense, shape_config
 from engine.errors import UserError
 from engine.expert_cache import ExpertCache, pace_cycles, sleep_cycles_per_s
-from engine.generate import compute_ready, fmt_bytes, parse_size, workspace_bytes
+from engine.generate import compute_ready, cpu_copies_of, cpu_experts_for, fmt_bytes, parse_size, workspace_bytes
 from engine.model import KVCache, ModelConfig, OffloadedMixtral
 
 MIXTRAL = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
@@ -60,6 +60,10 @@ class ModeResult:
     peak_vram_bytes: int
     under_budget: bool
     guess_recall: dict  # distance -> share of true experts the prefetch guesses held (decode)
+    misses_cpu: int = 0  # hybrid: misses computed on the CPU (the rest were copied)
+    misses_both: int = 0
+    cpu_gb_per_s: float = 0.0
+    cpu_wait_ms_per_token: float = 0.0  # the CPU's share of the critical path
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,6 +203,7 @@ class Synthetic:
     attn_bits: int
     dtype: torch.dtype = torch.bfloat16
     shape: str = "mixtral-8x7b"  # the MODEL_SHAPES key it was built from
+    cpu_copies: dict | None = None  # the hybrid mode's int4 CPU copies, made on first use
 
     def model(self, policy: str, k: int, prefetch: int, kernels: str, pace: int = 0) -> OffloadedMixtral:
         # the CPU (tests) dequantizes an expert once per load, as the engine does there
@@ -211,7 +216,7 @@ class Synthetic:
 
 
 def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, routing=None, pace: int = 0,
-             graphs=True):
+             graphs=True, cpu_copies=None, link_gbps=None):
     """(first token s, decode s, cache stats of the decode, peak device bytes, guess recall by distance)."""
     device = s.device
     sync(device)
@@ -221,6 +226,10 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
         torch.cuda.reset_peak_memory_stats(device)
     model = s.model(policy, k, prefetch, kernels, pace)
     model.routing = routing
+    if cpu_copies is not None:  # the hybrid: misses computed on the CPU too, chosen by the cost model
+        model.hybrid = cpu_experts_for(cpu_copies, s.cfg, s.host, model.cache, "auto", torch.get_num_threads())
+        if link_gbps and model.hybrid.costs is not None:  # the paced link is the one it must plan for
+            model.hybrid.costs.link_gbps = min(model.hybrid.costs.link_gbps, link_gbps)
     model.setup_kv(len(prompt) + new_tokens)
     note = model.use_cuda_graphs(graphs and kernels == "fused")  # the reference path stays eager, as HQQ's
     if note:
@@ -242,6 +251,10 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
     d = {key: after[key] - before[key] for key in after}
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else model.cache.device_bytes()
     recall = routing.recall() if routing is not None else {}
+    if model.hybrid is not None:
+        d["cpu_gb_per_s"] = model.hybrid.stats.gb_per_s
+        d["cpu_wait_s"] = model.hybrid.stats.waited_s  # the host waiting on the CPU (prefill included)
+        model.hybrid.close()
     model.graphs = None  # break the model <-> graphs cycle so the slots go now
     del model
     return first, decode, d, peak, recall
@@ -333,15 +346,25 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
         for kern in kernels:
             policy = "naive" if mode == "naive" else "lru"
             kk = cfg.top_k if mode == "naive" else ks[kern]
-            depth = prefetch if mode == "full" else 0
+            depth = prefetch if mode in ("full", "hybrid") else 0
+            if mode == "hybrid" and s.cpu_copies is None:
+                log("  making int4 CPU copies of every expert (on the GPU)")
+                s.cpu_copies = cpu_copies_of(cfg, s.host, expert_views(cfg, s.fields, s.eq), device, "int4",
+                                             None, kk)
             first, decode, d, peak, recall = run_mode(s, policy, kk, depth, kern, prompt, new_tokens,
-                                                      cond.routing_source(cfg, device, max(depth, 1)), cycles)
+                                                      cond.routing_source(cfg, device, max(depth, 1)), cycles,
+                                                      cpu_copies=s.cpu_copies if mode == "hybrid" else None,
+                                                      link_gbps=cond.h2d_gbps)
             recall = {dd: v for dd, v in recall.items() if dd <= depth}  # the guesses prefetch used
             results.append(mode_result(mode, kern, kk, depth, first, decode, d, peak, recall, new_tokens,
                                        bw, compute[kern], budget))
             r = results[-1]
-            log(f"  {mode:5s} {kern:9s} {r.decode_tokens_per_s:7.2f} tok/s  first token {first:.2f} s  "
+            log(f"  {mode:6s} {kern:9s} {r.decode_tokens_per_s:7.2f} tok/s  first token {first:.2f} s  "
                 f"hits {r.hit_rate:.2f}  {r.gb_per_token:.2f} GB/token  peak {fmt_bytes(peak)}")
+            if mode == "hybrid":
+                log(f"         misses on the CPU {r.misses_cpu} (also copied {r.misses_both}), copied "
+                    f"{d['misses'] - r.misses_cpu}; CPU {r.cpu_gb_per_s:.1f} GB/s, the host waited on it "
+                    f"{r.cpu_wait_ms_per_token:.2f} ms/token")
     routing = {"mode": cond.routing.split(":")[0], "description": probe.describe(),
                "stated_guess_recall": cond.guess_recall if cond.routing == "uniform" else None,
                "uniform_hit_ratio": {kern: ks[kern] / cfg.num_experts for kern in kernels}}
@@ -376,7 +399,9 @@ def mode_result(mode, kern, kk, depth, first, decode, d, peak, recall, new_token
         gb_per_token=moved / 1e9, h2d_gb_per_s=d["bytes_h2d"] / decode / 1e9,
         bound_ms_per_token=bound * 1e3, achieved_ms_per_token=per_tok * 1e3,
         achieved_over_bound=per_tok / bound, peak_vram_bytes=peak,
-        under_budget=budget is None or peak <= budget, guess_recall=recall)
+        under_budget=budget is None or peak <= budget, guess_recall=recall,
+        misses_cpu=d.get("misses_cpu", 0), misses_both=d.get("misses_both", 0),
+        cpu_gb_per_s=d.get("cpu_gb_per_s", 0.0), cpu_wait_ms_per_token=d.get("cpu_wait_s", 0.0) / new_tokens * 1e3)
 
 
 def markdown_table(report: dict) -> str:
@@ -434,7 +459,7 @@ def cli_bench(argv: list[str]) -> int:
     p.add_argument("--attn-bits", type=int, default=4, choices=(4, 8))
     p.add_argument("--prompt-len", default="128", help="one or several, comma-separated")
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--modes", default="naive,lru,full")
+    p.add_argument("--modes", default="naive,lru,full", help="naive, lru, full, hybrid (full + CPU experts)")
     p.add_argument("--kernels", default="reference,fused")
     p.add_argument("--prefetch", type=int, default=1)
     p.add_argument("--routing", default="uniform",

@@ -54,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--vram-budget")
     s.add_argument("--prefetch", type=int, default=1)
     s.add_argument("--kernels", default="auto", choices=("auto", "reference", "fused"))
+    s.add_argument("--cpu-experts", default="off", choices=("auto", "off", "all"),
+                   help="compute missed experts on the CPU too: off, all of them, or auto (a cost model)")
+    s.add_argument("--cpu-format", choices=("int4", "int8", "dense"),
+                   help="the CPU copies of the experts (default int4)")
+    s.add_argument("--cpu-threads", type=int, help="threads of the CPU experts (default: torch's)")
+    s.add_argument("--ram-budget", help="RAM for the CPU copies, e.g. 24GiB (default: all experts)")
     s.add_argument("--json", action="store_true")
 
     s = sub.add_parser("serve", help="serve the model with a local OpenAI-compatible API")
@@ -225,7 +231,8 @@ def cmd_generate(args) -> int:
     check_text(args.prompt, "--prompt")
     engine = load_engine(args.store, device=args.device, dtype=args.dtype,
                          cache_experts=args.cache_experts, vram_budget=args.vram_budget,
-                         prefetch=args.prefetch, kernels=args.kernels)
+                         prefetch=args.prefetch, kernels=args.kernels, cpu_experts=args.cpu_experts,
+                         cpu_format=args.cpu_format, cpu_threads=args.cpu_threads, ram_budget=args.ram_budget)
     if engine.note:
         print(f"moeferry: {engine.note}", file=sys.stderr)
     sampling = SamplingSettings(args.temperature, args.top_p, args.max_new_tokens, args.seed)

@@ -15,6 +15,10 @@ A forced routing (`model.routing`, engine/routing.py: the benchmark's uniform or
 routing) overwrites, on the device, the `ids`/`weights`/`guesses` a layer graph wrote before
 `dispatch` reads them; the one-graph path is captured with copies from `forced_ids` /
 `forced_weights`, which the host fills before each replay.
+The host part (which experts to copy, LRU, prefetch) is the model's own `dispatch`. With the
+CPU+GPU hybrid (model.hybrid) some of a layer's experts run on the CPU: the grouped launch then
+runs only the others (a graph per count, `run_moe`) and the CPU's sum is added to `out` eagerly
+before the next layer's graph reads it.
 
 Graphs read and write fixed buffers (`x`, `h`, `out`, `weights`, `ids`, `guesses`, `logits`)
 and the token position from a device tensor, so they replay at any position. Each graph is
@@ -57,6 +61,11 @@ class GraphedDecode:
         # a forced routing's choice for the one graph, written before each replay
         self.forced_ids = torch.zeros_like(self.routed)
         self.forced_weights = torch.zeros(cfg.num_layers, cfg.top_k, dtype=torch.float32, device=dev)
+        # the hybrid's GPU part of a layer (run_moe): which top-k positions, their ids and weights
+        self.pos_host = torch.zeros(cfg.top_k, dtype=torch.long, pin_memory=True)
+        self.sub_pos = torch.zeros(cfg.top_k, dtype=torch.long, device=dev)
+        self.sub_ids = torch.zeros(cfg.top_k, dtype=torch.long, device=dev)
+        self.sub_weights = torch.zeros(cfg.top_k, dtype=torch.float32, device=dev)
         positions = torch.arange(cfg.max_position_embeddings, device=dev)
         self.cos, self.sin = rope_cos_sin(model.inv_freq, positions, dt)  # [P, 1, D] each
         self.pool = torch.cuda.graph_pool_handle()
@@ -146,6 +155,9 @@ class GraphedDecode:
             jobs = [(("layer", i, s), lambda i=i, s=s: self.layer_segment(i, s)) for s in spans for i in layers]
             if self.grouped:
                 jobs += [(("moe", i), lambda i=i: self.moe_segment(i)) for i in layers]
+                if m.hybrid is not None:  # the GPU part of a layer that also runs CPU experts
+                    jobs += [(("moe", i, n), lambda i=i, n=n: self.moe_subset_segment(i, n))
+                             for i in layers for n in range(1, m.cfg.top_k)]
             else:
                 jobs += [(("expert", i, slot, k), lambda i=i, slot=slot, k=k: self.expert_segment(m.cache.views[i][slot], k))
                          for i in layers for slot in range(m.cache.K) for k in range(m.cfg.top_k)]
@@ -183,14 +195,14 @@ class GraphedDecode:
             guesses = self.guesses[:depth] if depth else None
             if m.routing is not None:
                 self.force(i, guesses)
+            io = (self.h, self.weights, self.out)  # for experts run on the CPU (model.hybrid)
             if self.grouped:
-                m.dispatch(i, self.ids, guesses, step,
-                           add_all=lambda i=i: self.run(("moe", i), lambda: self.moe_segment(i)))
+                m.dispatch(i, self.ids, guesses, step, add_all=lambda pos, i=i: self.run_moe(i, pos), io=io)
             else:
                 def add_expert(w, slot, e, k, i=i):
                     self.run(("expert", i, slot, k), lambda: self.expert_segment(w, k))
 
-                m.dispatch(i, self.ids, guesses, step, add_expert)
+                m.dispatch(i, self.ids, guesses, step, add_expert, io=io)
         if step is not None:
             m.trace.append(step)
         self.run(("head",), self.head_segment)
@@ -294,6 +306,29 @@ class GraphedDecode:
             dk.route_topk(self.hn, m.layers[j]["router"], cfg.top_k, self.guess_weights, self.guesses[d])
         if not self.grouped:  # moe_decode writes out whole; the per-expert graphs add to it
             self.out.zero_()
+
+    def run_moe(self, i: int, positions: list[int]) -> None:
+        """The grouped experts of layer i at these top-k positions (the others run on the CPU
+        and are added to `out` later). All k: the ("moe", i) graph. Fewer: a graph per count n
+        that gathers the n ids and weights first, so no GEMV runs for a CPU expert (a zero
+        weight on a valid slot would still read the whole expert). None: out = 0."""
+        n = len(positions)
+        if n == self.m.cfg.top_k:
+            return self.run(("moe", i), lambda: self.moe_segment(i))
+        if n == 0:
+            self.out.zero_()
+            return
+        self.pos_host[:n] = torch.tensor(positions, dtype=torch.long)
+        self.sub_pos[:n].copy_(self.pos_host[:n], non_blocking=True)  # rewritten after the next sync
+        self.run(("moe", i, n), lambda: self.moe_subset_segment(i, n))
+
+    def moe_subset_segment(self, i: int, n: int) -> None:
+        pos = self.sub_pos[:n]
+        torch.index_select(self.ids[0], 0, pos, out=self.sub_ids[:n])
+        torch.index_select(self.weights[0], 0, pos, out=self.sub_weights[:n])
+        cache = self.m.cache
+        kernels.moe_decode(self.h, cache.views[i][0], cache.B, self.sub_ids[:n], self.sub_weights[:n],
+                           cache.table[i], self.out)
 
     def moe_segment(self, i: int, ids: torch.Tensor | None = None) -> None:
         """All routed experts of layer i at once (out = their weighted sum)."""

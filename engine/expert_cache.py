@@ -27,6 +27,8 @@ class CacheStats:
     prefetch_issued: int = 0
     prefetch_used: int = 0
     bytes_h2d: int = 0
+    misses_cpu: int = 0  # misses computed on the CPU (engine/cpu_experts.py), counted in misses
+    misses_both: int = 0  # of those, also copied in for later use
 
 
 SERIALS = itertools.count()
@@ -154,6 +156,12 @@ class ExpertCache:
                 self._load(layer, e, keep=experts)
                 self.unused_prefetch[layer].add(e)
                 self.stats.prefetch_issued += 1
+
+    def admit(self, layer: int, expert: int) -> None:
+        """Copy `expert` in for later use, not for this step (the hybrid's "both": computed on
+        the CPU now, cached for the next time). Counted as a copy, not as a prefetch."""
+        if self.policy == "lru" and expert not in self.lru[layer]:
+            self._load(layer, expert, keep=(expert,))
 
     # -- inside ---------------------------------------------------------------------------------
 

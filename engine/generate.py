@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
+import torch.nn.functional as F
 
 from engine import quant, store as store_mod
 from engine.errors import UserError
@@ -76,6 +77,13 @@ class GenerationStats:
     reused_prompt_tokens: int = 0
     vram_budget_bytes: int | None = None
     h2d_gb_per_s: float = 0.0
+    misses_cpu: int = 0  # misses computed on the CPU (--cpu-experts), counted in cache_misses
+    misses_copied: int = 0  # misses copied over the link
+    misses_both: int = 0  # computed on the CPU and copied for later
+    cpu_expert_runs: int = 0  # expert uses computed on the CPU (all of them without a GPU)
+    cpu_gb_per_s: float = 0.0  # the CPU kernels' achieved read speed
+    cpu_s: float = 0.0  # time the CPU computed experts
+    cpu_wait_s: float = 0.0  # of it, time the host waited for the CPU (the CPU bound the layer)
 
     def contract(self) -> dict:
         """The fields `moeferry generate --json` promises, first, then the rest."""
@@ -178,6 +186,7 @@ class Engine:
         model.setup_kv(min(self.max_context, len(prompt_ids) + max_new))
         gen = torch.Generator().manual_seed(s.seed) if s.seed is not None else None
         before = asdict(cache.stats)
+        cpu_before = list(asdict(model.hybrid.stats).values()) if model.hybrid is not None else None
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         reuse = common_prefix(self.cached_ids, prompt_ids)
@@ -214,6 +223,14 @@ class Engine:
             stats.prefetch_issued = after["prefetch_issued"] - before["prefetch_issued"]
             stats.prefetch_used = after["prefetch_used"] - before["prefetch_used"]
             stats.bytes_h2d = after["bytes_h2d"] - before["bytes_h2d"]
+            stats.misses_cpu = after["misses_cpu"] - before["misses_cpu"]
+            stats.misses_both = after["misses_both"] - before["misses_both"]
+            stats.misses_copied = stats.cache_misses - stats.misses_cpu
+            if model.hybrid is not None:
+                now = asdict(model.hybrid.stats).values()
+                runs, nbytes, secs, waited = (a - b for a, b in zip(now, cpu_before))
+                stats.cpu_expert_runs, stats.cpu_s, stats.cpu_wait_s = runs, secs, waited
+                stats.cpu_gb_per_s = nbytes / secs / 1e9 if secs > 0 else 0.0
             total = stats.prefill_s + stats.decode_s
             stats.h2d_gb_per_s = stats.bytes_h2d / total / 1e9 if total > 0 else 0.0
             stats.peak_vram_bytes = peak_device_bytes(self)
@@ -224,6 +241,8 @@ class Engine:
             self.last_stats, self.last_trace = stats, trace
 
     def close(self) -> None:
+        if self.model is not None and self.model.hybrid is not None:
+            self.model.hybrid.close()  # the CPU experts' worker thread
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -366,8 +385,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = None,
                 cache_experts: int | None = None, vram_budget: int | str | None = None,
                 prefetch: int = 1, kernels: str = "auto", max_context: int | None = None,
-                progress=None, cuda_graphs: bool = True) -> Engine:
-    """Open a store and put it on the device. progress(fraction, message)."""
+                progress=None, cuda_graphs: bool = True, cpu_experts: str = "off",
+                cpu_format: str | None = None, cpu_threads: int | None = None,
+                ram_budget: int | str | None = None) -> Engine:
+    """Open a store and put it on the device. progress(fraction, message).
+
+    cpu_experts "off" | "all" | "auto" (engine/cpu_experts.py, engine/placement.py): missed
+    experts computed on the CPU from CPU copies in cpu_format (int4, int8, dense; default int4
+    where the shapes allow), within ram_budget for those copies. On a CPU device without
+    cache_experts, every expert runs on the CPU kernels."""
     from transformers import AutoTokenizer
 
     st = store_mod.open_store(store)
@@ -383,6 +409,8 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
         check_cache_size(cache_experts, cfg)
     if prefetch < 0:
         raise UserError("--prefetch must be 0 (off) or more.")
+    check_cpu_options(cpu_experts, cpu_format, cfg)
+    every_expert = cpu_experts != "off" and dev.type == "cpu" and cache_experts is None
     context = min(max_context or 4096, cfg.max_position_embeddings)
     report = progress or (lambda f, m: None)
     report(0.0, "reading the model")
@@ -391,7 +419,7 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad folder
         raise UserError(f"Cannot load the tokenizer from {st.path} ({type(e).__name__}); "
                         f"run `moeferry verify {st.path}`.") from None
-    if dev.type == "cpu" and cfg.hidden_size * cfg.intermediate_size < (1 << 22):
+    if dev.type == "cpu" and cfg.hidden_size * cfg.intermediate_size < (1 << 22) and not cpu_threads:
         # Small matrices (the demo) gain nothing from threads, and OpenMP's spinning threads
         # collapse when another process holds a core: measured 1.4 vs 130 tokens/s on 2 cores.
         torch.set_num_threads(1)
@@ -406,19 +434,146 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
     else:
         limit = budget
     k = cache_experts if cache_experts is not None else max(0, min(cfg.num_experts, (limit - fixed) // per_slot))
+    k = 1 if every_expert else k  # the CPU kernels run every expert: the cache is never read
     if k < 1 or (budget is not None):
         check_budget(limit, fixed, max(k, 1), per_slot)
     host = store_mod.experts_array(st)
     cache = make_cache(st, host, k, dev, dtype, lambda f, m: report(0.1 + 0.9 * f, m))
     model = OffloadedMixtral(cfg, dense, cache, dev, dtype, kernels)
     model.dense_bytes = dense_b
-    model.prefetch_depth = prefetch
+    if cpu_experts != "off" and (every_expert or k < cfg.num_experts):  # else nothing ever misses
+        ram = parse_size(ram_budget) if isinstance(ram_budget, str) else ram_budget
+        model.hybrid = make_cpu_experts(st, host, cache, cpu_experts, cpu_format, cpu_threads,
+                                        default_ram_budget() if ram is None else ram,
+                                        every_expert, lambda f, m: report(0.9 * f, m), dtype)
+        if every_expert:
+            cache.host = None  # never copied from: the CPU copies are the experts' only home
+    model.prefetch_depth = 0 if every_expert else prefetch  # nothing is read from the cache
     model.setup_kv(context)  # allocated once, at full size: budgeted above and graph-friendly
     eager_note = model.use_cuda_graphs(cuda_graphs)
     if model.graphs is not None:
         model.graphs.prepare(min(context, 1024), lambda f, m: report(0.9 + 0.1 * f, m))
     note = "" if (cache.pinned or cache.host is None or dev.type != "cuda") else \
         "Pinned memory is unavailable, so expert copies use pageable memory and are slower."
+    if model.hybrid is not None and len(model.hybrid.copies) < cfg.num_moe_layers * cfg.num_experts:
+        note = (note + " " if note else "") + (
+            f"The RAM budget holds CPU copies of {len(model.hybrid.copies)} of the "
+            f"{cfg.num_moe_layers * cfg.num_experts} experts; the others are always copied to the GPU.")
     note = " ".join(n for n in (note, eager_note) if n)
     report(1.0, "ready")
     return Engine(st, model, tokenizer, dev, dtype, budget, context, note)
+
+
+# ---------------------------------------------------------------------------------------------
+# Experts computed on the CPU (engine/cpu_experts.py)
+
+
+def check_cpu_options(mode: str, fmt: str | None, cfg: ModelConfig) -> None:
+    from engine import cpu_experts as ce
+
+    if mode not in ("off", "auto", "all"):
+        raise UserError(f"--cpu-experts must be off, auto or all; got {mode!r}.")
+    if fmt is not None and fmt not in ce.FORMATS:
+        raise UserError(f"--cpu-format must be one of {', '.join(ce.FORMATS)}; got {fmt!r}.")
+    if fmt == "int4" and not ce.supported("int4", cfg.hidden_size, cfg.intermediate_size):
+        raise UserError("--cpu-format int4 needs hidden and intermediate sizes that are multiples of 32; "
+                        "use --cpu-format int8.")
+
+
+def make_cpu_experts(st: store_mod.Store, host: torch.Tensor, cache: ExpertCache, mode: str,
+                     fmt: str | None, threads: int | None, ram_budget: int | None, every_expert: bool,
+                     progress, dtype):
+    """CPU copies of the experts that fit ram_budget, and the CpuExperts that runs them."""
+    cfg = st.config
+    if cfg.expert_act != "silu" or st.expert_quant.get("method") == "mxfp4":
+        raise UserError(f"--cpu-experts runs SiLU experts in HQQ or 16-bit form; this {cfg.family} store's "
+                        f"experts are not, so use --cpu-experts off.")
+    view = lambda buf: store_mod.view_expert(buf, st.expert_fields, st.expert_quant, cfg)  # noqa: E731
+    copies = cpu_copies_of(cfg, host, view, cache.device, fmt, ram_budget, cache.K, progress, dtype)
+    if every_expert and len(copies) < cfg.num_moe_layers * cfg.num_experts:
+        raise UserError("The RAM budget cannot hold a CPU copy of every expert; raise --ram-budget.")
+    return cpu_experts_for(copies, cfg, host, cache, mode, threads, every_expert)
+
+
+def default_ram_budget() -> int | None:
+    """RAM the CPU copies may take when no --ram-budget is given: what is available now (the
+    store's experts already loaded) less the system's share (plan.HOST_RESERVE_BYTES)."""
+    from engine.hardware import _ram_info
+    from engine.plan import HOST_RESERVE_BYTES
+
+    available = _ram_info().get("ram_available_bytes")
+    return None if available is None else max(0, available - HOST_RESERVE_BYTES)
+
+
+def cpu_copies_of(cfg: ModelConfig, host: torch.Tensor, view, device: torch.device, fmt: str | None,
+                  ram_budget: int | None, slots: int, progress=None, dtype=torch.bfloat16) -> dict:
+    """(layer, expert) -> CpuExpert for the experts placement.cpu_copies picks within ram_budget,
+    each derived from the dequantized stored expert (dequantized and re-quantized on the
+    compute device: minutes on a CPU for Mixtral, seconds on a GPU). dense copies keep the
+    model's compute dtype."""
+    from engine import cpu_experts as ce, placement
+
+    fmt = fmt or ("int4" if ce.supported("int4", cfg.hidden_size, cfg.intermediate_size) else "int8")
+    dtype = dtype if fmt == "dense" else torch.float32  # float32 in, the copy rounds it
+
+    def copy(layer, e):
+        w = view(host[layer, e].to(device))
+        return ce.make_expert(*(compute_ready(w[m], dtype) for m in ("w1", "w3", "w2")), fmt)
+
+    first = copy(0, 0)
+    keys = placement.cpu_copies(cfg.num_moe_layers, cfg.num_experts, first.nbytes(), ram_budget, slots)
+    copies = {}
+    for n, (layer, e) in enumerate(keys):
+        copies[layer, e] = first if (layer, e) == (0, 0) else copy(layer, e)
+        if progress:
+            progress((n + 1) / len(keys), "making the CPU copies of the experts")
+    return copies
+
+
+def cpu_experts_for(copies: dict, cfg: ModelConfig, host: torch.Tensor, cache: ExpertCache, mode: str,
+                    threads: int | None = None, every_expert: bool = False):
+    """The CpuExperts over these copies; for "auto", with its costs measured here."""
+    from engine import cpu_experts as ce
+
+    params = 3 * cfg.hidden_size * cfg.intermediate_size
+    hybrid = ce.CpuExperts(copies, mode, None, host.shape[2], params, every_expert, threads)
+    if mode == "auto" and not every_expert and copies:
+        hybrid.costs = measure_costs(hybrid, next(iter(copies.values())), host, cache)
+    return hybrid
+
+
+def measure_costs(hybrid, copy, host: torch.Tensor, cache: ExpertCache):
+    """The cost model's inputs, measured here on one real expert: the CPU kernel through the
+    worker (hand-off included), one copy over the link (on a CPU device: the memcpy and the
+    dequantizing a load does), one expert on the compute device."""
+    from engine import placement
+
+    x = torch.zeros(1, copy.w2.rows)
+
+    def best(fn, reps=5):
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    cpu_s = best(lambda: hybrid.worker.run([(copy, x)]).result())
+    many = torch.zeros(32, x.shape[1])  # a prompt's worth: the kernel's compute rate
+    flops_s = best(lambda: hybrid.worker.run([(copy, many)]).result(), reps=2)
+    if cache.cuda:
+        from engine import hardware
+        link = hardware.measure_h2d(torch, cache.device.index or 0, cache.B, 0.2)["h2d_bytes_per_s"]
+        gpu_s = 40e-6  # one 2-bit Mixtral expert in moe_decode on the H200 (docs/KERNELS.md)
+    else:
+        slot = torch.empty_like(host[0, 0])
+        link = cache.B / best(lambda: (slot.copy_(host[0, 0]), cache.decode(cache.views[0][0])))
+        w = cache.decode(cache.views[0][0]) if cache.decode else cache.views[0][0]
+        h = torch.zeros(1, x.shape[1], dtype=w["w1"].dtype)
+        gpu_s = best(lambda: F.linear(F.silu(F.linear(h, w["w1"])) * F.linear(h, w["w3"]), w["w2"]))
+    params = copy.w13.rows * copy.w13.cols + copy.w2.rows * copy.w2.cols
+    return placement.Costs(link_gbps=link / 1e9, cpu_gbps=copy.nbytes() / cpu_s / 1e9, gpu_expert_s=gpu_s,
+                           cpu_gflops=2 * params * 32 / flops_s / 1e9,
+                           cpu_overhead_s=20e-6 if cache.cuda else 0.0,  # + h down, the result up
+                           cpu_threads=hybrid.worker.threads)

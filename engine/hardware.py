@@ -432,6 +432,8 @@ def format_report(hw: dict, rows: list[dict], recommended: dict | None) -> str:
         lines.append(f" {mark} {r['name']}")
         lines.append(f"     {where}, ~{p['predicted_tokens_per_s']:.2g} tok/s, first token after "
                      f"~{_duration(p['predicted_first_token_s'])}, bound by {p['bound']}{fits}")
+        if p.get("predicted_hybrid_tokens_per_s"):
+            lines.append(f"     with --cpu-experts auto: ~{p['predicted_hybrid_tokens_per_s']:.2g} tok/s")
     if not rows:
         lines.append("   (no catalog found)")
     if recommended:

@@ -164,6 +164,7 @@ class OffloadedMixtral:
         self.trace: list | None = None  # set to a list to record routing per decoded token
         self.routing = None  # engine/routing.py: forces (or records) the router's choice
         self.graphs = None  # engine/decode_graphs.py: CUDA-graph decode, set by use_cuda_graphs()
+        self.hybrid = None  # engine/cpu_experts.CpuExperts: misses computed on the CPU, or None
         self.embed = dense["model.embed_tokens.weight"]
         self.norm = dense["model.norm.weight"]
         self.lm_head = dense.get("lm_head.weight", self.embed)
@@ -314,28 +315,35 @@ class OffloadedMixtral:
                 y = self.expert(w, h[rows])
                 out.index_add_(0, rows, (y * weights[rows, pos, None]).to(out.dtype))
 
-        self.dispatch(i, ids, guesses, step, add_expert)
+        self.dispatch(i, ids, guesses, step, add_expert, io=(h, weights, out))
         if "shared" in layer:  # qwen2_moe: resident, computed for every token, gated
             gate = torch.sigmoid(F.linear(h, layer["shared_gate"]))
             out.add_(gate * self.expert(layer["shared"], h))
         return out
 
     def dispatch(self, i: int, ids: torch.Tensor, guesses: torch.Tensor | None, step: list | None,
-                 add_expert=None, add_all=None) -> None:
+                 add_expert=None, add_all=None, io: tuple | None = None) -> None:
         """Fetch the routed experts through the cache and run them; then prefetch the guesses.
 
         ids [T, k] device; guesses [D, k] device (layers i+1..i+D) or None. The one host sync
         per layer happens here: routing decides what to copy (the guesses ride along).
-        Either add_expert(w, slot, e, k) runs one expert at a time, or add_all() runs all of
-        them at once once they are in place (the device reads their slots from cache.table).
+        Either add_expert(w, slot, e, k) runs one expert at a time, or add_all(positions) runs
+        the experts at those top-k positions at once once they are in place (the device reads
+        their slots from cache.table). With self.hybrid, io = (h, weights, out) of the layer:
+        the experts it picks run on the CPU meanwhile and are added to out before returning.
         """
         ids_host = ids.tolist()
         guesses_host = guesses.tolist() if guesses is not None else []
         needed = sorted({e for row in ids_host for e in row})
         if step is not None:
             step.append((tuple(ids_host[0]), self.cache.resident(i)))
+        on_cpu, both, finish = {}, [], None
+        if self.hybrid is not None and io is not None:
+            on_cpu, both = self.hybrid.choose(i, needed, ids_host, self.cache)
+            if on_cpu:  # queued first: the CPU works while the host queues copies and kernels
+                finish = self.hybrid.start(i, on_cpu, *io)
         slots = []
-        for e in needed:  # the host queues copies and compute without waiting for either
+        for e in (e for e in needed if e not in on_cpu):  # copies and compute queued, waiting for neither
             w, slot = self.cache.acquire(i, e, keep=needed)
             if add_all is None:
                 add_expert(w, slot, e, ids_host[0].index(e) if len(ids_host) == 1 else None)
@@ -344,11 +352,15 @@ class OffloadedMixtral:
                 slots.append(slot)
         if add_all is not None:
             self.cache.sync_table(i)
-            add_all()
+            add_all([k for k, e in enumerate(ids_host[0]) if e not in on_cpu])
             for slot in slots:
                 self.cache.release(i, slot)
         for d, guess in enumerate(guesses_host, start=1):  # queued behind the demand copies
             self.cache.prefetch(i + d, guess)
+        for e in both:  # the link's idle time while the CPU works (engine/placement.py)
+            self.cache.admit(i, e)
+        if finish is not None:
+            finish()
 
     def expert(self, w: dict, h: torch.Tensor) -> torch.Tensor:
         """SwiGLU: w2 (silu(w1 h) * w3 h); with biases (b1, b3, b2: gpt_oss, the one family whose

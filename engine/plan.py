@@ -245,6 +245,8 @@ class Plan:
     h2d_bytes_per_s: float | None = None
     model: str = ""
     notes: list[str] = field(default_factory=list)
+    # with missed experts computed on the CPU too (`--cpu-experts auto`, predict_hybrid)
+    predicted_hybrid_tokens_per_s: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -335,6 +337,31 @@ def predict_cpu(hw: dict, m: ModelSizes, coeffs: Coefficients = DEFAULT,
             "bytes_h2d": 0.0, "bound": "cpu", "h2d_bytes_per_s": None}
 
 
+CPU_INT4_BITS = 4.25  # the CPU copies: int4 in groups of 128 with bfloat16 scale + zero
+CPU_INT4_OF_RAM = 0.9  # the int4 kernel's share of RAM read speed (issue 16: 68-78 of 80-83 GB/s)
+
+
+def predict_hybrid(hw: dict, m: ModelSizes, k: int, coeffs: Coefficients = DEFAULT,
+                   prefetch_depth: int = 1) -> dict:
+    """predict_gpu's decode speed when each layer's misses are split between the link and the
+    CPU by engine/placement.py's model (misses per layer binomial at the LRU hit rate)."""
+    from math import comb
+
+    from engine import placement
+
+    base = predict_gpu(hw, m, k, coeffs, prefetch_depth)
+    ram = 4.0 * (hw.get("cpu_matvec_params_per_s") or 0.5e9 * (hw.get("cpu_cores_physical") or 2))
+    costs = placement.Costs(link_gbps=base["h2d_bytes_per_s"] / 1e9, cpu_gbps=CPU_INT4_OF_RAM * ram / 1e9,
+                            gpu_expert_s=0.0, cpu_overhead_s=20e-6)
+    sizes = placement.ExpertSizes(m.expert_bytes, int(m.expert_params * CPU_INT4_BITS / 8), m.expert_params)
+    miss = 1.0 - base["hit_rate"]
+    per_layer = {n: comb(m.top_k, n) * miss ** n * (1 - miss) ** (m.top_k - n) for n in range(m.top_k + 1)}
+    copy_only = sum(p * n * placement.copy_s(costs, sizes) for n, p in per_layer.items())
+    hybrid = sum(p * placement.predicted_miss_s(costs, sizes, n, m.top_k - n)[1] for n, p in per_layer.items())
+    t = 1.0 / base["tokens_per_s"] - m.num_layers * (copy_only - hybrid)
+    return {"tokens_per_s": 1.0 / t, "cpu_bytes_per_s": costs.cpu_gbps * 1e9, "cpu_expert_bytes": sizes.cpu_bytes}
+
+
 # ---------------------------------------------------------------------------------------------
 # Plans
 
@@ -394,7 +421,13 @@ def make_plan(hw: dict, model, vram_budget_bytes: int | None = None, *,
         verdict = (f"Keep {k} expert{'s' if k != 1 else ''} per layer on the GPU and the rest in "
                    f"RAM: about {p['tokens_per_s']:.1f} tokens/s, first token after about "
                    f"{p['first_token_s']:.1f} s, limited by {link}.")
+    hybrid = predict_hybrid(hw, m, k, coeffs, prefetch_depth) if k < m.num_experts else None
+    if hybrid is not None:
+        notes.append(f"With missed experts computed on the CPU too (--cpu-experts auto, int4 copies "
+                     f"taking {gib(m.all_expert_bytes * CPU_INT4_BITS / bits_per_param(m))} more RAM): "
+                     f"about {hybrid['tokens_per_s']:.1f} tokens/s.")
     return Plan(device="cuda", cache_experts_per_layer=k, predicted_tokens_per_s=p["tokens_per_s"],
+                predicted_hybrid_tokens_per_s=hybrid["tokens_per_s"] if hybrid else None,
                 predicted_first_token_s=p["first_token_s"], bound=p["bound"], verdict=verdict,
                 fits=fits, hit_rate=p["hit_rate"], misses_per_token=p["misses"],
                 bytes_h2d_per_token=p["bytes_h2d"], vram_needed_bytes=vram_needed,
