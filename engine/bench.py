@@ -412,9 +412,6 @@ def conditions_line(report: dict) -> str:
 
 
 def cli_bench(argv: list[str]) -> int:
-    if argv and argv[0] == "convert":
-        from engine.convert_bench import cli_bench_convert
-        return cli_bench_convert(argv[1:])
     p = argparse.ArgumentParser(prog="moeferry bench")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--vram-budget", default="12GiB",
