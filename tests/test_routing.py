@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from engine import bench, quant, routing
 from engine.errors import UserError
-from engine.locality import lru_hits
 from engine.model import rms_norm, rope_cos_sin
+from engine.routing import lru_hits
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "benchmarks" / "traces" / "demo-heldout.safetensors"
@@ -221,7 +221,7 @@ def test_a_bad_trace_file_is_one_sentence(tmp_path):
 
 def test_the_shipped_demo_trace_is_what_moeferry_trace_records():
     from engine.generate import load_engine
-    from engine.locality import load_text_ids
+    from engine.routing import load_text_ids
 
     shipped = routing.RoutingTrace.load(SHIPPED)
     assert SHIPPED.stat().st_size < 200_000
@@ -257,7 +257,7 @@ def test_the_recorder_sees_what_transformers_routes(tiny_store, tiny_checkpoint)
 
 
 def test_cli_trace_writes_a_trace_and_its_statistics(tiny_store, tmp_path):
-    from conftest import run_cli
+    from tests.conftest import run_cli
 
     text = tmp_path / "t.txt"
     text.write_text("abc def ghi jkl mno pqr stu vwx yz\n\n" * 20)
@@ -275,7 +275,7 @@ def test_cli_trace_writes_a_trace_and_its_statistics(tiny_store, tmp_path):
 
 
 def test_cli_bench_checks_its_routing_before_anything_else():
-    from conftest import run_cli
+    from tests.conftest import run_cli
 
     r = run_cli("bench", "--routing", "zipf")
     assert r.returncode == 2 and "Unknown --routing 'zipf'" in r.stderr
