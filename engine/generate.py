@@ -11,32 +11,19 @@ from __future__ import annotations
 import re
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 
 from engine import quant, store as store_mod
+from engine.contract import ExpertTrace, GenerationStats, SamplingSettings, TokenPiece  # noqa: F401 - re-exported
 from engine.errors import UserError
 from engine.expert_cache import ExpertCache
 from engine.model import KVCache, ModelConfig, OffloadedMixtral
 
 GiB = 1 << 30
-
-
-@dataclass
-class SamplingSettings:
-    temperature: float = 0.7
-    top_p: float = 0.9
-    max_new_tokens: int = 512
-    seed: int | None = None
-
-
-@dataclass
-class TokenPiece:
-    token_id: int
-    text: str
 
 
 def detokenize(tokenizer, ids: Iterable[int]) -> Iterator[tuple[int, str]]:
@@ -57,40 +44,6 @@ def detokenize(tokenizer, ids: Iterable[int]) -> Iterator[tuple[int, str]]:
             continue
         yield tok, text[len(before):]
         start, shown = shown, len(new)
-
-
-@dataclass
-class GenerationStats:
-    tokens_per_s: float = 0.0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    first_token_s: float = 0.0
-    cache_hits: int = 0
-    cache_misses: int = 0
-    prefetch_issued: int = 0
-    prefetch_used: int = 0
-    bytes_h2d: int = 0
-    peak_vram_bytes: int = 0
-    new_tokens: int = 0
-    prompt_tokens: int = 0
-    reused_prompt_tokens: int = 0
-    vram_budget_bytes: int | None = None
-    h2d_gb_per_s: float = 0.0
-
-    def contract(self) -> dict:
-        """The fields `moeferry generate --json` promises, first, then the rest."""
-        d = asdict(self)
-        keys = ("tokens_per_s", "prefill_s", "decode_s", "cache_hits", "cache_misses",
-                "prefetch_issued", "prefetch_used", "bytes_h2d", "peak_vram_bytes")
-        return {**{k: d[k] for k in keys}, **{k: v for k, v in d.items() if k not in keys}}
-
-
-@dataclass
-class ExpertTrace:
-    num_layers: int
-    num_experts: int
-    selected: list = field(default_factory=list)  # [token][layer] -> tuple of expert ids
-    resident_before: list = field(default_factory=list)  # [token][layer] -> experts resident then
 
 
 # ---------------------------------------------------------------------------------------------
