@@ -36,12 +36,7 @@ class CatalogEntry:
     gated: bool = False          # the hub asks to accept a licence and log in first
     embedded: bool = False       # the demo model shipped with the app (no download)
     recommended_route: bool = False  # the route the wizard marks when the machine has a GPU
-    raw: dict | None = None     # the entry as read, for the planner
-
-    @property
-    def ready_made(self) -> bool:
-        """A download that is a MoE Ferry store or is imported, without a conversion."""
-        return not self.needs_convert or bool(self.imports)
+    raw: dict | None = None     # the entry as read, for the planner and the probe's rows
 
 
 def entry_from_dict(d: dict) -> CatalogEntry:

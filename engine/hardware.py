@@ -328,15 +328,16 @@ def catalog_plans(hw: dict, vram_budget_bytes: int | None = None) -> list[dict]:
     from engine import plan as planner
 
     rows = []
-    for entry in load_catalog():
-        sizes = entry_sizes(entry.raw)
+    for entry in (e.raw for e in load_catalog()):  # the rows keep the catalog's own keys
+        sizes = entry_sizes(entry)
         if sizes is None:
             continue
         p = planner.make_plan(hw, sizes, vram_budget_bytes)
-        rows.append({"id": entry.id, "name": entry.name,
+        rows.append({"id": entry["id"], "name": entry.get("name", entry["id"]),
                      "expert_bits": sizes.expert_bits, "recommended": False, "best_bits": False,
-                     "needs_convert": not entry.ready_made, "download_bytes": entry.download_bytes,
-                     "disk_bytes": entry.disk_bytes, "plan": p.to_dict()})
+                     "needs_convert": bool(entry.get("needs_convert")),
+                     "download_bytes": entry.get("download_bytes"),
+                     "disk_bytes": entry.get("disk_bytes"), "plan": p.to_dict()})
     if not rows:
         return rows
     mixtral = [r for r in rows if r["id"] != "demo"]

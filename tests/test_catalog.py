@@ -12,10 +12,9 @@ def test_the_real_catalog_reads():
     assert entries, "resources/catalog.json"
     paper = next(e for e in entries if "paper" in e.id)
     assert paper.needs_convert and paper.imports == "paper-checkpoint", "imported after download"
-    assert paper.ready_made, "no conversion: the probe offers it as the short route"
     assert paper.quality.startswith("WikiText2") and paper.download_bytes > 1e10
     three = next(e for e in entries if e.id == "mixtral-8x7b-instruct-3bit")
-    assert three.needs_convert and not three.ready_made and three.expert_bits == 3 and three.gated
+    assert three.needs_convert and not three.imports and three.expert_bits == 3 and three.gated
     assert any(e.embedded for e in entries)
     assert all(e.raw["id"] == e.id for e in entries)
 
@@ -32,4 +31,4 @@ def test_an_unreadable_catalog_is_empty(tmp_path):
 def test_an_entry_takes_the_defaults_of_what_it_leaves_out():
     e = entry_from_dict({"id": "x", "quality": {"note": "good"}})
     assert (e.name, e.repo_id, e.expert_bits, e.attn_bits, e.quality) == ("x", "", 2, 4, "good")
-    assert not e.needs_convert and e.ready_made and not e.embedded and not e.gated
+    assert not e.needs_convert and not e.imports and not e.embedded and not e.gated

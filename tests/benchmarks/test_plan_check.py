@@ -10,8 +10,8 @@ import pytest
 
 from benchmarks import plan_check as C
 from engine import plan as P
+from engine.units import GiB
 
-GiB = 2**30
 EXPERT_2BIT = 66_748_416
 
 
