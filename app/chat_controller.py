@@ -6,15 +6,16 @@ from pathlib import Path
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
-from app.engine_backend import LoadOptions, Sampling
+from app.engine_backend import LoadOptions
 from app.engine_worker import EngineHost, LoadedInfo, ReplyResult
 from app.errors import ErrorInfo
 from app.history import History, title_from
 from app.history_db import Message
 from app.settings import Key, Settings
 from app.stats_format import stats_dict
+from engine.contract import SamplingSettings
+from engine.units import GiB  # the VRAM budget is in GiB, as GPU memory is sold ("12 GB")
 
-GiB = 1024**3  # the VRAM budget is in GiB, as GPU memory is sold ("12 GB")
 SAVE_STREAM_MS = 1000  # how often a streaming reply is written (marked incomplete) to the database
 RELOAD_DELAY_MS = 600  # settings that need a reload wait for the user to stop clicking
 
@@ -37,10 +38,10 @@ def engine_messages(system_prompt: str, messages: list[Message]) -> list[dict]:
     return out
 
 
-def sampling_from(settings: Settings) -> Sampling:
+def sampling_from(settings: Settings) -> SamplingSettings:
     seed = settings.get(Key.SEED)
-    return Sampling(temperature=settings.get(Key.TEMPERATURE), top_p=settings.get(Key.TOP_P),
-                    max_new_tokens=settings.get(Key.MAX_NEW_TOKENS), seed=None if seed < 0 else seed)
+    return SamplingSettings(temperature=settings.get(Key.TEMPERATURE), top_p=settings.get(Key.TOP_P),
+                            max_new_tokens=settings.get(Key.MAX_NEW_TOKENS), seed=None if seed < 0 else seed)
 
 
 class ChatController(QObject):

@@ -1,12 +1,16 @@
 """How the app loads the engine, behind one injectable object. No Qt.
 
-`engine.generate` is imported only when a model is loaded, in the worker thread.
+`engine.generate` (torch) is imported only when a model is loaded, in the worker thread; what
+the app exchanges with the engine (SamplingSettings, GenerationStats, ExpertTrace, the
+EngineProtocol it calls) comes from the torch-free engine/contract.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
+
+from engine.contract import EngineProtocol, Progress
 
 
 @dataclass(frozen=True)
@@ -18,32 +22,17 @@ class LoadOptions:
     prefetch: int = 1
 
 
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.7
-    top_p: float = 0.9
-    max_new_tokens: int = 512
-    seed: int | None = None
-
-
 @dataclass
 class EngineBackend:
-    load: Callable[[LoadOptions, Callable[[float, str], None]], Any]
-    make_sampling: Callable[[Sampling], Any]
+    load: Callable[[LoadOptions, Progress], EngineProtocol]
 
 
-def real_load(opts: LoadOptions, progress: Callable[[float, str], None]) -> Any:
+def real_load(opts: LoadOptions, progress: Progress) -> EngineProtocol:
     from engine.generate import load_engine
 
     return load_engine(opts.store, device=opts.device, cache_experts=opts.cache_experts,
                        vram_budget=opts.vram_budget, prefetch=opts.prefetch, progress=progress)
 
 
-def real_sampling(s: Sampling) -> Any:
-    from engine.generate import SamplingSettings
-
-    return SamplingSettings(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens, seed=s.seed)
-
-
 def real_engine_backend() -> EngineBackend:
-    return EngineBackend(load=real_load, make_sampling=real_sampling)
+    return EngineBackend(load=real_load)

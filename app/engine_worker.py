@@ -6,12 +6,12 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
-from app.engine_backend import EngineBackend, LoadOptions, Sampling
+from app.engine_backend import EngineBackend, LoadOptions
 from app.errors import Action, ErrorInfo, describe_error
+from engine.contract import EngineProtocol, ExpertTrace, GenerationStats, SamplingSettings
 
 log = logging.getLogger(__name__)
 # Pieces are coalesced so a fast model does not flood the UI thread with one signal per token.
@@ -22,7 +22,7 @@ EMIT_INTERVAL_S = 0.03
 class GenerateRequest:
     id: int
     messages: list[dict]
-    sampling: Sampling
+    sampling: SamplingSettings
     prefetch: int
     cache_experts: int | None
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -31,10 +31,10 @@ class GenerateRequest:
 @dataclass(frozen=True)
 class LoadedInfo:
     options: LoadOptions
-    num_experts: int = 8
-    note: str = ""  # e.g. the engine fell back to pageable memory
-    max_context: int = 0  # tokens; what the local API checks max_tokens against
-    device: str = ""  # where it runs ("cuda", "cpu"; "" = not said)
+    num_experts: int
+    note: str  # e.g. the engine fell back to pageable memory; "" when none
+    max_context: int  # tokens; what the local API checks max_tokens against
+    device: str  # where it runs: "cuda" or "cpu"
 
 
 @dataclass
@@ -42,8 +42,8 @@ class ReplyResult:
     id: int
     text: str
     stopped: bool
-    stats: Any = None
-    trace: Any = None
+    stats: GenerationStats | None = None
+    trace: ExpertTrace | None = None
     error: ErrorInfo | None = None
 
 
@@ -62,7 +62,7 @@ class EngineWorker(QObject):
     def __init__(self, backend: EngineBackend):
         super().__init__()
         self._backend = backend
-        self._engine: Any = None
+        self._engine: EngineProtocol | None = None
         self._options: LoadOptions | None = None
         self._prefetch: int | None = None
         self._cache: int | None = None
@@ -77,12 +77,8 @@ class EngineWorker(QObject):
             self.load_failed.emit(describe_error(exc))
             return
         self._options, self._prefetch, self._cache = opts, opts.prefetch, opts.cache_experts
-        config = getattr(self._engine, "config", None)
-        self.loaded.emit(LoadedInfo(opts, getattr(config, "num_experts", 8) or 8,
-                                    str(getattr(self._engine, "note", "") or ""),
-                                    int(getattr(self._engine, "max_context", 0) or 0),
-                                    str(getattr(getattr(self._engine, "device", None), "type", "")
-                                        or getattr(self._engine, "device", "") or "")))
+        e = self._engine
+        self.loaded.emit(LoadedInfo(opts, e.config.num_experts, e.note, e.max_context, e.device.type))
 
     @Slot(object)
     def generate(self, req: GenerateRequest) -> None:
@@ -99,8 +95,7 @@ class EngineWorker(QObject):
             if req.cache_experts is not None and req.cache_experts != self._cache:
                 self._engine.set_cache_experts(req.cache_experts)
                 self._cache = req.cache_experts
-            sampling = self._backend.make_sampling(req.sampling)
-            for piece in self._engine.stream(req.messages, sampling, cancel=req.cancel):
+            for piece in self._engine.stream(req.messages, req.sampling, cancel=req.cancel):
                 text.append(piece.text)
                 pending.append(piece.text)
                 now = time.monotonic()
@@ -119,8 +114,7 @@ class EngineWorker(QObject):
         if pending:
             self.pieces.emit(req.id, "".join(pending))
         self.reply_done.emit(ReplyResult(req.id, "".join(text), req.cancel.is_set(),
-                                         getattr(self._engine, "last_stats", None),
-                                         getattr(self._engine, "last_trace", None)))
+                                         self._engine.last_stats, self._engine.last_trace))
 
     @Slot(object)
     def serve_job(self, job) -> None:
@@ -172,7 +166,7 @@ class EngineHost(QObject):
     def load(self, opts: LoadOptions) -> None:
         self._load.emit(opts)
 
-    def generate(self, messages: list[dict], sampling: Sampling, prefetch: int,
+    def generate(self, messages: list[dict], sampling: SamplingSettings, prefetch: int,
                  cache_experts: int | None) -> GenerateRequest:
         self._next_id += 1
         req = GenerateRequest(self._next_id, messages, sampling, prefetch, cache_experts)

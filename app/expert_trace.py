@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+
+from engine.contract import ExpertTrace
+
 
 # Cell states of the per-layer token timeline.
 class Cell(IntEnum):
@@ -37,17 +39,12 @@ class TraceSummary:
         return max((max(row) for row in self.counts), default=0)
 
 
-def summarize_trace(trace: Any) -> TraceSummary | None:
+def summarize_trace(trace: ExpertTrace | None) -> TraceSummary | None:
     """Summarize `trace` (.selected and .resident_before per token per layer); None when empty."""
-    if trace is None:
+    if trace is None or not trace.selected:
         return None
-    selected = list(getattr(trace, "selected", None) or [])
-    if not selected:
-        return None
-    resident_before = list(getattr(trace, "resident_before", None) or [])
-    num_layers = getattr(trace, "num_layers", None) or max(len(t) for t in selected)
-    num_experts = getattr(trace, "num_experts", None) or 1 + max(
-        (e for t in selected for layer in t for e in layer), default=0)
+    selected, resident_before = trace.selected, trace.resident_before
+    num_layers, num_experts = trace.num_layers, trace.num_experts
     num_tokens = len(selected)
     counts = [[0] * num_experts for _ in range(num_layers)]
     hits = [[0] * num_experts for _ in range(num_layers)]

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from app.setup_backend import PlanSummary
 from app.stats_format import fmt_bytes, speed_words
+from engine.units import GiB, fmt_memory
 
-GiB = 1024**3
 # Mixtral's 2-bit experts with 8-bit metadata are about 17 GB; they sit in host RAM.
 EXPERTS_RAM_BYTES = 18 * 10**9
 
@@ -21,24 +20,13 @@ class HardwareVerdict:
     has_gpu: bool
 
 
-def pick(hw: dict, *names: str) -> Any:
-    for name in names:
-        if hw.get(name) not in (None, ""):
-            return hw[name]
-    return None
-
-
-def _gb(n: float) -> str:
-    gb = n / GiB
-    return f"{gb:.0f} GB" if gb >= 10 or abs(gb - round(gb)) < 0.05 else f"{gb:.1f} GB"
-
-
 def describe_hardware(hw: dict, plan: PlanSummary | None = None, expert_bits: int = 2) -> HardwareVerdict:
-    name = pick(hw, "gpu_name", "gpu")
-    vram = pick(hw, "vram_bytes", "vram_total_bytes", "gpu_memory_bytes")
-    gen, width = pick(hw, "pcie_gen", "pcie_generation"), pick(hw, "pcie_width", "pcie_lanes")
-    bandwidth = pick(hw, "h2d_gb_per_s", "bandwidth_gb_per_s", "pinned_h2d_gb_per_s", "bandwidth")
-    ram, disk = pick(hw, "ram_bytes", "ram_total_bytes"), pick(hw, "disk_free_bytes", "disk_free")
+    """`hw` is engine.hardware.probe()'s report (its keys; a key may be missing or None)."""
+    name = hw.get("gpu_name")
+    vram = hw.get("vram_total_bytes")
+    gen, width = hw.get("pcie_gen"), hw.get("pcie_width")
+    bandwidth = hw.get("h2d_gb_per_s")
+    ram, disk = hw.get("ram_total_bytes"), hw.get("disk_free_bytes")
     details: list[str] = []
 
     if not name:
@@ -50,7 +38,7 @@ def describe_hardware(hw: dict, plan: PlanSummary | None = None, expert_bits: in
                     "so start with the demo model, or choose a model and accept CPU speed.")
     else:
         link = f", PCIe {gen} x{width}" if gen and width else ""
-        card = f"{name}, {_gb(vram)}{link}" if vram else f"{name}{link}"
+        card = f"{name}, {fmt_memory(vram)}{link}" if vram else f"{name}{link}"
         if vram is None or vram >= 12 * GiB:
             level = "good"
         elif vram >= 8 * GiB:
@@ -67,8 +55,8 @@ def describe_hardware(hw: dict, plan: PlanSummary | None = None, expert_bits: in
             headline += "; the demo model still works."
         else:
             headline += "."
-        details.append(f"GPU: {name}" + (f" with {_gb(vram)} of memory" if vram else ""))
-        driver = pick(hw, "driver", "driver_version")
+        details.append(f"GPU: {name}" + (f" with {fmt_memory(vram)} of memory" if vram else ""))
+        driver = hw.get("driver_version")
         if driver:
             details.append(f"Driver: {driver}")
         if gen and width:
@@ -78,10 +66,10 @@ def describe_hardware(hw: dict, plan: PlanSummary | None = None, expert_bits: in
         details.append(f"Measured host-to-GPU copy speed: {float(bandwidth):.1f} GB/s")
     if ram:
         short = " (less than the ~18 GB Mixtral's experts need in RAM)" if ram < EXPERTS_RAM_BYTES else ""
-        details.append(f"RAM: {_gb(ram)}{short}")
+        details.append(f"RAM: {fmt_memory(ram)}{short}")
     if disk:
         details.append(f"Free disk space: {fmt_bytes(disk)}")  # as the model page says it
-    cpu = pick(hw, "cpu", "cpu_name")
+    cpu = hw.get("cpu_name")
     if cpu:
         details.append(f"CPU: {cpu}")
     if plan and plan.verdict:

@@ -9,10 +9,12 @@ import threading
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from app.setup_backend import SetupBackend
 from app.stats_format import fmt_bytes
+from engine.contract import Progress
+from engine.download import FetchProgress
 
 log = logging.getLogger(__name__)
 
@@ -65,25 +67,12 @@ def step_title(step: str, req: InstallRequest) -> str:
     return "Importing" if step == "convert" and req.importing else STEP_TITLES[step]
 
 
-def _attr(obj: Any, *names: str) -> Any:
-    for name in names:
-        value = obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
-        if value is not None:
-            return value
-    return None
-
-
-def download_progress(p: Any) -> InstallProgress:
-    """Adapt the downloader's progress object (bytes done/total, rate, eta) to InstallProgress."""
-    done = _attr(p, "bytes_done", "done_bytes", "downloaded", "done")
-    total = _attr(p, "bytes_total", "total_bytes", "total")
-    rate = _attr(p, "rate_bps", "rate", "bytes_per_s", "speed")
-    eta = _attr(p, "eta", "eta_s", "eta_seconds")
-    fraction = done / total if done is not None and total else None
-    name = _attr(p, "file", "filename", "current_file") or ""
-    phase = _attr(p, "phase") or "download"
-    message = {"verify": f"checking {name}", "reuse": f"found {name} in the Hugging Face cache"}.get(phase, name)
-    return InstallProgress("download", fraction, str(message), done, total, rate, eta)
+def download_progress(p: FetchProgress) -> InstallProgress:
+    """The downloader's progress event as the install page shows it."""
+    fraction = p.done / p.total if p.total else None
+    words = {"verify": f"checking {p.file}", "reuse": f"found {p.file} in the Hugging Face cache"}
+    message = words.get(p.phase, p.file)
+    return InstallProgress("download", fraction, message, p.done, p.total, p.rate_bps, p.eta_s)
 
 
 TOKENIZER_FILES = ["tokenizer*", "special_tokens_map.json", "generation_config.json"]
@@ -93,13 +82,11 @@ def _has_tokenizer(folder: Path) -> bool:
     return (folder / "tokenizer.json").is_file() or (folder / "tokenizer.model").is_file()
 
 
-def _step_callback(step: str, report: Callable[[InstallProgress], None]) -> Callable:
+def _step_callback(step: str, report: Callable[[InstallProgress], None]) -> Progress:
     """A progress(fraction, message) callback, as the engine's long functions take."""
     started = time.monotonic()
 
-    def cb(fraction: float | None = None, message: str = "", *_: Any) -> None:
-        if not isinstance(fraction, (int, float)):
-            fraction, message = _attr(fraction, "fraction"), str(_attr(fraction, "message") or message)
+    def cb(fraction: float, message: str) -> None:
         eta = None
         if fraction and fraction > 0.01:
             eta = (time.monotonic() - started) * (1 - fraction) / fraction

@@ -1,4 +1,5 @@
-"""Where the app keeps its files: one data folder, overridable for tests."""
+"""Where the app keeps its files: one data folder (engine/paths.py defines the locations),
+overridable for tests with MOEFERRY_DATA_DIR."""
 
 from __future__ import annotations
 
@@ -6,24 +7,15 @@ import os
 import time
 from pathlib import Path
 
-DATA_DIR_ENV = "MOEFERRY_DATA_DIR"
+from engine import paths as engine_paths
+from engine.paths import DATA_DIR_ENV, models_dir, resources_dir  # noqa: F401 - the app's names for them
 
 
 def data_dir() -> Path:
     """The folder holding the database, the settings and installed models (created if needed)."""
-    override = os.environ.get(DATA_DIR_ENV)
-    if override:
-        path = Path(override)
-    else:
-        import platformdirs
-
-        path = Path(platformdirs.user_data_dir("moeferry", appauthor=False))
+    path = engine_paths.data_dir()
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-def models_dir(root: Path | None = None) -> Path:
-    return (root or data_dir()) / "models"
 
 
 def downloads_dir(root: Path | None = None) -> Path:
@@ -41,7 +33,3 @@ def move_aside(path: Path) -> Path:
         n += 1
     os.replace(path, target)
     return target
-
-
-def resources_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / "resources"

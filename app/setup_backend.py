@@ -7,12 +7,12 @@ imported only when a function is called, so the app starts without them and test
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from app.catalog import CatalogEntry, load_catalog
+from engine.catalog import CatalogEntry, load_catalog
+from engine.paths import demo_store_path
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,8 @@ class SetupBackend:
     probe: Callable[[], dict]
     catalog: Callable[[], list[CatalogEntry]]
     plan: Callable[..., PlanSummary | None]  # plan(hw, entry or store path, vram budget[, cache_experts])
-    fetch: Callable[..., Path]          # fetch(repo_id, dest, revision=, endpoint=, progress=, cancel=[, allow_patterns=])
+    # fetch(repo_id, dest, revision=, endpoint=, progress=(FetchProgress -> None), cancel=[, allow_patterns=])
+    fetch: Callable[..., Path]
     find_in_hf_cache: Callable[[str], Path | None]
     convert: Callable[..., Any]         # convert(src, dest, expert_bits, attn_bits, tokenizer=, progress=, cancel=)
     verify: Callable[[Path], list[str]]
@@ -37,49 +38,17 @@ class SetupBackend:
     options: dict = field(default_factory=dict)
 
 
-def _basic_probe() -> dict:
-    """Used only while engine.hardware is missing: what can be learned without it."""
-    hw: dict[str, Any] = {"gpu_name": None, "vram_bytes": None}
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            props = torch.cuda.get_device_properties(0)
-            hw.update(gpu_name=props.name, vram_bytes=props.total_memory)
-    except Exception:
-        pass
-    try:
-        hw["ram_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        hw["ram_bytes"] = None
-    hw["disk_free_bytes"] = shutil.disk_usage(Path.home()).free
-    hw["cpu"] = os.cpu_count() and f"{os.cpu_count()} CPU threads"
-    return hw
-
-
 def real_probe() -> dict:
-    try:
-        from engine.hardware import probe
-    except ImportError:
-        return _basic_probe()
+    from engine.hardware import probe
+
     return probe(measure_bandwidth=True)
-
-
-def _get(obj: Any, *names: str) -> Any:
-    for name in names:
-        value = obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
-        if value is not None:
-            return value
-    return None
 
 
 def real_plan(hw: dict, model: CatalogEntry | Path | None, vram_budget: int | None,
               cache_experts: int | None = None) -> PlanSummary | None:
     """The planner's cache size and speed for a catalog entry or an installed store; None if unknown."""
-    try:
-        from engine.plan import ModelSizes, make_plan
-    except ImportError:
-        return None
+    from engine.plan import ModelSizes, make_plan
+
     try:
         if isinstance(model, CatalogEntry) and model.raw and ("sizes" in model.raw or "config" in model.raw):
             sizes = ModelSizes.from_catalog(model.raw)
@@ -90,12 +59,7 @@ def real_plan(hw: dict, model: CatalogEntry | Path | None, vram_budget: int | No
         plan = make_plan(hw, sizes, vram_budget_bytes=vram_budget, cache_experts_per_layer=cache_experts)
     except (KeyError, ValueError, TypeError, OSError):
         return None
-    return PlanSummary(
-        cache_experts_per_layer=_get(plan, "cache_experts_per_layer", "cache_experts"),
-        predicted_tokens_per_s=_get(plan, "predicted_tokens_per_s", "tokens_per_s"),
-        verdict=str(_get(plan, "verdict") or ""),
-        hit_rate=_get(plan, "hit_rate"),
-    )
+    return PlanSummary(plan.cache_experts_per_layer, plan.predicted_tokens_per_s, plan.verdict, plan.hit_rate)
 
 
 def real_fetch(repo_id: str, dest: Path, **kwargs) -> Path:
@@ -105,10 +69,8 @@ def real_fetch(repo_id: str, dest: Path, **kwargs) -> Path:
 
 
 def real_find_in_hf_cache(repo_id: str) -> Path | None:
-    try:
-        from engine.download import find_in_hf_cache
-    except ImportError:
-        return None
+    from engine.download import find_in_hf_cache
+
     return find_in_hf_cache(repo_id)
 
 
@@ -132,13 +94,9 @@ def real_verify(path: Path) -> list[str]:
 
 
 def real_demo_path() -> Path | None:
-    try:
-        from engine.demo import demo_store_path
-
-        path = demo_store_path()
-    except Exception:  # the demo model may not be built into this install
-        return None
-    return path if path and Path(path).exists() else None
+    """The embedded demo store; None when this install has none."""
+    path = demo_store_path()
+    return path if path.exists() else None
 
 
 def real_setup_backend() -> SetupBackend:

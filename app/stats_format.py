@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import asdict, dataclass
 
-GB = 1e9
-GiB = 1024**3  # memory sizes (VRAM) are shown in GiB, written "GB" as GPU makers do
+from engine import units
+from engine.contract import GenerationStats
+from engine.units import GiB
 
 
 def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "unknown"
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
+    """Download and disk sizes, in decimal units as the hub and disk makers count them."""
+    return units.fmt_bytes(n, decimal=True)
 
 
 def fmt_duration(seconds: float | None) -> str:
@@ -27,14 +23,6 @@ def fmt_duration(seconds: float | None) -> str:
     if seconds < 3600:
         return f"{seconds // 60} min {seconds % 60:02d} s"
     return f"{seconds // 3600} h {(seconds % 3600) // 60:02d} min"
-
-
-def _get(stats: Any, name: str, default=None):
-    if stats is None:
-        return default
-    if isinstance(stats, dict):
-        return stats.get(name, default)
-    return getattr(stats, name, default)
 
 
 def _ratio(a, b) -> float | None:
@@ -62,23 +50,23 @@ def speed_words(tokens_per_s: float | None) -> str:
     return f"about {per_token / 3600:.0f} h per token"
 
 
-def stats_items(stats: Any, on_gpu: bool = True, hit_rate: float | None = None,
+def stats_items(stats: GenerationStats | None, on_gpu: bool = True, hit_rate: float | None = None,
                 streaming: bool = False) -> list[StatItem]:
-    """The status-bar items for one generation's stats (a GenerationStats or its dict).
+    """The status-bar items for one generation's stats (None: no reply yet, all dashes).
 
     `hit_rate`, when given, is the expert map's (from the trace), so both say the same number.
     On the CPU every expert is in memory: the GPU items (cache, prefetch, memory, copy speed) are
     empty. While a reply streams (`streaming`) the numbers of the reply before are not shown.
     """
     dash = "–"
-    if streaming:
-        stats = None
-    tps = _get(stats, "tokens_per_s")
-    ttft = _get(stats, "first_token_s")
-    hits, misses = _get(stats, "cache_hits", 0) or 0, _get(stats, "cache_misses", 0) or 0
-    issued, used = _get(stats, "prefetch_issued", 0) or 0, _get(stats, "prefetch_used", 0) or 0
-    peak, budget = _get(stats, "peak_vram_bytes"), _get(stats, "vram_budget_bytes")
-    h2d = _get(stats, "h2d_gb_per_s")
+    if streaming or stats is None:
+        tps = ttft = peak = budget = h2d = None
+        hits = misses = issued = used = 0
+    else:
+        tps, ttft, h2d = stats.tokens_per_s, stats.first_token_s, stats.h2d_gb_per_s
+        hits, misses = stats.cache_hits, stats.cache_misses
+        issued, used = stats.prefetch_issued, stats.prefetch_used
+        peak, budget = stats.peak_vram_bytes, stats.vram_budget_bytes
     if hit_rate is None:
         hit_rate = _ratio(hits, hits + misses)
     pf_rate = _ratio(used, issued)
@@ -104,12 +92,6 @@ def stats_items(stats: Any, on_gpu: bool = True, hit_rate: float | None = None,
     ]
 
 
-def stats_dict(stats: Any) -> dict | None:
+def stats_dict(stats: GenerationStats | None) -> dict | None:
     """A JSON-able copy of the stats, kept with the reply in the database."""
-    if stats is None:
-        return None
-    if isinstance(stats, dict):
-        return dict(stats)
-    if hasattr(stats, "__dataclass_fields__"):
-        return {name: getattr(stats, name) for name in stats.__dataclass_fields__}
-    return {k: v for k, v in vars(stats).items() if not k.startswith("_")}
+    return None if stats is None else asdict(stats)

@@ -67,7 +67,8 @@ def acceptance(reports: list[dict]) -> list[str]:
         want = res["cache_experts"] / 8
         if res["mode"] == "lru":
             ok = abs(res["hit_rate"] - want) <= 0.03
-            lines.append(f"uniform 12GiB lru hit ratio {res['hit_rate']:.3f} vs k/E {want:.3f}: {'ok' if ok else 'FAILED'}")
+            verdict = "ok" if ok else "FAILED"
+            lines.append(f"uniform 12GiB lru hit ratio {res['hit_rate']:.3f} vs k/E {want:.3f}: {verdict}")
         if res["mode"] == "full":
             got = res["guess_recall"].get(1, res["guess_recall"].get("1"))
             ok = got is not None and abs(got - 0.85) <= 0.05

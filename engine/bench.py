@@ -446,9 +446,6 @@ def conditions_line(report: dict) -> str:
 
 
 def cli_bench(argv: list[str]) -> int:
-    if argv and argv[0] == "convert":
-        from engine.convert_bench import cli_bench_convert
-        return cli_bench_convert(argv[1:])
     p = argparse.ArgumentParser(prog="moeferry bench")
     p.add_argument("--model", default="mixtral-8x7b", choices=tuple(MODEL_SHAPES),
                    help="the shape of the synthetic model (default mixtral-8x7b)")

@@ -1,4 +1,6 @@
-"""`moeferry` command line. With no command it opens the desktop app.
+"""`moeferry` command line: every subcommand (`python -m engine.cli SUBCOMMAND` runs the same).
+The console script is app/cli.py, which opens the desktop app when given no command; this
+module never imports the app.
 
 Errors reach the user as one sentence on stderr: exit 2 for bad usage or input, 1 for a
 failed check. Set MOEFERRY_DEBUG=1 to see tracebacks of unexpected errors.
@@ -11,9 +13,9 @@ import json
 import os
 import sys
 import threading
-import time
 
 from engine.errors import UserError
+from engine.progress import ProgressLine
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args) -> int:
     if args.command is None:
-        from app.main import run_gui
-        return run_gui()
+        build_parser().print_usage(sys.stderr)
+        print("moeferry: give a command (`moeferry` alone opens the desktop app).", file=sys.stderr)
+        return 2
     if args.command == "probe":
         from engine.hardware import cli_probe
         return cli_probe(args.json)
@@ -150,25 +153,6 @@ def run(args) -> int:
         from engine.demo import cli_demo
         return cli_demo(args.rest)
     raise UserError(f"Unknown command {args.command}.")
-
-
-class ProgressLine:
-    """A one-line progress display on stderr (plain lines when stderr is not a terminal)."""
-
-    def __init__(self):
-        self.tty = sys.stderr.isatty()
-        self.last = 0.0
-
-    def __call__(self, fraction: float, message: str) -> None:
-        now = time.monotonic()
-        if fraction < 1.0 and now - self.last < (0.2 if self.tty else 5.0):
-            return
-        self.last = now
-        line = f"{fraction * 100:5.1f}%  {message}"
-        if self.tty:
-            print("\r" + line[:100].ljust(100), end="" if fraction < 1.0 else "\n", file=sys.stderr, flush=True)
-        else:
-            print(line, file=sys.stderr, flush=True)
 
 
 def cmd_convert(args) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels import triton, tl
+from engine.kernels import tl, triton
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -145,7 +145,7 @@ if triton is not None:
         # probabilities first (in top-k order, as weights.sum()), then the renormalised weights
         total = 0.0
         rest = p
-        for j in tl.static_range(TOPK):
+        for j in tl.static_range(TOPK):  # noqa: B007 - Triton unrolls it; j is not needed here
             best = tl.max(rest, axis=0)
             total += best
             rest = tl.where(e == tl.min(tl.where(rest == best, e, BLOCK_E), axis=0), -1.0, rest)

@@ -18,14 +18,9 @@ import time
 from pathlib import Path
 
 from engine.errors import UserError
+from engine.paths import demo_store_path
 
 SELFTEST_PROMPT = "What is a list in Python?"
-
-
-def demo_store_path() -> Path:
-    """resources/demo inside the installed package (or the source tree)."""
-    import resources
-    return Path(resources.__file__).resolve().parent / "demo"
 
 
 def require_demo() -> Path:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -19,25 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from engine import quant, store as store_mod
+from engine.contract import ExpertTrace, GenerationStats, SamplingSettings, TokenPiece  # noqa: F401 - re-exported
 from engine.errors import UserError
 from engine.expert_cache import ExpertCache
 from engine.model import KVCache, ModelConfig, OffloadedMixtral
 
 GiB = 1 << 30
-
-
-@dataclass
-class SamplingSettings:
-    temperature: float = 0.7
-    top_p: float = 0.9
-    max_new_tokens: int = 512
-    seed: int | None = None
-
-
-@dataclass
-class TokenPiece:
-    token_id: int
-    text: str
 
 
 def detokenize(tokenizer, ids: Iterable[int]) -> Iterator[tuple[int, str]]:
@@ -58,47 +45,6 @@ def detokenize(tokenizer, ids: Iterable[int]) -> Iterator[tuple[int, str]]:
             continue
         yield tok, text[len(before):]
         start, shown = shown, len(new)
-
-
-@dataclass
-class GenerationStats:
-    tokens_per_s: float = 0.0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    first_token_s: float = 0.0
-    cache_hits: int = 0
-    cache_misses: int = 0
-    prefetch_issued: int = 0
-    prefetch_used: int = 0
-    bytes_h2d: int = 0
-    peak_vram_bytes: int = 0
-    new_tokens: int = 0
-    prompt_tokens: int = 0
-    reused_prompt_tokens: int = 0
-    vram_budget_bytes: int | None = None
-    h2d_gb_per_s: float = 0.0
-    misses_cpu: int = 0  # misses computed on the CPU (--cpu-experts), counted in cache_misses
-    misses_copied: int = 0  # misses copied over the link
-    misses_both: int = 0  # computed on the CPU and copied for later
-    cpu_expert_runs: int = 0  # expert uses computed on the CPU (all of them without a GPU)
-    cpu_gb_per_s: float = 0.0  # the CPU kernels' achieved read speed
-    cpu_s: float = 0.0  # time the CPU computed experts
-    cpu_wait_s: float = 0.0  # of it, time the host waited for the CPU (the CPU bound the layer)
-
-    def contract(self) -> dict:
-        """The fields `moeferry generate --json` promises, first, then the rest."""
-        d = asdict(self)
-        keys = ("tokens_per_s", "prefill_s", "decode_s", "cache_hits", "cache_misses",
-                "prefetch_issued", "prefetch_used", "bytes_h2d", "peak_vram_bytes")
-        return {**{k: d[k] for k in keys}, **{k: v for k, v in d.items() if k not in keys}}
-
-
-@dataclass
-class ExpertTrace:
-    num_layers: int
-    num_experts: int
-    selected: list = field(default_factory=list)  # [token][layer] -> tuple of expert ids
-    resident_before: list = field(default_factory=list)  # [token][layer] -> experts resident then
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-GiB = 1024**3
+from engine.catalog import load_catalog
+from engine.paths import models_dir
+from engine.units import fmt_bytes
+
 H2D_TEST_BYTES = 64 << 20
 H2D_TEST_SECONDS = 1.0  # the copy loop; with allocation and warm-up well under 2 s
 CPU_TEST_SECONDS = 0.3
@@ -40,18 +43,6 @@ def probe(measure_bandwidth: bool = True) -> dict:
         hw.update(cpu_matvec_params_per_s=None, cpu_matmul_flops=None)
     hw["h2d_gb_per_s"] = round(hw["h2d_bytes_per_s"] / 1e9, 2) if hw.get("h2d_bytes_per_s") else None
     return hw
-
-
-def models_dir() -> Path:
-    """Where installed models go (the app's data folder; MOEFERRY_DATA_DIR overrides)."""
-    root = os.environ.get("MOEFERRY_DATA_DIR")
-    if not root:
-        try:
-            import platformdirs
-            root = platformdirs.user_data_dir("moeferry", appauthor=False)
-        except ImportError:
-            root = os.path.join(os.path.expanduser("~"), ".local", "share", "moeferry")
-    return Path(root) / "models"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,7 +328,7 @@ def catalog_plans(hw: dict, vram_budget_bytes: int | None = None) -> list[dict]:
     from engine import plan as planner
 
     rows = []
-    for entry in load_catalog():
+    for entry in (e.raw for e in load_catalog()):  # the rows keep the catalog's own keys
         sizes = entry_sizes(entry)
         if sizes is None:
             continue
@@ -367,14 +358,6 @@ def catalog_plans(hw: dict, vram_budget_bytes: int | None = None) -> list[dict]:
     return rows
 
 
-def load_catalog() -> list[dict]:
-    path = Path(__file__).resolve().parent.parent / "resources" / "catalog.json"
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))["models"]
-    except (OSError, ValueError, KeyError):
-        return []
-
-
 def entry_sizes(entry: dict):
     """ModelSizes for a catalog entry, None when unknown (the demo model not built)."""
     from engine.plan import ModelSizes
@@ -389,17 +372,13 @@ def _duration(s: float) -> str:
     return f"{s:.1f} s" if s < 100 else f"{s / 60:.0f} min"
 
 
-def _gb(n) -> str:
-    return f"{n / GiB:.1f} GiB" if n is not None else "unknown"
-
-
 def format_report(hw: dict, rows: list[dict], recommended: dict | None) -> str:
     lines = ["MoE Ferry hardware probe", ""]
     if hw.get("gpu_name"):
         cc = f", compute capability {hw['compute_capability']}" if hw.get("compute_capability") else ""
         lines.append(f"GPU        {hw['gpu_name']}{cc}")
-        lines.append(f"VRAM       {_gb(hw.get('vram_total_bytes'))} total, "
-                     f"{_gb(hw.get('vram_free_bytes'))} free")
+        lines.append(f"VRAM       {fmt_bytes(hw.get('vram_total_bytes'))} total, "
+                     f"{fmt_bytes(hw.get('vram_free_bytes'))} free")
         lines.append(f"Driver     {hw.get('driver_version') or 'unknown'}"
                      + (f" (CUDA {hw['cuda_driver_version']})" if hw.get("cuda_driver_version") else ""))
         link = lambda g, w: f"gen {g} x{w}" if g and w else "unknown"  # noqa: E731
@@ -418,9 +397,9 @@ def format_report(hw: dict, rows: list[dict], recommended: dict | None) -> str:
     if hw.get("cpu_matvec_params_per_s"):
         lines.append(f"CPU speed  {hw['cpu_matvec_params_per_s'] / 1e9:.2f} G weights/s fp32 "
                      f"matvec, {hw['cpu_matmul_flops'] / 1e9:.0f} GFLOP/s matmul")
-    lines.append(f"RAM        {_gb(hw.get('ram_total_bytes'))} total, "
-                 f"{_gb(hw.get('ram_available_bytes'))} available")
-    lines.append(f"Disk       {_gb(hw.get('disk_free_bytes'))} free at {hw.get('disk_path')}")
+    lines.append(f"RAM        {fmt_bytes(hw.get('ram_total_bytes'))} total, "
+                 f"{fmt_bytes(hw.get('ram_available_bytes'))} available")
+    lines.append(f"Disk       {fmt_bytes(hw.get('disk_free_bytes'))} free at {hw.get('disk_path')}")
     lines += [f"Note       {n}" for n in hw.get("notes", [])]
     lines += ["", "Plans (batch 1 decode; predictions, not measurements):"]
     for r in rows:
@@ -445,5 +424,5 @@ def format_report(hw: dict, rows: list[dict], recommended: dict | None) -> str:
     if best and not best["recommended"]:
         lines.append(f"Best quality at nearly the same speed: {best['name']} "
                      f"(~{best['plan']['predicted_tokens_per_s']:.2g} tok/s), after a "
-                     f"{_gb(best['download_bytes'])} download and a local conversion.")
+                     f"{fmt_bytes(best['download_bytes'])} download and a local conversion.")
     return "\n".join(lines)

@@ -114,7 +114,7 @@ def qlinear(x: torch.Tensor, w: QMatrix | torch.Tensor, kernels: str = "auto",
     except Exception as e:  # noqa: BLE001 - any failure of the optional fast path
         global FUSED_FAILURE
         FUSED_FAILURE = f"{type(e).__name__}: {e}"
-        warnings.warn(f"fused kernels unavailable ({FUSED_FAILURE}); using the reference path")
+        warnings.warn(f"fused kernels unavailable ({FUSED_FAILURE}); using the reference path", stacklevel=2)
         y = F.linear(x, dequantize(w, x.dtype))
         return y if out is None else out.copy_(y)
 

@@ -16,7 +16,8 @@ model by default) over held-out text:
   prefetcher does, and take the m best. Recall = the fraction of the experts actually used
   at layer l + d that were guessed, over all tokens and all l with l + d < layers.
 
-The routing comes from engine.routing.record_trace (the engine's own forward over the text
+The measures are engine.routing's lru_hit_ratio and prefetch_recall (shared with `moeferry
+trace`). The routing comes from engine.routing.record_trace (the engine's own forward over the text
 in 512-token windows) as a RoutingTrace, the one trace representation; `moeferry trace`
 saves the same trace to a file and prints these statistics (engine.routing.trace_stats).
 
@@ -34,16 +35,12 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from engine.errors import UserError
-from engine.routing import RoutingTrace
+from engine.routing import RoutingTrace, load_text_ids, lru_hit_ratio, lru_hits, prefetch_recall, text_path
 
 CACHE_SIZES = (1, 2, 3, 4)
 DISTANCES = (1, 2, 3)
 PREFETCH = (1, 2, 3)
-DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "training" / "data" / "heldout.txt"
 
 
 @dataclass
@@ -63,30 +60,7 @@ class LocalityReport:
 
 
 # ---------------------------------------------------------------------------------------------
-# The measures (pure functions on expert indices)
-
-
-def lru_hits(selected: np.ndarray, cache_size: int) -> int:
-    """Hits of a per-layer LRU cache of `cache_size` experts over tokens [T, k] (best first)."""
-    cache: list[int] = []  # most recently used first
-    hits = 0
-    for experts in selected.tolist():
-        hits += sum(e in cache for e in experts)
-        cache = (experts + [c for c in cache if c not in experts])[:cache_size]
-    return hits
-
-
-def lru_hit_ratio(selected: np.ndarray, cache_size: int) -> float:
-    """Mean over layers of the LRU hit ratio; selected is [L, T, k]."""
-    per_layer = [lru_hits(layer, cache_size) / layer.size for layer in selected]
-    return float(np.mean(per_layer))
-
-
-def prefetch_recall(guessed: np.ndarray, used: np.ndarray, m: int) -> float:
-    """Fraction of the used experts [N, k] found among the first m guesses [N, >= m]."""
-    guess = guessed[..., :m]
-    found = (used[..., :, None] == guess[..., None, :]).any(-1)  # [N, k]
-    return float(found.mean())
+# The random-routing baselines (the measures themselves are engine.routing's)
 
 
 def random_lru_hit_ratio(num_experts: int, cache_size: int) -> float:
@@ -177,41 +151,6 @@ def plot_report(r: LocalityReport, path: str | Path, title: str = "") -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Command
-
-
-DEFAULT_MAX_TOKENS = 131072
-
-
-def text_path(text_file: str | None) -> Path:
-    """The text to measure on: text_file, else the demo corpus' held-out text; it must exist."""
-    path = Path(text_file).expanduser() if text_file else DEFAULT_TEXT
-    if not path.is_file():
-        if text_file:
-            raise UserError(f"{path} is not a file; give a UTF-8 text file with --text.")
-        raise UserError("The held-out text of the demo corpus (training/data/heldout.txt) is not "
-                        "installed; give a UTF-8 text file with --text.")
-    return path
-
-
-def load_text_ids(tokenizer, text_file: str | None, max_tokens: int | None = None) -> torch.Tensor:
-    """Token ids of the text (the demo's held-out text by default), at most max_tokens
-    (default DEFAULT_MAX_TOKENS)."""
-    max_tokens = max_tokens or DEFAULT_MAX_TOKENS
-    path = text_path(text_file)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"{path} is not UTF-8 text; give a UTF-8 text file with --text.") from None
-    docs = [d for d in text.split("\n\n") if d.strip()]
-    tokenizer.model_max_length = 1 << 30  # we window the text ourselves
-    ids: list[int] = []
-    for d in docs:  # plain paragraphs, each opened by <s> like the training text
-        ids += tokenizer(d + "\n\n")["input_ids"]
-        if len(ids) >= max_tokens:
-            break
-    if len(ids) < 16:
-        raise UserError(f"{path} holds too little text to measure anything; give a longer file.")
-    return torch.tensor(ids[:max_tokens])
 
 
 def measure_locality(store: str, text_file: str | None = None, max_tokens: int | None = None,

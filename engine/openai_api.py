@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 ROLES = ("system", "user", "assistant")
 MAX_STOPS = 4  # as OpenAI allows
@@ -222,9 +222,8 @@ def moeferry_extra(stats) -> dict:
     extra = {"tokens_per_s": round(stats.tokens_per_s, 3),
              "cache_hit_rate": round(stats.cache_hits / lookups, 4) if lookups else None,
              "bytes_h2d": stats.bytes_h2d, "prefill_s": round(stats.prefill_s, 4),
-             "decode_s": round(stats.decode_s, 4), "reused_prompt_tokens": stats.reused_prompt_tokens}
-    if any(f.name == "cpu_experts" for f in fields(stats)):
-        extra["cpu_experts"] = stats.cpu_experts or 0
+             "decode_s": round(stats.decode_s, 4), "reused_prompt_tokens": stats.reused_prompt_tokens,
+             "cpu_expert_runs": stats.cpu_expert_runs, "misses_on_cpu": stats.misses_cpu}
     return extra
 
 

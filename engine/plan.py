@@ -199,7 +199,7 @@ class ModelSizes:
 def demo_store_path() -> Path | None:
     """The embedded demo model's store folder, if this install has one."""
     try:
-        from engine.demo import demo_store_path as find
+        from engine.paths import demo_store_path as find
         path = find()
     except Exception:  # noqa: BLE001 - no demo module or not built
         path = Path(__file__).resolve().parent.parent / "resources" / "demo"

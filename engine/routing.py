@@ -173,9 +173,35 @@ def stated_recall_guess(true: np.ndarray, num_experts: int, recall: float, m: in
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# Measures on expert indices (defined in engine/locality.py's docstring)
+
+
+def lru_hits(selected: np.ndarray, cache_size: int) -> int:
+    """Hits of a per-layer LRU cache of `cache_size` experts over tokens [T, k] (best first)."""
+    cache: list[int] = []  # most recently used first
+    hits = 0
+    for experts in selected.tolist():
+        hits += sum(e in cache for e in experts)
+        cache = (experts + [c for c in cache if c not in experts])[:cache_size]
+    return hits
+
+
+def lru_hit_ratio(selected: np.ndarray, cache_size: int) -> float:
+    """Mean over layers of the LRU hit ratio; selected is [L, T, k]."""
+    per_layer = [lru_hits(layer, cache_size) / layer.size for layer in selected]
+    return float(np.mean(per_layer))
+
+
+def prefetch_recall(guessed: np.ndarray, used: np.ndarray, m: int) -> float:
+    """Fraction of the used experts [N, k] found among the first m guesses [N, >= m]."""
+    guess = guessed[..., :m]
+    found = (used[..., :, None] == guess[..., None, :]).any(-1)  # [N, k]
+    return float(found.mean())
+
+
 def trace_recall(trace: RoutingTrace, d: int, m: int | None = None) -> float:
     """Share of the experts used at layer l+d found among the m (default k) guesses made at l."""
-    from engine.locality import prefetch_recall
     if d > trace.depth or d >= trace.num_layers:
         return 0.0
     return prefetch_recall(trace.guesses_at(d), trace.ids[d:], m or trace.top_k)
@@ -417,7 +443,6 @@ def mapped_trace(path: str, num_layers: int, num_experts: int, top_k: int, seed:
 def trace_stats(trace: RoutingTrace) -> dict:
     """A trace's own statistics: per-layer expert load, LRU hit ratio for 1..E cached, guess
     recall for 1..D layers ahead."""
-    from engine.locality import lru_hit_ratio
     E = trace.num_experts
     load = [np.bincount(layer.reshape(-1), minlength=E) / layer.size for layer in trace.ids]
     return {"tokens": trace.num_tokens, "layers": trace.num_layers, "num_experts": E,
@@ -449,6 +474,41 @@ def json_stats(s: dict) -> str:
 # Recording: `moeferry trace`
 
 TRACE_DEPTH, TRACE_GUESSES, TRACE_WINDOW = 3, 3, 512
+DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "training" / "data" / "heldout.txt"
+DEFAULT_MAX_TOKENS = 131072
+
+
+def text_path(text_file: str | None) -> Path:
+    """The text to measure on: text_file, else the demo corpus' held-out text; it must exist."""
+    path = Path(text_file).expanduser() if text_file else DEFAULT_TEXT
+    if not path.is_file():
+        if text_file:
+            raise UserError(f"{path} is not a file; give a UTF-8 text file with --text.")
+        raise UserError("The held-out text of the demo corpus (training/data/heldout.txt) is not "
+                        "installed; give a UTF-8 text file with --text.")
+    return path
+
+
+def load_text_ids(tokenizer, text_file: str | None, max_tokens: int | None = None) -> torch.Tensor:
+    """Token ids of the text (the demo's held-out text by default), at most max_tokens
+    (default DEFAULT_MAX_TOKENS)."""
+    max_tokens = max_tokens or DEFAULT_MAX_TOKENS
+    path = text_path(text_file)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text; give a UTF-8 text file with --text.") from None
+    docs = [d for d in text.split("\n\n") if d.strip()]
+    tokenizer.model_max_length = 1 << 30  # we window the text ourselves
+    ids: list[int] = []
+    for d in docs:  # plain paragraphs, each opened by <s> like the training text
+        ids += tokenizer(d + "\n\n")["input_ids"]
+        if len(ids) >= max_tokens:
+            break
+    if len(ids) < 16:
+        raise UserError(f"{path} holds too little text to measure anything; give a longer file.")
+    return torch.tensor(ids[:max_tokens])
+
 
 
 def record_trace(engine, ids: torch.Tensor, note: str, window: int = TRACE_WINDOW,
@@ -478,7 +538,6 @@ def cli_trace(store: str, text: str, out: str, max_tokens: int | None, device: s
               as_json: bool = False) -> int:
     """`moeferry trace STORE --text FILE --out PATH`: record and save a trace; print its statistics."""
     from engine.generate import load_engine
-    from engine.locality import load_text_ids, text_path
 
     text_path(text)  # before the slow part
     if max_tokens is not None and max_tokens < 16:

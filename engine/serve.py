@@ -46,9 +46,23 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from engine.errors import UserError
-from engine.openai_api import (SSE_DONE, ApiError, ApiRequest, StopMatcher, chunk_body, error_body, fold_system,
-                               model_body, models_body, moeferry_extra, new_id, parse_request, response_body, sse,
-                               usage_body)
+from engine.openai_api import (
+    SSE_DONE,
+    ApiError,
+    ApiRequest,
+    StopMatcher,
+    chunk_body,
+    error_body,
+    fold_system,
+    model_body,
+    models_body,
+    moeferry_extra,
+    new_id,
+    parse_request,
+    response_body,
+    sse,
+    usage_body,
+)
 
 log = logging.getLogger("moeferry.serve")
 MAX_BODY_BYTES = 1 << 20
@@ -148,7 +162,7 @@ def generate_reply(engine, job: Job, ids: list[int], max_new: int) -> str:
     tokens = engine.generate_ids(ids, sampling, job.cancel)
     finish, last = "", None
     try:
-        for last, piece in detokenize(engine.tokenizer, tokens):
+        for last, piece in detokenize(engine.tokenizer, tokens):  # noqa: B007 - `last` is read after the loop
             text, hit = stop.feed(piece)
             if text:
                 job.emit(("text", text))
@@ -422,7 +436,7 @@ def check_exposure(host: str, api_key: str | None, no_auth: bool) -> str:
 
 def cli_serve(args) -> int:
     """`moeferry serve STORE ...` until Ctrl+C."""
-    from engine.cli import ProgressLine
+    from engine.progress import ProgressLine
 
     if args.queue_size < 1 or not 0 <= args.port <= 65535:
         raise UserError("--queue-size must be 1 or more and --port between 0 (any free port) and 65535.")

@@ -196,7 +196,7 @@ class Store:
 
 def resolve_store_path(arg: str | Path) -> Path:
     if str(arg) == "demo":
-        from engine.demo import demo_store_path
+        from engine.paths import demo_store_path
         return demo_store_path()
     return Path(arg).expanduser()
 

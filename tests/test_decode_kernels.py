@@ -4,8 +4,8 @@ under TRITON_INTERPRET=1, in float32)."""
 import pytest
 import torch
 
+from benchmarks.kernel_bench import rel_err
 from engine import kernels
-from engine.kernel_bench import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not kernels.fused_available(),
                                                   reason="needs CUDA (or the Triton interpreter)")]

@@ -8,8 +8,7 @@ import types
 
 import pytest
 
-from engine import hardware
-from engine import plan as planner
+from engine import hardware, plan as planner
 from engine.plan import GiB
 
 

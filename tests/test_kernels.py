@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
+from benchmarks.kernel_bench import random_qmatrix, rel_err
 from engine import kernels as K
-from engine.kernel_bench import random_qmatrix, rel_err
 from engine.quant import QMatrix, dequantize
 
 FUSED_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: the Triton interpreter
@@ -209,6 +209,7 @@ def packed_expert_slots(hidden, ffn, bits, g, meta8, n_slots, device, seed=0):
     """Cache slots [n_slots, stride] holding random packed experts, as ExpertCache keeps them,
     and a function slot -> that slot's expert views {w1, w3, w2}."""
     from types import SimpleNamespace
+
     from engine import store
     cfg = SimpleNamespace(hidden_size=hidden, intermediate_size=ffn)
     quant = {"bits": bits, "group_size": g, "meta_group": 128, **({} if meta8 else {"meta_bits": 16})}
@@ -285,11 +286,13 @@ def test_moe_decode_mixtral_shape_is_deterministic(bits, g):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("rows,cols,bits,g", [(1024, 4096, 4, 64), (1024, 4096, 8, 64), (256, 512, 2, 16), (96, 200, 3, 32)])
+@pytest.mark.parametrize("rows,cols,bits,g",
+                         [(1024, 4096, 4, 64), (1024, 4096, 8, 64), (256, 512, 2, 16), (96, 200, 3, 32)])
 def test_gemv_pair_equals_two_gemvs(rows, cols, bits, g):
     a = random_qmatrix(rows, cols, bits, g, device="cuda", seed=1)
     b = random_qmatrix(rows, cols, bits, g, device="cuda", seed=2)
-    assert K.pair_supported(a, b) and not K.pair_supported(a, random_qmatrix(rows, cols, bits, g, meta8=False, device="cuda"))
+    other_meta = random_qmatrix(rows, cols, bits, g, meta8=False, device="cuda")
+    assert K.pair_supported(a, b) and not K.pair_supported(a, other_meta)
     x = torch.randn(1, cols, device="cuda", dtype=torch.bfloat16)
     want_a, want_b = K.qlinear(x, a, "fused"), K.qlinear(x, b, "fused")
     for _ in range(2):  # the split-K counters are reset for the next launch
@@ -343,9 +346,10 @@ def test_float32_activations_keep_the_float32_loop():
 
 
 @pytest.mark.gpu  # runs wherever Triton is (no GPU needed): the GPU machine, a developer's
-@pytest.mark.skipif(K.triton is None or K._interpreting(), reason="needs Triton, not its interpreter (compiles for sm_90 without a GPU)")
+@pytest.mark.skipif(K.triton is None or K._interpreting(),
+                    reason="needs Triton, not its interpreter (compiles for sm_90 without a GPU)")
 def test_packed_loop_needs_fewer_instructions_per_tile():
-    from engine.kernel_sass import compile_gemv, loop_report
+    from benchmarks.kernel_sass import compile_gemv, loop_report
     packed = loop_report(compile_gemv(14336, 4096, 2, packed=True))
     plain = loop_report(compile_gemv(14336, 4096, 2, packed=False))
     assert packed["opcodes"].get("HFMA2", 0) >= 64  # 128 weights per thread, two per HFMA2

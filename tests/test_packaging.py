@@ -212,7 +212,7 @@ def test_installer_script_agrees_with_pyproject_the_spec_and_the_app():
     assert "{autoprograms}" in text and "desktopicon" in text
     # The data folder the uninstaller offers to delete is the one the app writes to.
     folder = iss_define(text, "DataFolderName")
-    assert f'user_data_dir("{folder}"' in (ROOT / "app" / "paths.py").read_text()
+    assert f'user_data_dir("{folder}"' in (ROOT / "engine" / "paths.py").read_text()
     assert "{localappdata}\\{#DataFolderName}" in text
     assert "Box.Checked := False" in text and "DeleteUserData := Result and Box.Checked" in text
     # The icon is the one the spec renders into the bundle.

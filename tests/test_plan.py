@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine import plan as P
-from engine.plan import GiB, MIXTRAL_8X7B_CONFIG, ModelSizes, make_plan
+from engine.plan import MIXTRAL_8X7B_CONFIG, GiB, ModelSizes, make_plan
 
 CATALOG = Path(__file__).resolve().parents[1] / "resources" / "catalog.json"
 
@@ -330,7 +330,7 @@ def test_demo_entry_sizes_come_from_its_store(tmp_path, monkeypatch):
 
 def test_defaults_predict_moeferrys_own_benchmarks_within_30_percent():
     """The plan against `moeferry bench` on the GPU machine (docs/bench/, three budgets + none)."""
-    from engine.plan_check import compare
+    from benchmarks.plan_check import compare
     from tests.conftest import ROOT
     reports = [json.loads(p.read_text()) for p in sorted((ROOT / "docs" / "bench").glob("bench-2bit-*-p128.json"))]
     assert len(reports) >= 4
@@ -367,7 +367,7 @@ def test_the_plan_predicts_the_benchmarks_uniform_hit_rate():
 def test_the_plan_predicts_the_benchmarks_gpu_speed():
     """Predicted decode speed (make_plan, uniform routing, the report's link) within
     plan_check.TOLERANCE (30 %) of each GPU report's full/fused figure."""
-    from engine import plan_check as C
+    from benchmarks import plan_check as C
 
     gpu = [r for r in bench_reports() if r["device"] != "cpu"]
     if not gpu:

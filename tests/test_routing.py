@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from engine import bench, quant, routing
 from engine.errors import UserError
-from engine.locality import lru_hits
 from engine.model import rms_norm, rope_cos_sin
+from engine.routing import lru_hits
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "benchmarks" / "traces" / "demo-heldout.safetensors"
@@ -221,7 +221,7 @@ def test_a_bad_trace_file_is_one_sentence(tmp_path):
 
 def test_the_shipped_demo_trace_is_what_moeferry_trace_records():
     from engine.generate import load_engine
-    from engine.locality import load_text_ids
+    from engine.routing import load_text_ids
 
     shipped = routing.RoutingTrace.load(SHIPPED)
     assert SHIPPED.stat().st_size < 200_000

@@ -343,7 +343,7 @@ def samples(s: Section, page_title: str) -> list[dict]:
             q = pick(s.key, ["Tell me about {}.", "What does the Python documentation say about {}?",
                              "Explain {}.", "Can you describe {}?", "{}"]).format(topic)
         out.append(chat(q, first_paragraphs(body)))
-    for kind, name, text in s.entries:
+    for _kind, name, text in s.entries:
         name = name.strip("`")
         q = pick(s.key + name, ["What does `{}` do?", "How do I use `{}`?", "Explain `{}`.",
                                 "What is `{}`?"]).format(name)

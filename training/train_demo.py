@@ -8,7 +8,8 @@ training/data/tokens.npz and training/data/tokenizer/. Runs on CPU or CUDA (bf16
 
 With --steps the run is reproducible: the learning rate (warm-up, then cosine decay) depends
 only on the step, the batches only on --seed. Without it, training stops after --minutes and
-the decay follows the clock instead (a fallback for busy machines). Held-out loss is measured every --eval-every steps; the best model so far is saved
+the decay follows the clock instead (a fallback for busy machines). Held-out loss is measured
+every --eval-every steps; the best model so far is saved
 (bf16 safetensors + config + tokenizer files + train_log.json) into --out.
 """
 

@@ -11,8 +11,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from PySide6.QtGui import QColor, QFont, QTextBlock, QTextBlockFormat, QTextCharFormat, QTextCursor, QTextDocument, \
-    QTextFormat
+from PySide6.QtGui import (
+    QColor,
+    QFont,
+    QTextBlock,
+    QTextBlockFormat,
+    QTextCharFormat,
+    QTextCursor,
+    QTextDocument,
+    QTextFormat,
+)
 
 CODE_LANGUAGE = QTextFormat.Property.BlockCodeLanguage
 

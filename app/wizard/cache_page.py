@@ -5,10 +5,9 @@ from __future__ import annotations
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QFormLayout, QHBoxLayout, QLabel, QSlider, QSpinBox, QVBoxLayout, QWidget, QWizardPage
 
-from app.hardware_words import pick
 from app.stats_format import speed_words
+from engine.units import GiB
 
-GiB = 1024**3
 STEP_GB = 0.5
 
 
@@ -46,8 +45,8 @@ class CachePage(QWizardPage):
 
     def initializePage(self) -> None:
         hw = self.w.hw or {}
-        vram = pick(hw, "vram_bytes", "vram_total_bytes", "gpu_memory_bytes")
-        has_gpu = bool(pick(hw, "gpu_name", "gpu")) and bool(vram)
+        vram = hw.get("vram_total_bytes")
+        has_gpu = bool(hw.get("gpu_name")) and bool(vram)
         self.form_widget.setVisible(has_gpu)
         if not has_gpu:
             self.intro.setText("No NVIDIA GPU was found, so the model runs on the CPU, where everything is in "

@@ -6,11 +6,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from PySide6.QtCore import QTimer
-from PySide6.QtWidgets import (QButtonGroup, QCheckBox, QFileDialog, QFrame, QHBoxLayout, QLabel, QPushButton,
-                               QRadioButton, QScrollArea, QVBoxLayout, QWidget, QWizardPage)
+from PySide6.QtWidgets import (
+    QButtonGroup,
+    QCheckBox,
+    QFileDialog,
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QPushButton,
+    QRadioButton,
+    QScrollArea,
+    QVBoxLayout,
+    QWidget,
+    QWizardPage,
+)
 
 from app.catalog import QUALITY_TIP, CatalogEntry, folder_kind, quality_words
-from app.hardware_words import pick
 from app.install import InstallRequest
 from app.paths import downloads_dir, models_dir
 from app.stats_format import fmt_bytes, speed_words
@@ -54,7 +65,7 @@ def catalog_option(entry: CatalogEntry, plan, cached: Path | None, disk_free: in
     if quality:
         parts.append(quality)
     notes = []
-    if entry.raw and entry.raw.get("import"):
+    if entry.imports:
         notes.append("Ready-made: imported as it is, nothing to re-quantize.")
     elif entry.needs_convert:
         notes.append("Converted on this computer after the download (fast on a GPU, hours on a CPU).")
@@ -64,7 +75,7 @@ def catalog_option(entry: CatalogEntry, plan, cached: Path | None, disk_free: in
     if short_of_disk:
         notes.append(f"Not enough free disk space: it needs {fmt_bytes(entry.disk_bytes)}, "
                      f"{fmt_bytes(disk_free)} is free.")
-    recommended = has_gpu and bool(entry.raw and entry.raw.get("recommended_route")) and not short_of_disk
+    recommended = has_gpu and entry.recommended_route and not short_of_disk
     tooltip = "\n\n".join(t for t in (entry.description, QUALITY_TIP if quality else "") if t)
     return Option(entry.id, entry.name, " · ".join(parts), " ".join(notes), entry, enabled=not short_of_disk,
                   recommended=recommended, tooltip=tooltip)
@@ -78,7 +89,7 @@ def downloads_then_converts(option: Option | None, cached: Path | None) -> bool:
 def delete_download_hint(entry: CatalogEntry) -> str:
     """What deleting the download costs, for the checkbox under the model choices."""
     size = fmt_bytes(entry.download_bytes) if entry.download_bytes else "the download"
-    if entry.raw and entry.raw.get("import"):
+    if entry.imports:
         return (f"The download ({size}) is only imported: nothing else can be made from it, so it is deleted "
                 "once the imported model checks out.")
     return (f"Untick to keep the original weights ({size}) and convert other bit-widths later from "
@@ -178,7 +189,7 @@ class ModelPage(QWizardPage):
         w = self.w
         hw = w.hw or {}
         has_gpu = bool(w.verdict and w.verdict.has_gpu)
-        disk_free = pick(hw, "disk_free_bytes", "disk_free")
+        disk_free = hw.get("disk_free_bytes")
         models = [catalog_option(e, w.plans.get(e.id), w.hf_cache.get(e.id), disk_free, has_gpu)
                   for e in w.catalog if not e.embedded]
         demo = Option(
@@ -251,7 +262,7 @@ class ModelPage(QWizardPage):
         if option.key == "demo":
             return InstallRequest(source="demo", name="Demo model")
         tok = {"tokenizer_repo_id": option.entry.tokenizer_repo_id,
-               "importing": bool(option.entry.raw and option.entry.raw.get("import"))} if option.entry else {}
+               "importing": bool(option.entry.imports)} if option.entry else {}
         if option.key == "folder":
             if self.folder_kind == "store":
                 return InstallRequest(source="folder", name=self.folder.name, src_path=str(self.folder))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from enum import IntEnum
 from pathlib import Path
-
 from typing import Callable
 
 from PySide6.QtCore import Signal

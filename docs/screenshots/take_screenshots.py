@@ -228,9 +228,8 @@ def take_no_gpu(app, parts, theme: str) -> None:
     """The model page of a machine without a GPU, then the demo model's chat on the CPU."""
     from PySide6.QtWidgets import QWizard
 
-    from app.wizard.wizard import Page
-
     from app.setup_backend import real_fetch
+    from app.wizard.wizard import Page
 
     wizard = parts.window.wizard
     wizard.next()

@@ -1,4 +1,9 @@
-"""Fakes for the app's injected backends: an engine that streams words, a setup backend on tmp dirs."""
+"""Fakes for the app's injected backends: an engine that streams words, a setup backend on tmp dirs.
+
+FakeEngine implements engine.contract.EngineProtocol with the engine's own types (TokenPiece,
+GenerationStats, ExpertTrace) and nothing more the app could come to rely on;
+tests/app/test_engine_contract.py runs it and the real engine through the same checks.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +12,29 @@ import random
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
-from app.catalog import CatalogEntry
-from app.engine_backend import EngineBackend, LoadOptions, Sampling
+from app.engine_backend import EngineBackend, LoadOptions
 from app.setup_backend import PlanSummary, SetupBackend
-from engine.generate import ExpertTrace, GenerationStats
+from engine.catalog import CatalogEntry
+from engine.contract import ExpertTrace, GenerationStats, SamplingSettings, TokenPiece
+from engine.download import FetchProgress
 
 
-def default_reply(messages: list[dict], sampling) -> str:
+@dataclass
+class FakeConfig:
+    num_layers: int
+    num_experts: int
+    top_k: int
+
+
+@dataclass
+class FakeDevice:
+    type: str
+
+
+def default_reply(messages: list[dict], sampling: SamplingSettings) -> str:
     last = messages[-1]["content"] if messages else ""
     return (f"You said: {last}\n\nHere is some code:\n\n```python\nprint('hi')\n```\n\n"
             f"Temperature was {sampling.temperature}.")
@@ -26,17 +44,18 @@ class FakeEngine:
     def __init__(self, opts: LoadOptions, reply=default_reply, delay: float = 0.002, layers: int = 4,
                  experts: int = 8, top_k: int = 2, fail_with: Exception | None = None, device: str = "cuda"):
         self.opts = opts
-        self.device = device
+        self.device = FakeDevice(device)
         self.reply = reply
         self.delay = delay
         self.fail_with = fail_with
-        self.config = SimpleNamespace(num_layers=layers, num_experts=experts, top_k=top_k, hidden_size=64)
-        self.tokenizer = None
+        self.config = FakeConfig(layers, experts, top_k)
+        self.note = ""
+        self.max_context = 4096
         self.prefetch = opts.prefetch
         self.cache_experts = opts.cache_experts or 2
-        self.calls: list[tuple[list[dict], object]] = []
-        self.last_stats = None
-        self.last_trace = None
+        self.calls: list[tuple[list[dict], SamplingSettings]] = []
+        self.last_stats = GenerationStats()
+        self.last_trace = ExpertTrace(layers, experts)
         self.closed = False
         self.gate = threading.Event()   # tests may hold the stream half-way
         self.gate.set()
@@ -47,7 +66,7 @@ class FakeEngine:
     def set_cache_experts(self, k: int) -> None:
         self.cache_experts = k
 
-    def stream(self, messages, sampling, cancel=None):
+    def stream(self, messages, sampling: SamplingSettings, cancel=None):
         self.calls.append((messages, sampling))
         text = self.reply(messages, sampling)
         words = text.split(" ")
@@ -83,7 +102,7 @@ class FakeEngine:
             trace.selected.append(sel)
             trace.resident_before.append(res)
             time.sleep(self.delay)
-            yield SimpleNamespace(token_id=i, text=word if i == 0 else " " + word)
+            yield TokenPiece(token_id=i, text=word if i == 0 else " " + word)
         elapsed = max(time.monotonic() - start, 1e-6)
         n = len(trace.selected)
         self.last_trace = trace
@@ -120,7 +139,7 @@ class FakeEngineBackend:
         return self.engines[-1]
 
     def as_backend(self) -> EngineBackend:
-        return EngineBackend(load=self.load, make_sampling=lambda s: s)
+        return EngineBackend(load=self.load)
 
 
 def write_settings(folder: Path, **values) -> None:
@@ -166,7 +185,8 @@ def fake_setup_backend(tmp: Path, hw: dict | None = None, fetch=None, convert=No
         for i in range(1, 5):
             if cancel is not None and cancel.is_set():
                 raise RuntimeError("cancelled")
-            progress(SimpleNamespace(bytes_done=i * total // 4, bytes_total=total, rate=2e6, eta=(4 - i) * 0.5))
+            progress(FetchProgress("model.safetensors", i * total // 4, total, i * total // 4, total, 2e6,
+                                   (4 - i) * 0.5, i // 4, 1))
             time.sleep(0.01)
         if repo_id.endswith("-store"):
             return make_store(dest)

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
 
-from app.catalog import entry_from_dict, load_catalog
 from app.errors import Action, describe_error
 from app.expert_trace import Cell, summarize_trace
 from app.hardware_words import describe_hardware
 from app.install import InstallRequest, download_progress, run_install
 from app.setup_backend import PlanSummary
 from app.stats_format import fmt_duration, stats_items
-from engine.generate import ExpertTrace
+from engine.contract import ExpertTrace, GenerationStats
 from tests.app.fakes import NO_GPU, RTX_3060, fake_setup_backend
 
 
@@ -34,8 +32,8 @@ def test_errors_become_one_sentence_and_an_action():
 
 
 def test_stats_items_words():
-    stats = SimpleNamespace(tokens_per_s=2.31, first_token_s=0.8, cache_hits=60, cache_misses=40,
-                            prefetch_issued=50, prefetch_used=35, peak_vram_bytes=9.1 * 1024**3,
+    stats = GenerationStats(tokens_per_s=2.31, first_token_s=0.8, cache_hits=60, cache_misses=40,
+                            prefetch_issued=50, prefetch_used=35, peak_vram_bytes=int(9.1 * 1024**3),
                             vram_budget_bytes=11 * 1024**3, h2d_gb_per_s=21.44)
     words = [i.text for i in stats_items(stats)]
     assert words == ["2.3 tok/s", "first token 0.80 s", "cache hits 60%", "prefetch 70%",
@@ -66,16 +64,6 @@ def test_hardware_words():
     small = describe_hardware({"gpu_name": "GTX 1650", "vram_total_bytes": 4 * 1024**3, "pcie_gen": 3,
                                "pcie_width": 4})
     assert small.level == "poor" and any("slow link" in d for d in small.details)
-
-
-def test_the_real_catalog_reads():
-    entries = load_catalog()
-    assert entries, "resources/catalog.json"
-    paper = next(e for e in entries if "paper" in e.id)
-    assert paper.needs_convert, "the paper's checkpoint is imported after download"
-    assert paper.quality.startswith("WikiText2") and paper.download_bytes > 1e10
-    assert any(e.embedded for e in entries)
-    assert entry_from_dict({"id": "x", "quality": 4.2}).quality == "WikiText2 perplexity 4.2"
 
 
 def test_the_demo_model_is_offered_when_shipped():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 import threading
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from PySide6.QtCore import QPoint, QPointF, Qt
@@ -13,6 +12,7 @@ from PySide6.QtGui import QColor, QDesktopServices, QGuiApplication, QPalette, Q
 from PySide6.QtWidgets import QApplication
 
 from app.settings import Key
+from app.setup_backend import PlanSummary
 from app.theme import colors, contrast_ratio, palette_colors
 from app.wizard.wizard import Page
 from tests.app.fakes import NO_GPU, FakeEngineBackend, fake_setup_backend, write_settings
@@ -130,7 +130,7 @@ def test_theme_switch_keeps_the_title_and_status_bar_readable(ready, qtbot):
 
 def no_gpu_backend(tmp_path, disk_free=40_000_000_000):
     backend = fake_setup_backend(tmp_path, hw=dict(NO_GPU, disk_free_bytes=disk_free))
-    backend.plan = lambda hw, entry, budget, cache_experts=None: SimpleNamespace(
+    backend.plan = lambda hw, entry, budget, cache_experts=None: PlanSummary(
         cache_experts_per_layer=0, predicted_tokens_per_s=0.0046, verdict="Runs on the CPU.", hit_rate=1.0)
     backend.catalog = lambda: [replace_recommended(e) for e in fake_setup_backend(tmp_path).catalog()]
     return backend
@@ -139,7 +139,7 @@ def no_gpu_backend(tmp_path, disk_free=40_000_000_000):
 def replace_recommended(entry):
     from dataclasses import replace
 
-    return replace(entry, raw={"recommended_route": True}) if entry.id == "mixtral-2bit" else entry
+    return replace(entry, recommended_route=True) if entry.id == "mixtral-2bit" else entry
 
 
 def test_model_page_without_a_gpu(launch, qtbot, tmp_path):
@@ -415,8 +415,7 @@ def test_a_renamed_chat_shows_its_new_title_and_empty_chats_do_not_pile_up(ready
     assert len(empty) == 1 and ready.controller.current_id == empty[0].id
 
 
-def test_the_real_download_error_is_said_in_app_words(tmp_path, monkeypatch):
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+def test_the_real_download_error_is_said_in_app_words(tmp_path, hub_online):
     from app.errors import describe_error
     from engine.download import fetch_repo
 

@@ -212,7 +212,7 @@ def test_wizard_deletes_the_download_and_settings_say_the_source_is_gone(launch,
 def test_paper_checkpoint_is_deleted_by_default_with_its_reason(launch, qtbot, tmp_path, data_dir):
     backend = fake_setup_backend(tmp_path)
     paper = CatalogEntry(id="paper", name="Paper checkpoint", repo_id="tiny/paper", needs_convert=True,
-                         download_bytes=17_500_000_000, raw={"import": "paper-checkpoint"})
+                         download_bytes=17_500_000_000, imports="paper-checkpoint")
     backend = dataclasses.replace(backend, catalog=lambda: [paper])
     parts = launch(setup=backend)
     wizard = parts.window.wizard

@@ -5,12 +5,12 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 from PySide6.QtWidgets import QWizard
 
 from app.settings import Key
 from app.wizard.wizard import Page
+from engine.download import FetchProgress
 from tests.app.fakes import NO_GPU, fake_setup_backend
 
 
@@ -119,8 +119,8 @@ def slow_fetch_backend(tmp_path, gate: threading.Event):
         total = 1000
         for done in range(start, total + 1, 100):
             part.write_bytes(b"x" * done)
-            progress(SimpleNamespace(done=done, total=total, rate_bps=1000.0, eta_s=(total - done) / 1000,
-                                     file="model.safetensors", phase="download"))
+            progress(FetchProgress("model.safetensors", done, total, done, total, 1000.0, (total - done) / 1000,
+                                   0, 1))
             while done >= 500 and not gate.is_set() and not cancel.is_set():
                 time.sleep(0.01)
             if cancel.is_set():

@@ -12,7 +12,7 @@ report replayed one), and the same cost model at the hit rate the run measured, 
 the cost model alone; `refit` fits the coefficients with the measured hit rates. A report
 whose copies were paced (`--h2d-gbps`) is planned at the paced rate.
 
-    python -m engine.plan_check REPORT.json [REPORT.json ...] [--refit] [--with-paper]
+    python -m benchmarks.plan_check REPORT.json [REPORT.json ...] [--refit] [--with-paper]
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ def load_reports(paths: list[str]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine.plan_check",
+    p = argparse.ArgumentParser(prog="python -m benchmarks.plan_check",
                                 description="The plan's predictions against `moeferry bench --json` reports.")
     p.add_argument("reports", nargs="+", metavar="REPORT.json")
     p.add_argument("--mode", default="full", choices=("naive", "lru", "full"))

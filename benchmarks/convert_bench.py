@@ -1,4 +1,6 @@
-"""`moeferry bench convert`: how long converting Mixtral-8x7B takes, measured on L layers.
+"""How long converting Mixtral-8x7B takes, measured on L layers.
+
+    python -m benchmarks.convert_bench [--layers 4] [--device cuda] [--workdir DIR] [--json]
 
 A random-weight checkpoint of Mixtral-8x7B's shapes, cut to `layers` layers, is written in
 Hugging Face's layout (bf16 safetensors shards with an index, per-expert keys, config.json,
@@ -246,7 +248,7 @@ def convert_in_child(src: Path, dest: Path, expert_bits: int, attn_bits: int, de
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     args = json.dumps({"src": str(src), "dest": str(dest), "expert_bits": expert_bits,
                        "attn_bits": attn_bits, "device": device})
-    proc = subprocess.run([sys.executable, "-m", "engine.convert_bench", "--child", args],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.convert_bench", "--child", args],
                           stdout=subprocess.PIPE, text=True, env=env)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
@@ -342,7 +344,7 @@ def bench_convert(layers: int, workdir: Path, expert_bits: int = 2, attn_bits: i
 
 
 def summary(r: dict) -> str:
-    from engine.generate import fmt_bytes
+    from engine.units import fmt_bytes
 
     gb = lambda n: "n/a" if n is None else fmt_bytes(n)  # noqa: E731
     t32 = r["extrapolated_32_layers_s"]
@@ -355,7 +357,8 @@ def summary(r: dict) -> str:
         f"  checkpoint     {gb(r['checkpoint_bytes'])} in {r['checkpoint_shards']} shards "
         f"({made}; read {read})",
         f"  total          {r['convert_s']:.1f} s = fixed {r['fixed_s']:.1f} "
-        f"+ attention {r['attention_s']:.1f} + experts {r['experts_s']:.1f} + manifest/verify/install {r['finish_s']:.1f}",
+        f"+ attention {r['attention_s']:.1f} + experts {r['experts_s']:.1f} "
+        f"+ manifest/verify/install {r['finish_s']:.1f}",
         f"  per expert     {r['s_per_expert_matrix']:.3f} s per matrix ({r['expert_matrices']} matrices)",
         f"  peak memory    host RSS +{gb(r['peak_rss_growth_bytes'])} over {gb(r['rss_baseline_bytes'])}, "
         f"VRAM {gb(r['peak_vram_bytes'])}",
@@ -364,8 +367,8 @@ def summary(r: dict) -> str:
         f"  32 layers      {r['extrapolation']} ({t32 / 60:.1f} min)"])
 
 
-def cli_bench_convert(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="moeferry bench convert",
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.convert_bench",
                                 description="Time converting a random Mixtral-8x7B-shaped checkpoint.")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--expert-bits", type=int, default=2, choices=(2, 3, 4, 16))
@@ -381,10 +384,13 @@ def cli_bench_convert(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    temp = None if a.workdir else tempfile.mkdtemp(prefix="moeferry-bench-convert-")
+    temp = None if a.workdir else tempfile.mkdtemp(prefix="moeferry-convert-bench-")
     try:
         r = bench_convert(a.layers, Path(a.workdir or temp), a.expert_bits, a.attn_bits, a.device,
                           a.hidden, a.ffn, a.experts, a.vocab, keep_store=a.keep_store and not temp, log=log)
+    except UserError as e:
+        print(f"convert_bench: {e}", file=sys.stderr)
+        return e.exit_code
     finally:
         if temp:
             shutil.rmtree(temp, ignore_errors=True)
@@ -395,4 +401,4 @@ def cli_bench_convert(argv: list[str]) -> int:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         sys.exit(_child_main(sys.argv[2]))
-    sys.exit(cli_bench_convert(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))

@@ -1,6 +1,6 @@
 """Instruction count of the decode GEMV's inner loop, without a GPU.
 
-    python -m engine.kernel_sass [--bits 2] [--shape 14336x4096] [--float32-loop] [--fp16-meta]
+    python -m benchmarks.kernel_sass [--bits 2] [--shape 14336x4096] [--float32-loop] [--fp16-meta]
 
 Compiles engine.kernels' `_gemv_kernel` for sm_90 with the launch constants `gemv` would use
 for that matrix and bf16 activations (Triton's bundled ptxas), reads the SASS with Triton's cuobjdump and prints the
@@ -20,8 +20,8 @@ import tempfile
 
 import torch
 
-from . import kernels as K
-from .kernel_bench import SPECS, random_qmatrix
+from benchmarks.kernel_bench import SPECS, random_qmatrix
+from engine import kernels as K
 
 _TYPES = {torch.uint8: "*u8", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32",
           torch.int32: "*i32"}

@@ -2,7 +2,7 @@
 replayed alone (GPU time per replay, median of 3 x 50), on the synthetic full-size Mixtral
 with every expert resident. Only decode_graphs' fused path (the CUDA default) is profiled.
 
-    python -m engine.profile_decode [--layers 32] [--expert-bits 2] [--json FILE]
+    python -m benchmarks.profile_decode [--layers 32] [--expert-bits 2] [--json FILE]
 
 The sum of the pieces against one whole-token graph tells what the pieces' boundaries cost.
 """
@@ -16,9 +16,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from engine import bench
-from engine import decode_kernels as dk
-from engine import kernels
+from engine import bench, decode_kernels as dk, kernels
 from engine.expert_cache import ExpertCache
 from engine.model import OffloadedMixtral
 

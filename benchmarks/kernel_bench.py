@@ -1,6 +1,6 @@
 """Correctness check and timing of the fused kernels (engine/kernels.py), per shape and width.
 
-    python -m engine.kernel_bench [--quick] [--check-only] [--gemlite] [--json FILE]
+    python -m benchmarks.kernel_bench [--quick] [--check-only] [--gemlite] [--json FILE]
 
 On a CUDA machine: checks every kernel against quant.dequantize on fresh random matrices
 (all widths, both metadata kinds, tiny and real shapes, T = 1, 8, 128; outputs poisoned with
@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from . import kernels as K
-from .quant import ATTN_SPECS, EXPERT_SPECS as QUANT_SPECS, QMatrix, dequantize, meta_groups, pack_codes
+from engine import kernels as K
+from engine.quant import ATTN_SPECS, EXPERT_SPECS as QUANT_SPECS, QMatrix, dequantize, meta_groups, pack_codes
 
 # Mixtral-8x7B matrices: expert w1/w3 (and w2, the down projection), attention q/o and k/v.
 SHAPES = {"w1 14336x4096": (14336, 4096), "w2 4096x14336": (4096, 14336),
@@ -223,7 +223,8 @@ def bench(R: Runner, quick: bool = False, sweep_all: bool = True, log=print,
             if best is not None:
                 r = dict(kind="gemv", shape=name, bits=bits, g=g, meta="8bit" if meta8 else "fp16",
                          us=best[0], GBps=nbytes / best[0] / 1e3, MB=nbytes / 1e6, cfg=best[1],
-                         default_us=us_default if us_default is not None else float("nan"), target_us=TARGET_US.get(bits) if expert else None)
+                         default_us=us_default if us_default is not None else float("nan"),
+                         target_us=TARGET_US.get(bits) if expert else None)
                 # host cost of one qlinear call (Python + launch), the GPU never the bottleneck
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
@@ -237,7 +238,7 @@ def bench(R: Runner, quick: bool = False, sweep_all: bool = True, log=print,
                     f"best cfg {best[1]}")
             if meta8 and expert and prefill_too:
                 results += prefill(R, name, qms, bits, g, sms, n_rot, sweep_all, log)
-            del qms
+            qms = None  # frees the matrices before the next width
     return results
 
 
@@ -277,7 +278,7 @@ def prefill(R, name, qms, bits, g, sms, n_rot, sweep, log) -> list[dict]:
         err = rel_err(yt[0], K.qlinear(xt[0], qms[0], "reference"))
         wd = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
         t_dense = R.time(lambda: torch.matmul(xt[0], wd.T, out=yt[0]))
-        del wd
+        wd = None
         default_us = float("nan") if default_us is None else default_us
         r = dict(kind="prefill", shape=name, bits=bits, T=T, gemm_us=best[0], gemm_default_us=default_us,
                  gemm_cfg=best[1], dequant_cublas_us=t_dq, dequant_only_us=t_dq_only, dense_bf16_us=t_dense,
@@ -329,7 +330,7 @@ def variance(reps: int = 4, log=print) -> list[dict]:
             out.append(r)
             log(f"{rep} {name} {bits}-bit: {us[0]:.1f} / {us[1]:.1f} us, SM {mhz} MHz, "
                 f"plane at {r['plane_mb_offset']:.1f} MiB mod 1 GiB")
-            del qm
+            qm = None
     return out
 
 
@@ -371,7 +372,7 @@ def moe_timing(log=print, sweep: bool = False) -> list[dict]:
             f"({r['GBps']:.0f} GB/s); 6 single GEMVs {single:.1f} us")
         if sweep and bits in (2, 3):
             out += moe_sweep(bits, h, views, stride, ids, weights, table, y, log)
-        del slots, views
+        slots = views = None
     return out
 
 

@@ -1,4 +1,4 @@
-"""engine/plan_check.py: the plan against `moeferry bench --json` reports (synthetic ones here)."""
+"""benchmarks/plan_check.py: the plan against `moeferry bench --json` reports (synthetic ones here)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from dataclasses import replace
 
 import pytest
 
+from benchmarks import plan_check as C
 from engine import plan as P
-from engine import plan_check as C
+from engine.units import GiB
 
-GiB = 2**30
 EXPERT_2BIT = 66_748_416
 
 

@@ -1,4 +1,4 @@
-"""engine/convert_bench.py: the conversion benchmark, on the CPU with tiny shapes."""
+"""benchmarks/convert_bench.py: the conversion benchmark, on the CPU with tiny shapes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from engine import convert_bench as CB
+from benchmarks import convert_bench as CB
 from engine.errors import UserError
 from engine.store import verify_store
 from tests.conftest import run_cli
@@ -106,11 +106,10 @@ def test_refuses_when_the_disk_is_too_small(tmp_path, monkeypatch):
 
 
 def test_cli(tmp_path, capsys):
-    from engine.cli import main
-    argv = ["bench", "convert", "--layers", "1", "--hidden", "64", "--ffn", "128", "--vocab", "96",
+    argv = ["--layers", "1", "--hidden", "64", "--ffn", "128", "--vocab", "96",
             "--device", "cpu", "--workdir", str(tmp_path), "--json"]
-    assert main(argv) == 0
+    assert CB.main(argv) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["layers"] == 1 and r["store_verified"] and r["expert_matrices"] == 24
-    assert main(["bench", "convert", "--layers", "0", "--device", "cpu"]) == 2
+    assert CB.main(["--layers", "0", "--device", "cpu"]) == 2
     assert "--layers must be 1 or more" in capsys.readouterr().err
