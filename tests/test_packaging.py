@@ -293,3 +293,47 @@ def test_install_and_uninstall_keep_user_data_unless_asked(tmp_path):
     run("bash", stage / "install.sh", "--prefix", prefix)
     assert "Deleted" in run(app / "uninstall.sh", "--delete-user-data")
     assert not data.exists()
+
+
+@posix_only
+@pytest.mark.parametrize("where", ["elsewhere", "link"])
+def test_delete_user_data_deletes_only_the_apps_own_folder(tmp_path, where):
+    stage = fake_tarball(tmp_path / "tar")
+    prefix = tmp_path / "prefix"
+    precious = tmp_path / "home" / "Documents"
+    precious.mkdir(parents=True)
+    (precious / "thesis.txt").write_text("years of work")
+    env = dict(os.environ, XDG_DATA_HOME=str(tmp_path / "xdg"), HOME=str(tmp_path / "home"))
+    env.pop("MOEFERRY_DATA_DIR", None)
+    if where == "elsewhere":
+        env["MOEFERRY_DATA_DIR"] = str(precious)
+    else:  # the default folder is a link to somewhere else
+        (tmp_path / "xdg").mkdir()
+        (tmp_path / "xdg" / "moeferry").symlink_to(precious)
+    subprocess.run(["bash", str(stage / "install.sh"), "--prefix", str(prefix)], env=env, check=True,
+                   capture_output=True, timeout=60)
+    app = prefix / "lib" / "moeferry"
+    out = subprocess.run([str(app / "uninstall.sh"), "--delete-user-data"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    [sentence] = out.stderr.strip().splitlines()
+    assert sentence.startswith("uninstall.sh: ") and "nothing was removed" in sentence
+    assert (precious / "thesis.txt").read_text() == "years of work"
+    assert (app / "moeferry").is_file()  # refused before anything was removed
+
+
+@posix_only
+def test_delete_user_data_accepts_the_default_folder_named_explicitly(tmp_path):
+    stage = fake_tarball(tmp_path / "tar")
+    prefix = tmp_path / "prefix"
+    data = tmp_path / "xdg" / "moeferry"
+    data.mkdir(parents=True)
+    (data / "settings.json").write_text("{}")
+    env = dict(os.environ, XDG_DATA_HOME=str(tmp_path / "xdg"), HOME=str(tmp_path / "home"),
+               MOEFERRY_DATA_DIR=str(tmp_path / "xdg" / "." / "moeferry"))
+    subprocess.run(["bash", str(stage / "install.sh"), "--prefix", str(prefix)], env=env, check=True,
+                   capture_output=True, timeout=60)
+    out = subprocess.run([str(prefix / "lib" / "moeferry" / "uninstall.sh"), "--delete-user-data"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert not data.exists() and "Deleted" in out.stdout
