@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -147,7 +147,7 @@ def penalize(logits: torch.Tensor, s: SamplingSettings, context: list[int]) -> t
 
 
 def sample(logits: torch.Tensor, s: SamplingSettings, gen: torch.Generator | None,
-           context: list[int] = ()) -> int:
+           context: Sequence[int] = ()) -> int:
     """logits [vocab] float32 -> token id. temperature 0 = greedy. context: the tokens so far."""
     logits = penalize(logits, s, list(context))
     if s.temperature <= 0:

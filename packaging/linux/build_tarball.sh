@@ -8,7 +8,8 @@
 # packaging/README.md says which torch build to install first: the tarball ships whichever is
 # installed). Outputs go to DIR (default: build/linux in the repository, ignored by git):
 #   DIR/dist/moeferry/                                      the app folder (moeferry + _internal/)
-#   DIR/moeferry-<version>-linux-<arch>.tar.gz              what users download
+#   DIR/moeferry-<version>-linux-<arch>.tar.gz              what users download (a CPU-only
+#                                                           torch build: ...-<arch>-cpu.tar.gz)
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -30,10 +31,13 @@ OUT=$(cd "$OUT" && pwd)
 VERSION=$(sed -n 's/^version *= *"\([^"]*\)".*/\1/p' "$ROOT/pyproject.toml" | head -n 1)
 [ -n "$VERSION" ] || { echo "build_tarball.sh: no version in pyproject.toml" >&2; exit 1; }
 ARCH=$(uname -m)
-NAME="moeferry-$VERSION-linux-$ARCH"
-echo "MoE Ferry $VERSION ($ARCH)"
 "$PY" -c "import torch, PyInstaller; print('torch', torch.__version__, '| CUDA', torch.version.cuda, '| PyInstaller', PyInstaller.__version__)" \
     || { echo "build_tarball.sh: $PY lacks torch or PyInstaller: see packaging/README.md" >&2; exit 1; }
+# A CPU-only build says so in its name: it cannot run Mixtral, only the demo model.
+CUDA=$("$PY" -c "import torch; print(torch.version.cuda or '')")
+NAME="moeferry-$VERSION-linux-$ARCH"
+[ -n "$CUDA" ] || NAME="$NAME-cpu"
+echo "MoE Ferry $VERSION ($ARCH, ${CUDA:+CUDA $CUDA}${CUDA:-CPU only})"
 
 # 1. The one-folder app.
 (cd "$ROOT" && "$PY" -m PyInstaller --noconfirm --clean --distpath "$OUT/dist" --workpath "$OUT/work" \
