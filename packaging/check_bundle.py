@@ -9,6 +9,8 @@ It prints, and exits 1 when a limit is broken:
   Python packages; .dll instead of .so).
 - the newest glibc symbol version any ELF file of the folder needs: the oldest glibc, and
   so the oldest Linux distribution, the app runs on.
+- libraries whose RPATH/RUNPATH names a folder other than $ORIGIN-relative ones (a path of the
+  build machine; build_tarball.sh removes them), through binutils' readelf;
 - files that contain a build-machine path given with --leak (the build or venv folder).
 - the folder's size, and the largest top-level parts.
 """
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -55,6 +59,20 @@ def glibc_needed(folder: Path) -> tuple[str | None, str | None]:
     return best, where
 
 
+def absolute_rpaths(folder: Path) -> list[str]:
+    """'file: entry' for each RPATH/RUNPATH entry of an ELF file that is not $ORIGIN-relative."""
+    if shutil.which("readelf") is None:
+        return []
+    out = []
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and not p.is_symlink() and is_elf(p):
+            dyn = subprocess.run(["readelf", "-d", str(p)], capture_output=True, text=True).stdout
+            for paths in re.findall(r"\((?:RPATH|RUNPATH)\).*\[(.*)\]", dyn):
+                out += [f"{p.relative_to(folder)}: {e}" for e in paths.split(":")
+                        if e and not e.startswith("$ORIGIN")]
+    return out
+
+
 def files_containing(folder: Path, needles: list[str]) -> list[str]:
     if not needles:
         return []
@@ -88,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"check_bundle: the folder needs glibc {glibc}, newer than {a.max_glibc}; build it on an "
               f"older distribution (packaging/README.md).", file=sys.stderr)
         failed = True
+    rpaths = absolute_rpaths(a.folder)
+    print(f"rpaths        {len(rpaths)} absolute RPATH/RUNPATH entries" + "".join(f"\n              {x}" for x in rpaths[:5]))
+    failed |= bool(rpaths)
     leaks = files_containing(a.folder, a.leak)
     print(f"build paths   {len(leaks)} file(s) contain {', '.join(a.leak) or '(none given)'}"
           + "".join(f"\n              {x}" for x in leaks[:10]))

@@ -19,7 +19,13 @@ import pytest
 import torch
 
 from engine import cli
-from engine.generate import SamplingSettings, load_engine, penalize, sample, store_sampling_defaults
+from engine.generate import (
+    SamplingSettings,
+    load_engine,
+    penalize,
+    sample,
+    store_sampling_defaults,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 README_PROMPT = "How do I read a file in Python?"
@@ -189,7 +195,7 @@ def test_sigint_during_generation_exits_130():
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = p.stdout.read(1)  # the first streamed piece: generation is under way
     p.send_signal(signal.SIGINT)
-    rest, err = p.communicate(timeout=60)
+    _, err = p.communicate(timeout=60)
     assert first and p.returncode == 130
     assert "[interrupted after " in err and "Traceback" not in err
 
@@ -208,7 +214,7 @@ def options_without_help(help_text: str) -> list[str]:
     missing = []
     for i, line in enumerate(lines):
         m = re.match(r"^  (\S.*?)(?:\s{2,}(\S.*))?$", line)
-        if not m or line.startswith("usage") or line.startswith("   "):
+        if not m or line.startswith(("usage", "   ")):
             continue
         nxt = lines[i + 1] if i + 1 < len(lines) else ""
         if not m.group(2) and not re.match(r"^\s{4,}\S", nxt):

