@@ -33,3 +33,24 @@ def move_aside(path: Path) -> Path:
         n += 1
     os.replace(path, target)
     return target
+
+
+DEMO_STORE = "demo"  # the engine's name for the embedded demo store, wherever the app lives
+
+
+def portable_store_path(path: str) -> str:
+    """A store path as the settings keep it: the embedded demo store as "demo".
+
+    The demo lives inside the app folder, so an absolute path to it breaks when the app is
+    reinstalled elsewhere. Older versions stored one: a path to this app's demo, or one ending
+    in resources/demo that is no longer there (an earlier install's), becomes "demo".
+    """
+    if not path or path == DEMO_STORE:
+        return path
+    p = Path(path)
+    try:
+        if p.resolve() == (resources_dir() / DEMO_STORE).resolve():
+            return DEMO_STORE
+    except OSError:
+        return path
+    return DEMO_STORE if p.parts[-2:] == ("resources", DEMO_STORE) and not p.exists() else path

@@ -18,7 +18,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from app.paths import move_aside
+from app.paths import move_aside, portable_store_path
 
 log = logging.getLogger(__name__)
 SETTINGS_FILE = "settings.json"
@@ -113,6 +113,11 @@ def coerce(key: Key, value: Any) -> Any:
         return default
     if key in _CHOICES and out not in _CHOICES[key]:
         return default
+    if key == Key.STORE_PATH:
+        out = portable_store_path(out)
+    if key == Key.INSTALLED:  # the demo under its portable name, each path once (the last wins)
+        out = list({e.get("path"): e for e in
+                    ({**e, "path": portable_store_path(str(e.get("path") or ""))} for e in out)}.values())
     if key in _RANGES:
         lo, hi = _RANGES[key]
         out = min(max(out, lo), hi)

@@ -370,18 +370,18 @@ def summary(r: dict) -> str:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.convert_bench",
                                 description="Time converting a random Mixtral-8x7B-shaped checkpoint.")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--expert-bits", type=int, default=2, choices=(2, 3, 4, 16))
-    p.add_argument("--attn-bits", type=int, default=4, choices=(4, 8, 16))
-    p.add_argument("--device", default="cuda", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--layers", type=int, default=4, help="layers to convert (the time is extrapolated to 32)")
+    p.add_argument("--expert-bits", type=int, default=2, choices=(2, 3, 4, 16), help="bits per expert weight")
+    p.add_argument("--attn-bits", type=int, default=4, choices=(4, 8, 16), help="bits per attention weight")
+    p.add_argument("--device", default="cuda", choices=("auto", "cpu", "cuda"), help="where to quantize")
     p.add_argument("--workdir", help="where the checkpoint (kept for reuse) and store go; "
                                      "default: a temporary folder, removed afterwards")
-    p.add_argument("--keep-store", action="store_true")
+    p.add_argument("--keep-store", action="store_true", help="keep the converted store in --workdir")
     p.add_argument("--hidden", type=int, default=4096, help="smaller shapes, for a quick try")
-    p.add_argument("--ffn", type=int, default=14336)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--ffn", type=int, default=14336, help="expert hidden size (Mixtral: 14336)")
+    p.add_argument("--experts", type=int, default=8, help="experts per layer (Mixtral: 8)")
+    p.add_argument("--vocab", type=int, default=32000, help="vocabulary size (Mixtral: 32000)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     a = p.parse_args(argv)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     temp = None if a.workdir else tempfile.mkdtemp(prefix="moeferry-convert-bench-")

@@ -452,13 +452,13 @@ def cli_bench(argv: list[str]) -> int:
     p.add_argument("--layers", type=int, default=None, help="the model's first N layers (default: all)")
     p.add_argument("--vram-budget", default="12GiB",
                    help="e.g. 12GiB (RTX 3060), 16GiB, none; several, comma-separated, share one build")
-    p.add_argument("--expert-bits", type=int, default=2, choices=(2, 3, 4))
-    p.add_argument("--attn-bits", type=int, default=4, choices=(4, 8))
+    p.add_argument("--expert-bits", type=int, default=2, choices=(2, 3, 4), help="bits per expert weight")
+    p.add_argument("--attn-bits", type=int, default=4, choices=(4, 8), help="bits per attention weight")
     p.add_argument("--prompt-len", default="128", help="one or several, comma-separated")
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per measurement")
     p.add_argument("--modes", default="naive,lru,full", help="naive, lru, full, hybrid (full + CPU experts)")
-    p.add_argument("--kernels", default="reference,fused")
-    p.add_argument("--prefetch", type=int, default=1)
+    p.add_argument("--kernels", default="reference,fused", help="comma-separated: reference, fused")
+    p.add_argument("--prefetch", type=int, default=1, help="layers ahead to prefetch experts (0 = off)")
     p.add_argument("--routing", default="uniform",
                    help="uniform (default: top-k drawn uniformly, no locality), trace:PATH (replay a trace "
                         "of `moeferry trace`, mapped onto this model), model (the random router: degenerate)")

@@ -12,57 +12,49 @@ import argparse
 import json
 import os
 import sys
-import threading
 
 from engine.errors import UserError
 from engine.progress import ProgressLine
 
 
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("moeferry")
+    except PackageNotFoundError:
+        return "(not installed: run `pip install -e .` in the source folder)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moeferry", description="Chat with Mixtral-8x7B on a gaming GPU.")
+    p.add_argument("--version", action="version", version=f"moeferry {package_version()}",
+                   help="print the version and exit")
     sub = p.add_subparsers(dest="command")
 
     s = sub.add_parser("probe", help="GPU/CPU/RAM/disk report and the recommended plan")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
 
     s = sub.add_parser("fetch", help="download a Hugging Face repo (resumable, verified)")
-    s.add_argument("repo_id")
-    s.add_argument("dest")
-    s.add_argument("--revision")
-    s.add_argument("--endpoint")
+    s.add_argument("repo_id", help="the repo, e.g. mistralai/Mixtral-8x7B-Instruct-v0.1")
+    s.add_argument("dest", help="the folder to download into (created)")
+    s.add_argument("--revision", help="a branch, tag or commit (default: main)")
+    s.add_argument("--endpoint", help="another hub's address (default: $HF_ENDPOINT or huggingface.co)")
 
     s = sub.add_parser("convert", help="Hugging Face Mixtral checkpoint -> MoE Ferry store")
-    s.add_argument("src")
-    s.add_argument("dest")
-    s.add_argument("--expert-bits", type=int, choices=(2, 3, 4, 16))
-    s.add_argument("--attn-bits", type=int, choices=(4, 8, 16))
-    s.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    s.add_argument("src", help="a Mixtral checkpoint folder (Hugging Face or the paper's format)")
+    s.add_argument("dest", help="the store folder to write (must not exist)")
+    s.add_argument("--expert-bits", type=int, choices=(2, 3, 4, 16),
+                   help="bits per expert weight (16 keeps the source precision)")
+    s.add_argument("--attn-bits", type=int, choices=(4, 8, 16),
+                   help="bits per attention weight (16 keeps the source precision)")
+    s.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="where to quantize (default: the GPU if there is one)")
     s.add_argument("--tokenizer", help="folder (or cached repo) to take the tokenizer files from")
 
     s = sub.add_parser("verify", help="re-hash every file of a store against its manifest")
-    s.add_argument("store")
+    s.add_argument("store", help="a store folder or `demo`")
 
-    s = sub.add_parser("generate", help="generate text from a prompt")
-    s.add_argument("store")
-    s.add_argument("--prompt", required=True)
-    s.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    s.add_argument("--max-new-tokens", type=int, default=128)
-    s.add_argument("--temperature", type=float, default=0.0)
-    s.add_argument("--top-p", type=float, default=0.9)
-    s.add_argument("--seed", type=int)
-    s.add_argument("--device", default="auto")
-    s.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
-    s.add_argument("--cache-experts", type=int)
-    s.add_argument("--vram-budget")
-    s.add_argument("--prefetch", type=int, default=1)
-    s.add_argument("--kernels", default="auto", choices=("auto", "reference", "fused"))
-    s.add_argument("--cpu-experts", default="off", choices=("auto", "off", "all"),
-                   help="compute missed experts on the CPU too: off, all of them, or auto (a cost model)")
-    s.add_argument("--cpu-format", choices=("int4", "int8", "dense"),
-                   help="the CPU copies of the experts (default int4)")
-    s.add_argument("--cpu-threads", type=int, help="threads of the CPU experts (default: torch's)")
-    s.add_argument("--ram-budget", help="RAM for the CPU copies, e.g. 24GiB (default: all experts)")
-    s.add_argument("--json", action="store_true")
+    add_generate_parser(sub)
 
     s = sub.add_parser("serve", help="serve the model with a local OpenAI-compatible API")
     s.add_argument("store")
@@ -95,6 +87,42 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 PASS_THROUGH = ("bench", "demo")
+
+
+def add_generate_parser(sub) -> None:
+    s = sub.add_parser("generate", help="generate text from a prompt")
+    s.add_argument("store", help="a store folder or `demo`")
+    s.add_argument("--prompt", required=True, help="the text to continue, or with --chat the message")
+    s.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    s.add_argument("--max-new-tokens", type=int, default=128,
+                   help="stop after this many tokens (default 128; cut to what the context leaves)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default); e.g. 0.7")
+    s.add_argument("--top-p", type=float, default=0.9,
+                   help="sample from the smallest set of tokens this likely (default 0.9)")
+    s.add_argument("--seed", type=int, help="random seed for sampling (repeatable output)")
+    s.add_argument("--repeat-penalty", type=float,
+                   help="as llama.cpp's: >1 makes recent tokens less likely (1.0 = off; "
+                        "default: the model's generation_config.json, else 1.0)")
+    s.add_argument("--repeat-last-n", type=int, default=64,
+                   help="how many recent tokens --repeat-penalty looks at (default 64; -1 = all)")
+    s.add_argument("--no-repeat-ngram", type=int, metavar="N",
+                   help="never repeat a sequence of N tokens already in the context (0 = off; "
+                        "default: the model's generation_config.json, else 0)")
+    s.add_argument("--device", default="auto", help="auto (the default), cpu or cuda")
+    s.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="compute dtype (default: bfloat16 on the GPU, float32 on the CPU)")
+    s.add_argument("--cache-experts", type=int, help="experts kept on the GPU per layer (default: from the budget)")
+    s.add_argument("--vram-budget", help="GPU memory to use, e.g. 12GiB (default: what is free)")
+    s.add_argument("--prefetch", type=int, default=1, help="layers ahead to guess and copy experts (0 = off)")
+    s.add_argument("--kernels", default="auto", choices=("auto", "reference", "fused"),
+                   help="fused = the Triton GPU kernels; reference = dequantize then matmul")
+    s.add_argument("--cpu-experts", default="off", choices=("auto", "off", "all"),
+                   help="compute missed experts on the CPU too: off, all of them, or auto (a cost model)")
+    s.add_argument("--cpu-format", choices=("int4", "int8", "dense"),
+                   help="the CPU copies of the experts (default int4)")
+    s.add_argument("--cpu-threads", type=int, help="threads of the CPU experts (default: torch's)")
+    s.add_argument("--ram-budget", help="RAM for the CPU copies, e.g. 24GiB (default: what is available)")
+    s.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, stats")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,18 +214,6 @@ def cmd_verify(args) -> int:
     return 0
 
 
-MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 100.0
-
-
-def check_sampling(temperature: float, top_p: float) -> None:
-    """NaN, infinities and temperatures too small to divide by are refused (0 means greedy)."""
-    if not (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
-        raise UserError(f"--temperature must be 0 (greedy) or a number from {MIN_TEMPERATURE:g} to "
-                        f"{MAX_TEMPERATURE:g}, not {temperature}.")
-    if not 0 < top_p <= 1:
-        raise UserError(f"--top-p must be a number above 0 and at most 1, not {top_p}.")
-
-
 def check_text(text: str, flag: str) -> None:
     """Command-line text that is not valid UTF-8 arrives with lone surrogates: refuse it."""
     try:
@@ -208,10 +224,13 @@ def check_text(text: str, flag: str) -> None:
 
 
 def cmd_generate(args) -> int:
-    from engine.generate import SamplingSettings, load_engine
+    """Exit 0, or 130 when Ctrl-C stopped the reply (what came so far is printed)."""
+    from engine.generate import SamplingSettings, check_sampling, load_engine
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be 1 or more.")
-    check_sampling(args.temperature, args.top_p)
+    sampling = SamplingSettings(args.temperature, args.top_p, args.max_new_tokens, args.seed,
+                                args.repeat_penalty, args.repeat_last_n, args.no_repeat_ngram)
+    check_sampling(sampling)
     check_text(args.prompt, "--prompt")
     engine = load_engine(args.store, device=args.device, dtype=args.dtype,
                          cache_experts=args.cache_experts, vram_budget=args.vram_budget,
@@ -219,26 +238,35 @@ def cmd_generate(args) -> int:
                          cpu_format=args.cpu_format, cpu_threads=args.cpu_threads, ram_budget=args.ram_budget)
     if engine.note:
         print(f"moeferry: {engine.note}", file=sys.stderr)
-    sampling = SamplingSettings(args.temperature, args.top_p, args.max_new_tokens, args.seed)
-    cancel = threading.Event()
-    pieces, ids = [], []
+    prompt_tokens = len(engine.encode(args.prompt, args.chat))
+    room = engine.max_context - prompt_tokens
+    if 0 < room < args.max_new_tokens:
+        print(f"moeferry: --max-new-tokens {args.max_new_tokens} is cut to {room}: the prompt's "
+              f"{prompt_tokens} tokens leave that much of the model's {engine.max_context}-token "
+              f"context.", file=sys.stderr)
+    pieces, ids, interrupted = [], [], False
     try:
-        for piece in engine.stream(args.prompt, sampling, cancel, chat=args.chat):
+        for piece in engine.stream(args.prompt, sampling, chat=args.chat):
             pieces.append(piece.text)
             ids.append(piece.token_id)
             if not args.json:
                 print(piece.text, end="", flush=True)
     except KeyboardInterrupt:
-        cancel.set()
+        interrupted = True
     stats = engine.last_stats
     if args.json:
-        print(json.dumps({"text": "".join(pieces), "token_ids": ids, "stats": stats.contract()}))
+        print(json.dumps({"text": "".join(pieces), "token_ids": ids, "interrupted": interrupted,
+                          "stats": stats.contract()}))
     else:
         print()
-        print(f"[{stats.new_tokens} tokens, {stats.tokens_per_s:.2f} tokens/s, first token "
-              f"{stats.first_token_s:.2f} s, cache hits {stats.cache_hits}/"
-              f"{stats.cache_hits + stats.cache_misses}]", file=sys.stderr)
-    return 0
+        print(f"[{'interrupted after ' if interrupted else ''}{stats.new_tokens} tokens, "
+              f"{stats.tokens_per_s:.2f} tokens/s, first token {stats.first_token_s:.2f} s, cache hits "
+              f"{stats.cache_hits}/{stats.cache_hits + stats.cache_misses}]", file=sys.stderr)
+    if not (interrupted or args.chat) and len("".join(pieces).strip()) < 8 \
+            and getattr(engine.tokenizer, "chat_template", None):
+        print(f"moeferry: the model stopped after {stats.new_tokens} token(s); it is made for chat: "
+              f"add --chat to wrap the prompt in its chat template.", file=sys.stderr)
+    return 130 if interrupted else 0
 
 
 if __name__ == "__main__":

@@ -21,10 +21,20 @@ Progress = Callable[[float, str], None]
 
 @dataclass
 class SamplingSettings:
+    """How the next token is chosen. None for a repetition control: the store's default.
+
+    repeat_penalty follows llama.cpp: over the last repeat_last_n tokens of the context
+    (prompt included; -1 = all of it, 0 = none) a token's positive logit is divided by the
+    penalty and a negative one multiplied (1.0 = off). no_repeat_ngram follows transformers:
+    a token that would complete an n-gram already in the context is never chosen (0 = off).
+    """
     temperature: float = 0.7
     top_p: float = 0.9
     max_new_tokens: int = 512
     seed: int | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int = 64
+    no_repeat_ngram: int | None = None
 
 
 @dataclass

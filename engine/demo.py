@@ -35,7 +35,9 @@ def greedy_reply(prompt: str, max_new_tokens: int = 24, device: str = "cpu") -> 
     from engine.generate import SamplingSettings, load_engine
 
     engine = load_engine("demo", device=device)
-    settings = SamplingSettings(temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens)
+    # No repetition controls: the greedy tokens stay comparable with transformers' generate.
+    settings = SamplingSettings(temperature=0.0, top_p=1.0, max_new_tokens=max_new_tokens,
+                                repeat_penalty=1.0, no_repeat_ngram=0)
     pieces = list(engine.stream(prompt, settings, chat=True))
     stats = engine.last_stats
     engine.close()
@@ -83,6 +85,9 @@ def cli_demo(argv: list[str]) -> int:
         if a.max_tokens is not None and a.max_tokens < 16:
             raise UserError("--max-tokens must be at least 16.")
         from engine.locality import cli_locality
+        print("moeferry: routing the text through the model and replaying the expert cache; the "
+              "default text takes about 100 s on 2 CPU cores (--max-tokens N for a shorter run).",
+              file=sys.stderr, flush=True)
         return cli_locality(a.store, a.text, a.json, a.plot, max_tokens=a.max_tokens)
     p = argparse.ArgumentParser(prog="moeferry demo",
                                 description="The embedded demo model (see also `moeferry demo "

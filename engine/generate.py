@@ -11,9 +11,9 @@ from __future__ import annotations
 import re
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -51,8 +51,56 @@ def detokenize(tokenizer, ids: Iterable[int]) -> Iterator[tuple[int, str]]:
 # Sampling
 
 
-def sample(logits: torch.Tensor, s: SamplingSettings, gen: torch.Generator | None) -> int:
-    """logits [vocab] float32 -> token id. temperature 0 = greedy."""
+def store_sampling_defaults(path: Path) -> dict:
+    """The repetition controls a store's generation_config.json sets (transformers' key names)."""
+    import json
+    gc = path / "generation_config.json"
+    cfg = json.loads(gc.read_text()) if gc.is_file() else {}
+    return {"repeat_penalty": float(cfg.get("repetition_penalty") or 1.0),
+            "no_repeat_ngram": int(cfg.get("no_repeat_ngram_size") or 0)}
+
+
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 100.0
+
+
+def check_sampling(s: SamplingSettings) -> None:
+    """NaN, infinities and temperatures too small to divide by are refused (0 means greedy)."""
+    if not (s.temperature == 0 or MIN_TEMPERATURE <= s.temperature <= MAX_TEMPERATURE):
+        raise UserError(f"--temperature must be 0 (greedy) or a number from {MIN_TEMPERATURE:g} to "
+                        f"{MAX_TEMPERATURE:g}, not {s.temperature}.")
+    if not 0 < s.top_p <= 1:
+        raise UserError(f"--top-p must be a number above 0 and at most 1, not {s.top_p}.")
+    if s.repeat_penalty is not None and not 0 < s.repeat_penalty < float("inf"):
+        raise UserError("--repeat-penalty must be above 0 (1.0 = off; 1.1 is a usual value).")
+    if s.repeat_last_n < -1:
+        raise UserError("--repeat-last-n must be -1 (the whole context), 0 (off) or more.")
+    if s.no_repeat_ngram is not None and s.no_repeat_ngram < 0:
+        raise UserError("--no-repeat-ngram must be 0 (off) or more.")
+
+
+def penalize(logits: torch.Tensor, s: SamplingSettings, context: list[int]) -> torch.Tensor:
+    """logits [vocab] with the repetition controls applied to the context's tokens (a copy)."""
+    penalty, n = s.repeat_penalty or 1.0, s.no_repeat_ngram or 0
+    window = context if s.repeat_last_n < 0 else context[-s.repeat_last_n:] if s.repeat_last_n > 0 else []
+    if penalty == 1.0 and (n < 1 or len(context) < n):
+        return logits
+    logits = logits.clone()
+    if penalty != 1.0 and window:
+        idx = torch.tensor(sorted(set(window)), device=logits.device)
+        seen = logits[idx]
+        logits[idx] = torch.where(seen > 0, seen / penalty, seen * penalty)
+    if n >= 1 and len(context) >= n:
+        grams = torch.tensor(context).unfold(0, n, 1)  # [positions, n]
+        tail = torch.tensor(context[len(context) - n + 1:], dtype=grams.dtype)
+        banned = grams[(grams[:, :-1] == tail).all(dim=1), -1]
+        logits[banned.to(logits.device)] = float("-inf")
+    return logits
+
+
+def sample(logits: torch.Tensor, s: SamplingSettings, gen: torch.Generator | None,
+           context: Sequence[int] = ()) -> int:
+    """logits [vocab] float32 -> token id. temperature 0 = greedy. context: the tokens so far."""
+    logits = penalize(logits, s, list(context))
     if s.temperature <= 0:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float().cpu() / s.temperature, dim=-1)
@@ -80,6 +128,7 @@ class Engine:
         self.cached_ids: list[int] = []  # tokens whose keys/values are in the KV cache
         self.lock = threading.Lock()
         self.eos_ids = eos_ids(store.path, tokenizer)
+        self.sampling_defaults = store_sampling_defaults(store.path)
 
     # -- settings applied from the next message --------------------------------------------------
 
@@ -105,8 +154,9 @@ class Engine:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise UserError("This model has no chat template; run without --chat.")
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return self.tokenizer(prompt)["input_ids"]
+            return self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+        # verbose=False: _generate says in one sentence when a prompt is over the context
+        return self.tokenizer(prompt, verbose=False)["input_ids"]
 
     def stream(self, prompt, sampling: SamplingSettings, cancel: threading.Event | None = None,
                chat: bool | None = None) -> Iterator[TokenPiece]:
@@ -128,6 +178,8 @@ class Engine:
             raise UserError(f"The prompt has {len(prompt_ids)} tokens, more than this model's context of "
                             f"{self.max_context}; shorten it or start a new conversation.")
         max_new = min(s.max_new_tokens, room)
+        check_sampling(s)
+        s = replace(s, **{k: v for k, v in self.sampling_defaults.items() if getattr(s, k) is None})
         model, cache = self.model, self.model.cache
         model.setup_kv(min(self.max_context, len(prompt_ids) + max_new))
         gen = torch.Generator().manual_seed(s.seed) if s.seed is not None else None
@@ -144,7 +196,7 @@ class Engine:
         tokens = torch.tensor(prompt_ids[reuse:], device=self.device)
         model.trace = None
         logits = model.forward(tokens, start=reuse)
-        tok = sample(logits[-1], s, gen)
+        tok = sample(logits[-1], s, gen, prompt_ids)
         stats.prefill_s = stats.first_token_s = time.perf_counter() - t0
         done = list(prompt_ids)
         model.trace = []
@@ -157,7 +209,7 @@ class Engine:
                     break
                 logits = model.forward(torch.tensor([tok], device=self.device), start=len(done))
                 done.append(tok)
-                tok = sample(logits[-1], s, gen)
+                tok = sample(logits[-1], s, gen, done)
         finally:
             self.cached_ids = done  # keys/values of these positions are valid for reuse
             stats.decode_s = time.perf_counter() - t1
@@ -216,9 +268,10 @@ def eos_ids(path: Path, tokenizer) -> set[int]:
 
 
 def peak_device_bytes(engine: Engine) -> int:
+    """The GPU's peak allocation of the last generation; 0 on the CPU (no VRAM is used)."""
     if engine.device.type == "cuda":
         return torch.cuda.max_memory_allocated(engine.device)
-    return fixed_device_bytes(engine.store, engine.model, engine.model.kv.capacity) + engine.model.cache.device_bytes()
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,6 +378,18 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def check_kernels(kernels: str, dev: torch.device) -> None:
+    from engine.kernels import KERNEL_CHOICES, fused_available
+    if kernels not in KERNEL_CHOICES:
+        raise UserError(f"Unknown kernels {kernels!r}; use auto, reference or fused.")
+    if kernels == "fused" and dev.type != "cuda":
+        raise UserError("--kernels fused runs only on an NVIDIA GPU (Triton kernels); on the CPU "
+                        "use --kernels auto, which computes with dequantized weights.")
+    if kernels == "fused" and not fused_available(dev):
+        raise UserError("--kernels fused needs Triton, which this installation lacks; use "
+                        "--kernels auto or install triton.")
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -357,6 +422,7 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
         raise UserError("--prefetch must be 0 (off) or more.")
     check_cpu_options(cpu_experts, cpu_format, cfg)
     every_expert = cpu_experts != "off" and dev.type == "cpu" and cache_experts is None
+    check_kernels(kernels, dev)
     context = min(max_context or 4096, cfg.max_position_embeddings)
     report = progress or (lambda f, m: None)
     report(0.0, "reading the model")

@@ -368,6 +368,11 @@ def entry_sizes(entry: dict):
         return None
 
 
+def _tok_s(x: float) -> str:
+    """Two significant digits, never in exponent form: 240, 13, 2.3, 0.021."""
+    return f"{x:.0f}" if x >= 10 else f"{x:.2g}"
+
+
 def _duration(s: float) -> str:
     return f"{s:.1f} s" if s < 100 else f"{s / 60:.0f} min"
 
@@ -409,7 +414,7 @@ def format_report(hw: dict, rows: list[dict], recommended: dict | None) -> str:
                  else "CPU")
         fits = "" if p["fits"] else "  DOES NOT FIT"
         lines.append(f" {mark} {r['name']}")
-        lines.append(f"     {where}, ~{p['predicted_tokens_per_s']:.2g} tok/s, first token after "
+        lines.append(f"     {where}, ~{_tok_s(p['predicted_tokens_per_s'])} tok/s, first token after "
                      f"~{_duration(p['predicted_first_token_s'])}, bound by {p['bound']}{fits}")
         if p.get("predicted_hybrid_tokens_per_s"):
             lines.append(f"     with --cpu-experts auto: ~{p['predicted_hybrid_tokens_per_s']:.2g} tok/s")

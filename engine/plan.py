@@ -79,10 +79,15 @@ class Coefficients:
     prefill_token_layer_s: float = 1e-5  # GPU prefill per prompt token per layer (H200: 0.79 s)
     pcie_efficiency: float = 0.8  # measured/theoretical PCIe rate when bandwidth is not measured
     default_gpu_mem_bytes_per_s: float = 300e9  # when the GPU's memory bandwidth is unknown
-    # CPU cost per active weight / the probe's fp32 matvec cost. Measured on 2 cores for the
-    # engine's CPU path (quant.dequantize + F.linear, 4096x4096, 2- and 4-bit): 30-54x.
+    # CPU cost per weight of an expert that is not in the CPU's expert cache (dequantized at
+    # every load) / the probe's fp32 matvec cost. Measured on 2 cores for the engine's CPU
+    # path (quant.dequantize + F.linear, 4096x4096, 2- and 4-bit): 30-54x. Cached experts and
+    # the dense weights are kept dequantized and cost one fp32 matvec per weight.
     cpu_kernel_factor: float = 35.0
-    cpu_layer_overhead_s: float = 1.0e-3
+    # Per layer on the CPU: torch operator dispatch and Python (attention, router, norms,
+    # expert bookkeeping): the demo model on 2 idle cores decodes at 225 tokens/s, 4.4 ms a
+    # token of which 1.7 ms are its 8.1M active weights at the probe's 4.9 G weights/s.
+    cpu_layer_overhead_s: float = 0.3e-3
     hit_rate_scale: float = 1.0  # multiplies the hit rate of `hit_rate` (fit to measured hit rates)
 
 
@@ -324,16 +329,30 @@ def predict_gpu(hw: dict, m: ModelSizes, k: int, coeffs: Coefficients = DEFAULT,
             "bytes_h2d": misses * m.expert_bytes, "bound": bound, "h2d_bytes_per_s": bw}
 
 
+# The CPU engine's expert cache: as many experts per layer as fit in this many packed bytes
+# (engine/generate.py load_engine's CPU default); the cached ones are kept dequantized.
+CPU_EXPERT_CACHE_BYTES = 4 * GiB
+
+
+def cpu_cache_experts(m: ModelSizes) -> int:
+    """Experts per layer the CPU engine keeps dequantized (all of them for the demo model)."""
+    per_slot = max(m.num_layers * m.expert_bytes, 1)
+    return int(min(m.num_experts, CPU_EXPERT_CACHE_BYTES // per_slot))
+
+
 def predict_cpu(hw: dict, m: ModelSizes, coeffs: Coefficients = DEFAULT,
                 prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> dict:
-    """Decode on the CPU: every active weight is read from RAM and dequantized each token."""
+    """Decode on the CPU: every active weight is one fp32 matvec from RAM, and an expert that
+    misses the CPU's expert cache is dequantized first (cpu_kernel_factor per weight)."""
     cores = hw.get("cpu_cores_physical") or hw.get("cpu_cores_logical") or 2
     rate = hw.get("cpu_matvec_params_per_s") or 0.5e9 * cores  # fp32 weights per second
     flops = hw.get("cpu_matmul_flops") or 15e9 * cores
-    t = (m.active_params * coeffs.cpu_kernel_factor / rate
+    h = hit_rate(cpu_cache_experts(m), m.num_experts, coeffs)
+    misses = m.num_layers * m.top_k * (1.0 - h)
+    t = ((m.active_params + misses * m.expert_params * (coeffs.cpu_kernel_factor - 1)) / rate
          + m.num_layers * coeffs.cpu_layer_overhead_s + coeffs.token_overhead_s)
     first = t + 2.0 * m.active_params * prompt_tokens / flops
-    return {"tokens_per_s": 1.0 / t, "first_token_s": first, "hit_rate": 1.0, "misses": 0.0,
+    return {"tokens_per_s": 1.0 / t, "first_token_s": first, "hit_rate": h, "misses": misses,
             "bytes_h2d": 0.0, "bound": "cpu", "h2d_bytes_per_s": None}
 
 
@@ -450,9 +469,10 @@ def _cpu_plan(hw: dict, m: ModelSizes, reason: str, coeffs: Coefficients, prompt
     verdict += ("; that is slow for full Mixtral, so start with the demo model." if big else ".")
     return Plan(device="cpu", cache_experts_per_layer=0, predicted_tokens_per_s=speed,
                 predicted_first_token_s=p["first_token_s"], bound="cpu", verdict=verdict,
-                fits=fits, hit_rate=1.0, host_ram_needed_bytes=needed,
-                notes=["CPU speed estimated from the measured fp32 matrix-vector rate and "
-                       f"{coeffs.cpu_kernel_factor:g}x for dequantizing."], **common)
+                fits=fits, hit_rate=p["hit_rate"], host_ram_needed_bytes=needed,
+                notes=["CPU speed estimated from the measured fp32 matrix-vector rate, "
+                       f"{coeffs.cpu_kernel_factor:g}x for dequantizing an expert that is not "
+                       f"cached and {coeffs.cpu_layer_overhead_s * 1e3:g} ms per layer."], **common)
 
 
 def _speed_words(tokens_per_s: float) -> str:

@@ -276,3 +276,32 @@ def test_cli_probe_text_without_a_gpu(monkeypatch, capsys):
 def test_cli_probe_for_real(capsys):
     assert hardware.cli_probe(False) == 0
     assert "MoE Ferry hardware probe" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_cpu_prediction_for_the_demo_is_within_2x_of_a_measured_run():
+    """probe's CPU plan for the demo against the demo decoding here (it predicted 13-33 tok/s
+    for a model that runs at 140-250 on 2 cores). The run is timed in this process's CPU
+    seconds: the engine decodes the demo on one thread, so on an idle machine that is its
+    wall-clock speed, and other work on a busy machine does not count against it."""
+    import time
+
+    import torch
+
+    from engine.generate import SamplingSettings, load_engine
+    from engine.plan import make_plan
+
+    entry = next(e for e in hardware.load_catalog() if e["id"] == "demo")
+    hw = hardware.probe(measure_bandwidth=True)
+    hw.update(gpu_name=None, torch_cuda_available=False)
+    predicted = make_plan(hw, hardware.entry_sizes(entry)).predicted_tokens_per_s
+    engine = load_engine("demo", device="cpu")
+    assert torch.get_num_threads() == 1  # what makes CPU seconds the idle wall-clock time
+    greedy = SamplingSettings(temperature=0, max_new_tokens=96, repeat_penalty=1.0, no_repeat_ngram=0)
+    engine.eos_ids = set()  # a full-length run
+    prompt = engine.encode("What is a list in Python?", chat=True)
+    list(engine.generate_ids(prompt, greedy))  # warm-up
+    cpu = time.process_time()
+    list(engine.generate_ids(prompt, greedy))
+    measured = engine.last_stats.new_tokens / (time.process_time() - cpu)
+    assert predicted / 2 <= measured <= predicted * 2, (predicted, measured)

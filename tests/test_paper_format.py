@@ -1,7 +1,8 @@
 """engine/paper_format.py: importing the paper's pre-quantized offloading checkpoint.
 
-The acceptance fixture (shared/fixtures/paperfmt-a.tar.gz, beside the repository) is a tiny
-checkpoint written by the paper's own code with the paper model's logits and greedy tokens.
+The acceptance fixture (tests/fixtures/paperfmt-a.tar.gz; tests/fixtures/README.md says where it
+came from) is a tiny checkpoint written by the paper's own code with the paper model's logits and
+greedy tokens.
 Other checkpoints of that format (other shapes, 3-bit codes, plain float16 metadata, other
 file names, a tokenizer in the folder) are written here from the format description, packed
 with hqq's own BitPack, and checked against an independent decoder that follows the doc.
@@ -30,8 +31,7 @@ from engine.paper_format import (TOKENIZER_REPO, common_meta_group, describe_mat
                                  import_paper_checkpoint, kind_quantization)
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
-FIXTURE = FIXTURES / "paperfmt-a.tar.gz"
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "paperfmt-a.tar.gz"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -41,8 +41,8 @@ FIXTURE = FIXTURES / "paperfmt-a.tar.gz"
 def fixture_dir(tmp: Path) -> tuple[Path, Path]:
     """(checkpoint folder, reference.safetensors) extracted under tmp."""
     if not FIXTURE.is_file():
-        pytest.fail(f"The acceptance fixture {FIXTURE} is missing: these tests need the shared/ folder "
-                    f"beside the repository (../shared/fixtures/paperfmt-a.tar.gz).")
+        pytest.fail(f"The acceptance fixture {FIXTURE} is missing from the checkout; "
+                    f"restore it with `git checkout -- tests/fixtures`.")
     with tarfile.open(FIXTURE) as tar:
         try:
             tar.extractall(tmp, filter="data")

