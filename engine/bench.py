@@ -411,8 +411,9 @@ def markdown_table(report: dict) -> str:
              f"{report['cache_experts']} experts cached per layer, pinned H2D {report['pinned_gb_per_s']:.1f} GB/s, "
              f"{report['device']}, {report['date']}.", "", conditions_line(report), "",
              "| mode | kernels | decode tok/s | first token s | hit rate | guess recall | prefetch prec/recall "
-             "| GB/token | H2D GB/s | bound ms/tok | achieved ms/tok | achieved/bound | peak VRAM GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| GB/token | H2D GB/s | bound ms/tok | achieved ms/tok | achieved/bound | peak VRAM GiB "
+             "| misses on CPU (+copied) | CPU GB/s | CPU wait ms/tok |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
         lines.append(
             f"| {r['mode']} | {r['kernels']} | {r['decode_tokens_per_s']:.2f} | {r['first_token_s']:.2f} | "
@@ -420,7 +421,8 @@ def markdown_table(report: dict) -> str:
             f"{r['prefetch_precision']:.2f}/{r['prefetch_recall']:.2f} | "
             f"{r['gb_per_token']:.2f} | {r['h2d_gb_per_s']:.1f} | {r['bound_ms_per_token']:.1f} | "
             f"{r['achieved_ms_per_token']:.1f} | {r['achieved_over_bound']:.2f} | "
-            f"{r['peak_vram_bytes'] / 2**30:.2f}{'' if r['under_budget'] else ' (over!)'} |")
+            f"{r['peak_vram_bytes'] / 2**30:.2f}{'' if r['under_budget'] else ' (over!)'} | "
+            f"{r['misses_cpu']} (+{r['misses_both']}) | {r['cpu_gb_per_s']:.1f} | {r['cpu_wait_ms_per_token']:.2f} |")
     return "\n".join(lines)
 
 

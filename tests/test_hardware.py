@@ -291,7 +291,7 @@ def test_cpu_prediction_for_the_demo_is_within_2x_of_a_measured_run():
     from engine.generate import SamplingSettings, load_engine
     from engine.plan import make_plan
 
-    entry = next(e for e in hardware.load_catalog() if e["id"] == "demo")
+    entry = next(e.raw for e in hardware.load_catalog() if e.id == "demo")
     hw = hardware.probe(measure_bandwidth=True)
     hw.update(gpu_name=None, torch_cuda_available=False)
     predicted = make_plan(hw, hardware.entry_sizes(entry)).predicted_tokens_per_s

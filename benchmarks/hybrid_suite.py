@@ -1,0 +1,42 @@
+"""The CPU+GPU hybrid's figures (issue 16) in one process per bit-width, on the GPU machine.
+
+    python3 benchmarks/hybrid_suite.py OUT.json 2     # 2-bit GPU experts
+    python3 benchmarks/hybrid_suite.py OUT.json 4     # 4-bit GPU experts
+
+Uniform routing (the headline), fused kernels, P=128, T=64. Each budget runs lru, full (cache +
+prefetch) and hybrid (full + misses computed on the CPU from int4 copies, chosen per layer by
+the cost model) on one build, so the rows compare the same weights and routing; 2-bit also
+runs the desktop stand-in (copies paced to 25 GB/s, 8 CPU threads). Writes the reports as one
+JSON list and prints their markdown tables.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.routing_suite import run_all  # noqa: E402
+from engine import bench  # noqa: E402
+
+LADDER = ("lru", "full", "hybrid")
+RUNS = {
+    2: [("hybrid-12GiB", "12GiB", LADDER, bench.Conditions(), None),
+        ("hybrid-12GiB-25GBps-8threads", "12GiB", LADDER, bench.Conditions(h2d_gbps=25.0), 8),
+        ("hybrid-8GiB", "8GiB", ("full", "hybrid"), bench.Conditions(), None),
+        ("hybrid-16GiB", "16GiB", ("full", "hybrid"), bench.Conditions(), None)],
+    4: [("hybrid-12GiB-4bit", "12GiB", LADDER, bench.Conditions(), None),
+        ("hybrid-12GiB-4bit-25GBps-8threads", "12GiB", LADDER, bench.Conditions(h2d_gbps=25.0), 8)],
+}
+
+
+def main(out: str, bits: int) -> int:
+    reports = run_all(bits, RUNS[bits])
+    Path(out).write_text(json.dumps(reports, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], int(sys.argv[2])))
