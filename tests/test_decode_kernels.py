@@ -57,6 +57,7 @@ def test_rope_attention_matches_the_eager_attention(dtype, pos, window):
                                                 sliding_window=window),
                             kv=SimpleNamespace(k=want_kc[None], v=want_vc[None]),
                             linear=lambda x, w: x if w is None else w)
+    model.project = lambda h, layer, name: OffloadedMixtral.project(model, h, layer, name)
     layer = {"q_proj": q.reshape(1, -1), "k_proj": k.reshape(1, -1), "v_proj": v.reshape(1, -1), "o_proj": None}
     want = OffloadedMixtral.attention(model, 0, layer, q.reshape(1, -1), cos[pos:pos + 1], sin[pos:pos + 1], pos,
                                       pos=torch.tensor([pos], device=DEVICE), span=cap).reshape(-1)

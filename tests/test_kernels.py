@@ -211,7 +211,7 @@ def packed_expert_slots(hidden, ffn, bits, g, meta8, n_slots, device, seed=0):
     from types import SimpleNamespace
 
     from engine import store
-    cfg = SimpleNamespace(hidden_size=hidden, intermediate_size=ffn)
+    cfg = SimpleNamespace(hidden_size=hidden, intermediate_size=ffn, expert_act="silu")  # Mixtral's experts
     quant = {"bits": bits, "group_size": g, "meta_group": 128, **({} if meta8 else {"meta_bits": 16})}
     fields, stride = store.expert_layout(cfg, quant)
     slots = torch.empty(n_slots, stride, dtype=torch.uint8)
