@@ -2,6 +2,7 @@
 
     python3 benchmarks/hybrid_suite.py OUT.json 2     # 2-bit GPU experts
     python3 benchmarks/hybrid_suite.py OUT.json 4     # 4-bit GPU experts
+    python3 benchmarks/hybrid_suite.py OUT.json 2 hybrid-12GiB    # only the runs named
 
 Uniform routing (the headline), fused kernels, P=128, T=64. Each budget runs lru, full (cache +
 prefetch) and hybrid (full + misses computed on the CPU from int4 copies, chosen per layer by
@@ -32,11 +33,11 @@ RUNS = {
 }
 
 
-def main(out: str, bits: int) -> int:
-    reports = run_all(bits, RUNS[bits])
+def main(out: str, bits: int, only: list[str]) -> int:
+    reports = run_all(bits, [r for r in RUNS[bits] if not only or r[0] in only])
     Path(out).write_text(json.dumps(reports, indent=1))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], int(sys.argv[2])))
+    sys.exit(main(sys.argv[1], int(sys.argv[2]), sys.argv[3:]))

@@ -278,6 +278,8 @@ class CpuExperts:
         resident = set(cache.resident(layer))
         misses = [e for e in needed if e not in resident]
         able = {e for e in misses if (layer, e) in self.copies}
+        if self.mode == "auto" and len(ids_host) == 1 and cache.cuda and self.costs is not None:
+            return self.choose_in_time(layer, needed, uses, cache)  # decode: where each finishes first
         if self.mode == "all" or not able:  # all: computed here, copied for later off the critical path
             run = sorted(able)
             both = run if self.mode == "all" else []
@@ -289,6 +291,25 @@ class CpuExperts:
         cache.stats.misses_cpu += len(run)
         cache.stats.misses_both += len(both)
         return {e: uses[e] for e in run}, both
+
+    def choose_in_time(self, layer: int, needed: list[int], uses: dict, cache):
+        """choose() for one decoded token on a GPU: the cache keeps the link's queue on the host
+        clock (when each copy lands), so an expert whose copy would land later than the CPU
+        could compute it runs on the CPU, a miss or a prefetched expert still in flight alike
+        (the copy goes on and serves a later token). Prefetch pauses while the link is backed
+        up further than two copies."""
+        from engine import placement
+
+        cache.link_s_per_byte = 1 / (self.costs.link_gbps * 1e9)
+        cache.prefetch_horizon_s = 2 * placement.copy_s(self.costs, self.sizes)
+        lru = cache.lru[layer]
+        experts = [(e, cache.ready_at[layer][lru[e]] if e in lru else None) for e in needed]
+        able = {e for e in needed if (layer, e) in self.copies}
+        run = sorted(placement.choose_by_finish(self.costs, self.sizes, time.perf_counter(), cache.link_free_at,
+                                                experts, able))
+        cache.stats.misses += len(run)
+        cache.stats.misses_cpu += len(run)
+        return {e: uses[e] for e in run}, []
 
     def start(self, layer: int, rows: dict, h: torch.Tensor, weights: torch.Tensor, out: torch.Tensor):
         """Send h down and queue rows' experts (see choose); returns finish(), which waits for

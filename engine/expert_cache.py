@@ -14,6 +14,7 @@ later copies and every use of the slot wait as they would behind a slower link.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -68,6 +69,13 @@ class ExpertCache:
         self.table_dirty: set[int] = set()
         self.unused_prefetch: list[set[int]] = [set() for _ in range(L)]
         self.stats = CacheStats()
+        # The link's queue on the host clock, for the CPU+GPU hybrid (engine/cpu_experts.py):
+        # when each slot's copy should land and when the link is free again. Kept only once
+        # link_s_per_byte is set (the hybrid sets it from its measured or paced link rate).
+        self.link_s_per_byte: float | None = None
+        self.link_free_at = 0.0
+        self.ready_at = [[0.0] * self.K for _ in range(L)]
+        self.prefetch_horizon_s = 0.0  # with the above: no prefetch while the link is busier than this
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
             self.ready = [[torch.cuda.Event() for _ in range(self.K)] for _ in range(L)]
@@ -144,7 +152,7 @@ class ExpertCache:
 
     def prefetch(self, layer: int, experts: list[int]) -> None:
         """Start copying predicted experts (best guess first); never more than K per layer."""
-        if self.policy != "lru":
+        if self.policy != "lru" or self.link_backed_up():
             return
         experts = experts[:self.K]
         lru = self.lru[layer]
@@ -156,6 +164,12 @@ class ExpertCache:
                 self._load(layer, e, keep=experts)
                 self.unused_prefetch[layer].add(e)
                 self.stats.prefetch_issued += 1
+
+    def link_backed_up(self) -> bool:
+        """The link's queue reaches further than prefetch_horizon_s (the hybrid's CPU then takes
+        the misses a guess would have copied: a copy queued now would land too late to help)."""
+        return bool(self.link_s_per_byte and self.prefetch_horizon_s
+                    and self.link_free_at - time.perf_counter() > self.prefetch_horizon_s)
 
     def admit(self, layer: int, expert: int) -> None:
         """Copy `expert` in for later use, not for this step (the hybrid's "both": computed on
@@ -180,6 +194,9 @@ class ExpertCache:
                 if self.pace_cycles:
                     torch.cuda._sleep(self.pace_cycles)
                 self.ready[layer][slot].record(self.copy_stream)
+            if self.link_s_per_byte:
+                start = max(time.perf_counter(), self.link_free_at)
+                self.link_free_at = self.ready_at[layer][slot] = start + self.B * self.link_s_per_byte
         else:
             dst.copy_(src)
             self._decode(layer, slot)

@@ -89,6 +89,30 @@ def choose_misses(c: Costs, s: ExpertSizes, misses: list[int], hits: int, can_cp
     return MissPlan(tuple(on_cpu), tuple(copied), tuple(both), t)
 
 
+def choose_by_finish(c: Costs, s: ExpertSizes, now: float, link_free_at: float,
+                     experts: list[tuple[int, float | None]], can_cpu: set[int]) -> set[int]:
+    """Decode (one token): the experts of a layer to compute on the CPU, each going where it
+    finishes first. experts: (expert, when its copy lands on the device, for a resident one
+    whose copy may still be in flight; None for a miss, which would queue behind the link's
+    queue, free at link_free_at). On the CPU the layer's experts run one after another after
+    the hand-off. The expert the device would finish last is offered to the CPU first."""
+    link = max(now, link_free_at)
+    finish = {}
+    for e, ready in experts:
+        if ready is None:
+            link += copy_s(c, s)
+            finish[e] = link + c.gpu_expert_s
+        else:
+            finish[e] = max(now, ready) + c.gpu_expert_s
+    cpu_free, on_cpu = now + c.cpu_overhead_s, set()
+    for e in sorted(finish, key=lambda e: -finish[e]):
+        done = cpu_free + cpu_s(c, s, 1)
+        if e in can_cpu and done < finish[e]:
+            on_cpu.add(e)
+            cpu_free = done
+    return on_cpu
+
+
 def cpu_copies(num_layers: int, num_experts: int, cpu_bytes: int, ram_budget: int | None,
                slots: int, counts: list[list[int]] | None = None) -> list[tuple[int, int]]:
     """Which experts get a CPU copy within ram_budget (None = all): (layer, expert) pairs.

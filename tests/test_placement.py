@@ -99,3 +99,20 @@ def test_plan_predicts_the_hybrid_from_the_probe():
     assert "--cpu-experts auto" in p_fast.notes[-1]
     everything = plan.make_plan(dict(fast_ram, gpu_name="H200"), m, 80 << 30)
     assert everything.cache_experts_per_layer == 8 and everything.predicted_hybrid_tokens_per_s is None
+
+
+def test_each_decode_expert_goes_where_it_finishes_first():
+    """choose_by_finish on stated costs: copy 1.0 ms, CPU 1.5 ms per expert, 0.1 ms hand-off."""
+    from engine.placement import Costs, ExpertSizes, choose_by_finish
+    c = Costs(link_gbps=1.0, cpu_gbps=1.0, gpu_expert_s=0.0, cpu_overhead_s=1e-4)
+    s = ExpertSizes(gpu_bytes=1_000_000, cpu_bytes=1_500_000, params=1)
+    # one miss, link idle: the copy (1.0 ms) beats the CPU (1.6 ms)
+    assert choose_by_finish(c, s, 0.0, 0.0, [(3, None)], {3}) == set()
+    # one miss behind 2 ms of queued copies: the CPU's 1.6 ms wins
+    assert choose_by_finish(c, s, 0.0, 2e-3, [(3, None)], {3}) == {3}
+    # two misses, link idle: the second copy lands at 2.0 ms, so it goes to the CPU (1.6 ms)
+    assert choose_by_finish(c, s, 0.0, 0.0, [(3, None), (5, None)], {3, 5}) == {5}
+    # a resident expert whose prefetch lands at 3 ms is computed on the CPU; a landed one is not
+    assert choose_by_finish(c, s, 0.0, 3e-3, [(1, 3e-3), (2, 0.0)], {1, 2}) == {1}
+    # without a CPU copy nothing moves to the CPU
+    assert choose_by_finish(c, s, 0.0, 3e-3, [(1, 3e-3)], set()) == set()
