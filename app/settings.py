@@ -115,9 +115,8 @@ def coerce(key: Key, value: Any) -> Any:
         return default
     if key == Key.STORE_PATH:
         out = portable_store_path(out)
-    if key == Key.INSTALLED:  # the demo under its portable name, each path once (the last wins)
-        out = list({e.get("path"): e for e in
-                    ({**e, "path": portable_store_path(str(e.get("path") or ""))} for e in out)}.values())
+    if key == Key.INSTALLED:
+        out = portable_entries(out)
     if key in _RANGES:
         lo, hi = _RANGES[key]
         out = min(max(out, lo), hi)
@@ -143,11 +142,18 @@ def _number(value: Any, kind: type) -> Any:
     return float(value)
 
 
+def portable_entries(entries: list[dict]) -> list[dict]:
+    """Installed entries with the demo under its portable name, each path once (the last wins)."""
+    return list({e.get("path"): e for e in
+                 ({**e, "path": portable_store_path(str(e.get("path") or ""))} for e in entries)}.values())
+
+
 def validated(key: Key, value: Any) -> tuple[Any, bool]:
     """(value, True) when the stored value is of the key's type and in its range, else (default, False)."""
     default = DEFAULTS[key]
     if key is Key.INSTALLED:
-        return _valid_installed(value)
+        entries, ok = _valid_installed(value)
+        return portable_entries(entries), ok
     if key is Key.PENDING_INSTALL:
         return (value, True) if value is None or _valid_request(value) else (None, False)
     if isinstance(default, bool):
@@ -162,7 +168,7 @@ def validated(key: Key, value: Any) -> tuple[Any, bool]:
         return default, False
     if key is Key.TEMPERATURE and 0 < out < MIN_TEMPERATURE:
         return default, False
-    return out, True
+    return (portable_store_path(out) if key is Key.STORE_PATH else out), True
 
 
 def _is(value: Any, types: tuple) -> bool:

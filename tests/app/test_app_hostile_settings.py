@@ -130,7 +130,7 @@ def test_the_app_starts_with_a_damaged_history_row(launch, data_dir):
 def test_no_display_is_one_sentence_not_an_abort(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")}
     env.update(PYTHONPATH=str(ROOT), MOEFERRY_DATA_DIR=str(tmp_path))
-    r = subprocess.run([sys.executable, "-m", "engine.cli"], capture_output=True, text=True, cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "app.cli"], capture_output=True, text=True, cwd=ROOT,
                        env=env, timeout=120)
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert r.stderr.strip() == ("moeferry: no display found; the desktop app needs one; the command "
