@@ -34,8 +34,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from engine import decode_kernels as dk
-from engine import kernels
+from engine import decode_kernels as dk, kernels
 from engine.model import rms_norm, rope_cos_sin
 
 
@@ -107,7 +106,7 @@ class GraphedDecode:
             torch.cuda.synchronize(self.m.device)
             return True
         except Exception as e:  # noqa: BLE001 - any failure of the optional fast path
-            warnings.warn(f"{what} unavailable ({type(e).__name__}: {e}); using the slower path")
+            warnings.warn(f"{what} unavailable ({type(e).__name__}: {e}); using the slower path", stacklevel=2)
             return False
 
     def probe_decode_kernels(self) -> None:

@@ -30,8 +30,7 @@ import torch.nn.functional as F
 
 from engine.expert_cache import SERIALS
 from engine.kernels import qlinear
-from engine.mxfp4 import Mxfp4Matrix
-from engine.mxfp4 import dequantize as mxfp4_dequantize
+from engine.mxfp4 import Mxfp4Matrix, dequantize as mxfp4_dequantize
 
 ATTN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 

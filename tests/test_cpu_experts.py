@@ -8,8 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_experts as ce
-from engine import quant
+from engine import cpu_experts as ce, quant
 
 
 def bf16(t):

@@ -19,6 +19,7 @@ import pytest
 from engine import download
 from engine.download import FetchCancelled, cli_fetch, fetch_repo, find_in_hf_cache
 from engine.errors import UserError
+
 try:
     from tests.hub_server import FakeRepo, HubServer, git_blob_sha1
 except ModuleNotFoundError:  # plain `pytest` puts tests/ itself on sys.path

@@ -15,14 +15,13 @@ import transformers as T
 from engine.convert import convert_checkpoint
 from engine.errors import UserError
 from engine.generate import SamplingSettings, load_engine
-from engine.mxfp4 import Mxfp4Matrix
-from engine.mxfp4 import dequantize as mxfp4_dequantize
+from engine.mxfp4 import Mxfp4Matrix, dequantize as mxfp4_dequantize
 from engine.store import (
     SUPPORTED_FAMILIES,
     experts_array,
-    sha256_file,
     load_dequantized_hf_model,
     open_store,
+    sha256_file,
     view_expert,
 )
 from tests.conftest import make_tokenizer, reference_greedy, run_cli, save_checkpoint

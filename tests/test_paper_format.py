@@ -27,8 +27,13 @@ from engine import quant, store
 from engine.errors import UserError
 from engine.generate import SamplingSettings, load_engine
 from engine.model import ModelConfig
-from engine.paper_format import (TOKENIZER_REPO, common_meta_group, describe_matrix,
-                                 import_paper_checkpoint, kind_quantization)
+from engine.paper_format import (
+    TOKENIZER_REPO,
+    common_meta_group,
+    describe_matrix,
+    import_paper_checkpoint,
+    kind_quantization,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "paperfmt-a.tar.gz"

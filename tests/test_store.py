@@ -21,7 +21,7 @@ def test_a_flipped_byte_in_any_store_file_is_found(q_store, tmp_path):
     files = json.loads((q_store / "manifest.json").read_text())["files"]
     assert {"config.json", "dense.safetensors", "experts.safetensors", "tokenizer.json"} <= set(files)
     assert verify_store(q_store) == []
-    for name, meta in files.items():
+    for name, _meta in files.items():
         copy = tmp_path / name.replace(".", "_")
         shutil.copytree(q_store, copy)
         data = bytearray((copy / name).read_bytes())
@@ -144,6 +144,7 @@ def test_conversion_memory_stays_far_below_the_checkpoint(tmp_path):
     )
     import subprocess
     import sys
+
     from tests.conftest import ROOT
     r = subprocess.run([sys.executable, "-c", code, str(src), str(tmp_path / "st")], capture_output=True,
                        text=True, cwd=str(ROOT), timeout=600)
