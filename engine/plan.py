@@ -668,7 +668,7 @@ def paper_calibration() -> list[dict]:
     """Measured runs the defaults were fitted to (2-bit experts, 4-bit attention).
 
     H200 rows: the paper's released code, random weights and random routing (so the hit
-    rate is k/8), pinned 55 GB/s, HBM 4.8 TB/s (DESIGN.md). Table 2 rows: the paper, real
+    rate is k/8), pinned 55 GB/s, HBM 4.8 TB/s. Table 2 rows: the paper, real
     routing (its Figure 2 hit ratios, PAPER_LRU_HIT_RATIO); cache sizes (4 on 16 GB cards and the A100, 2 on the 12 GB RTX 3060) and
     link rates (PCIe 4: 20-25 GB/s, T4 on PCIe 3: 11 GB/s) are our assumptions.
     """

@@ -90,7 +90,7 @@ def test_full_size_shapes_and_bounded_shards():
     cfg = CB.hf_config(32, 4096, 14336, 8, 32000)
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (32, 8, 128)
     shapes = CB.tensor_shapes(cfg)
-    assert sum(CB._numel(s) for _, s in shapes) == 46_702_792_704  # DESIGN.md: 46.7B
+    assert sum(CB._numel(s) for _, s in shapes) == 46_702_792_704  # Mixtral-8x7B: 46.7B parameters
     four = CB.tensor_shapes(CB.hf_config(4, 4096, 14336, 8, 32000))
     shards = CB.plan_shards(four, CB.SHARD_BYTES)
     sizes = [sum(2 * CB._numel(s) for _, s in shard) for shard in shards]
