@@ -249,12 +249,16 @@ def claim_huge_tensor(path: Path, nbytes: int = 3 << 30) -> None:
 
 
 def peak_rss_of(code: str) -> tuple[int, str]:
-    """Run `code` in a fresh Python; (its peak RSS in bytes, its stderr)."""
+    """Run `code` in a fresh Python; (its peak RSS in bytes, its stderr).
+
+    The peak is the process's own memory's high-water mark (VmHWM): Linux keeps ru_maxrss
+    across fork and exec, so that would report the test runner's size as the child's."""
     full = ("import resource, sys\n"
             "import engine.convert, engine.generate, transformers\n"
-            "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
             f"{code}\n"
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, file=sys.stdout)\n")
+            "hwm = [line for line in open('/proc/self/status') if line.startswith('VmHWM:')]\n"
+            "peak = int(hwm[0].split()[1]) if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+            "print(peak * 1024, file=sys.stdout)\n")
     r = subprocess.run([sys.executable, "-c", full], capture_output=True, text=True, cwd=ROOT,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300)
     assert r.returncode == 0, r.stderr
