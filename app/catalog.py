@@ -44,16 +44,24 @@ def read_store_info(path: Path) -> StoreInfo | None:
         return None
     if not isinstance(manifest, dict):
         return None
-    quant = manifest.get("quantization") or {}
-    source = manifest.get("source") or {}
-    source_name = source.get("repo_id") or source.get("repo") or "" if isinstance(source, dict) else str(source)
+    quant, source = _mapping(manifest.get("quantization")), _mapping(manifest.get("source"))
+    source_name = source.get("repo") if isinstance(source.get("repo"), str) else ""
     return StoreInfo(
         path=Path(path),
         name=source_name or Path(path).name,
-        expert_bits=(quant.get("experts") or {}).get("bits"),
-        attn_bits=(quant.get("attention") or {}).get("bits"),
-        source=str(source_name),
+        expert_bits=_bits(_mapping(quant.get("experts")).get("bits")),
+        attn_bits=_bits(_mapping(quant.get("attention")).get("bits")),
+        source=source_name,
     )
+
+
+def _mapping(value) -> dict:
+    """A manifest section as read: a mapping, or empty when the file holds something else."""
+    return value if isinstance(value, dict) else {}
+
+
+def _bits(value) -> int | None:
+    return value if type(value) is int else None
 
 
 def folder_kind(path: Path) -> str | None:

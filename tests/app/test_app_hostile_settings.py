@@ -188,3 +188,18 @@ def test_a_broken_qt_is_one_sentence_and_a_log_entry(data_dir, monkeypatch, caps
     assert err.startswith("moeferry: the desktop app cannot load Qt") and "\n" not in err
     assert str(data_dir / "moeferry.log") in err
     assert "Qt cannot be loaded" in (data_dir / "moeferry.log").read_text()
+
+
+@pytest.mark.parametrize("manifest", [
+    {"quantization": [1, 2], "source": 7},
+    {"quantization": {"experts": "2", "attention": None}, "source": {"repo": ["x"]}},
+    {"quantization": {"experts": {"bits": "two"}}, "source": "org/repo"},
+])
+def test_a_store_manifest_of_the_wrong_shape_is_described_not_raised(tmp_path, manifest):
+    """The wizard describes a chosen store from its manifest before any check runs: sections of
+    the wrong type read as absent (the store's own checks refuse it when it is opened)."""
+    from app.catalog import read_store_info
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    info = read_store_info(tmp_path)
+    assert info is not None and info.expert_bits is None and info.attn_bits is None
+    assert info.name == tmp_path.name and info.source == ""
