@@ -147,6 +147,19 @@ def test_has_display_reads_the_environment():
     assert has_display({}, "win32") and has_display({}, "darwin")
 
 
+def run_gui_then_drop_its_log_handlers(main_module) -> int:
+    """app.main.run_gui's exit code; the log handlers it added are closed afterwards, so the
+    next test's data folder gets its own log."""
+    before = list(logging.getLogger().handlers)
+    try:
+        return main_module.run_gui(["moeferry"])
+    finally:
+        for h in logging.getLogger().handlers:
+            if h not in before:
+                h.close()
+                logging.getLogger().removeHandler(h)
+
+
 def test_a_failed_start_is_logged_and_shown_with_the_log_path(qapp, data_dir, monkeypatch):
     from PySide6.QtWidgets import QMessageBox
 
@@ -158,14 +171,7 @@ def test_a_failed_start_is_logged_and_shown_with_the_log_path(qapp, data_dir, mo
     shown = []
     monkeypatch.setattr(app.main, "start", boom)
     monkeypatch.setattr(QMessageBox, "critical", lambda parent, title, text: shown.append(text))
-    before = list(logging.getLogger().handlers)
-    try:
-        assert app.main.run_gui(["moeferry"]) == 1
-    finally:
-        for h in logging.getLogger().handlers:
-            if h not in before:
-                h.close()
-                logging.getLogger().removeHandler(h)
+    assert run_gui_then_drop_its_log_handlers(app.main) == 1
     log_file = data_dir / "moeferry.log"
     assert shown and str(log_file) in shown[0] and "the model list is unreadable" in shown[0]
     text = log_file.read_text()
@@ -176,14 +182,7 @@ def test_a_broken_qt_is_one_sentence_and_a_log_entry(data_dir, monkeypatch, caps
     import app.main
 
     monkeypatch.setitem(sys.modules, "PySide6.QtWidgets", None)  # `import` now raises ImportError
-    before = list(logging.getLogger().handlers)
-    try:
-        assert app.main.run_gui(["moeferry"]) == 1
-    finally:
-        for h in logging.getLogger().handlers:
-            if h not in before:
-                h.close()
-                logging.getLogger().removeHandler(h)
+    assert run_gui_then_drop_its_log_handlers(app.main) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("moeferry: the desktop app cannot load Qt") and "\n" not in err
     assert str(data_dir / "moeferry.log") in err
