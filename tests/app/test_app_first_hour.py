@@ -16,14 +16,10 @@ from app.setup_backend import PlanSummary
 from app.theme import colors, contrast_ratio, palette_colors
 from app.wizard.wizard import Page
 from tests.app.fakes import NO_GPU, FakeEngineBackend, fake_setup_backend, write_settings
+from tests.app.wizard_steps import next_page, open_install_page
 
 ROOT = Path(__file__).resolve().parents[2]
 
-
-def next_page(wizard, qtbot, expect: Page, timeout=5000):
-    qtbot.waitUntil(wizard.currentPage().isComplete, timeout=timeout)
-    wizard.next()
-    assert wizard.currentId() == expect
 
 
 def send(parts, qtbot, text="Hello there"):
@@ -52,11 +48,7 @@ def test_a_failed_download_is_forgotten_and_another_model_can_be_chosen(launch, 
 
     parts = launch(setup=fake_setup_backend(tmp_path, fetch=fetch))
     wizard = parts.window.wizard
-    next_page(wizard, qtbot, Page.HARDWARE)
-    next_page(wizard, qtbot, Page.MODEL)
-    wizard.pages[Page.MODEL].select("mixtral-src")
-    next_page(wizard, qtbot, Page.INSTALL)
-    install = wizard.pages[Page.INSTALL]
+    install = open_install_page(wizard, qtbot, "mixtral-src")
     qtbot.waitUntil(lambda: "Cannot reach" in install.message.text(), timeout=3000)
     assert "--endpoint" not in install.message.text() and "ConnectError" not in install.message.text()
     assert parts.settings.get(Key.PENDING_INSTALL) is None, "a failed install is not reopened at the next start"

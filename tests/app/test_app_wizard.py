@@ -12,13 +12,7 @@ from app.settings import Key
 from app.wizard.wizard import Page
 from engine.download import FetchProgress
 from tests.app.fakes import NO_GPU, fake_setup_backend
-
-
-def next_page(wizard, qtbot, expect: Page, timeout=5000):
-    page = wizard.currentPage()
-    qtbot.waitUntil(page.isComplete, timeout=timeout)
-    wizard.next()
-    assert wizard.currentId() == expect
+from tests.app.wizard_steps import next_page, open_install_page
 
 
 def test_whole_wizard_then_chat(launch, qtbot, data_dir, engine_backend):
@@ -140,11 +134,7 @@ def test_cancel_then_resume_after_restart(launch, qtbot, tmp_path, data_dir):
     backend, fetch = slow_fetch_backend(tmp_path, gate)
     parts = launch(setup=backend)
     wizard = parts.window.wizard
-    next_page(wizard, qtbot, Page.HARDWARE)
-    next_page(wizard, qtbot, Page.MODEL)
-    wizard.pages[Page.MODEL].select("mixtral-src")
-    next_page(wizard, qtbot, Page.INSTALL)
-    install = wizard.pages[Page.INSTALL]
+    install = open_install_page(wizard, qtbot, "mixtral-src")
     qtbot.waitUntil(lambda: "500 B of 1.0 KB" in install.detail.text(), timeout=3000)
     with qtbot.waitSignal(install.task.cancelled, timeout=3000):
         install.cancel_button.click()
