@@ -270,11 +270,11 @@ class CpuExperts:
         step that run on the CPU; both = those of them also copied into the cache for later."""
         from engine import placement
 
+        if not self.every_expert and cache.policy != "lru":
+            return {}, []
         uses = {e: [(t, row.index(e)) for t, row in enumerate(ids_host) if e in row] for e in needed}
         if self.every_expert:
             return uses, []
-        if cache.policy != "lru":
-            return {}, []
         resident = set(cache.resident(layer))
         misses = [e for e in needed if e not in resident]
         able = {e for e in misses if (layer, e) in self.copies}
@@ -300,8 +300,9 @@ class CpuExperts:
         up further than two copies."""
         from engine import placement
 
-        cache.link_s_per_byte = 1 / (self.costs.link_gbps * 1e9)
-        cache.prefetch_horizon_s = 2 * placement.copy_s(self.costs, self.sizes)
+        if cache.link_s_per_byte is None:  # the costs are final by the first decoded token
+            cache.link_s_per_byte = 1 / (self.costs.link_gbps * 1e9)
+            cache.prefetch_horizon_s = 2 * placement.copy_s(self.costs, self.sizes)
         lru = cache.lru[layer]
         experts = [(e, cache.ready_at[layer][lru[e]] if e in lru else None) for e in needed]
         able = {e for e in needed if (layer, e) in self.copies}

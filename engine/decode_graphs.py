@@ -14,11 +14,10 @@ The host part (which experts to copy, LRU, prefetch) is the model's own `dispatc
 A forced routing (`model.routing`, engine/routing.py: the benchmark's uniform or replayed
 routing) overwrites, on the device, the `ids`/`weights`/`guesses` a layer graph wrote before
 `dispatch` reads them; the one-graph path is captured with copies from `forced_ids` /
-`forced_weights`, which the host fills before each replay.
-The host part (which experts to copy, LRU, prefetch) is the model's own `dispatch`. With the
-CPU+GPU hybrid (model.hybrid) some of a layer's experts run on the CPU: the grouped launch then
-runs only the others (a graph per count, `run_moe`) and the CPU's sum is added to `out` eagerly
-before the next layer's graph reads it.
+`forced_weights`, which the host fills before each replay. With the CPU+GPU hybrid
+(model.hybrid) some of a layer's experts run on the CPU: the grouped launch then runs only the
+others (a graph per count, `run_moe`) and the CPU's sum is added to `out` eagerly before the
+next layer's graph reads it.
 
 Graphs read and write fixed buffers (`x`, `h`, `out`, `weights`, `ids`, `guesses`, `logits`)
 and the token position from a device tensor, so they replay at any position. Each graph is
@@ -317,7 +316,8 @@ class GraphedDecode:
         if n == 0:
             self.out.zero_()
             return
-        self.pos_host[:n] = torch.tensor(positions, dtype=torch.long)
+        for j, p in enumerate(positions):  # no tensor made per layer and token
+            self.pos_host[j] = p
         self.sub_pos[:n].copy_(self.pos_host[:n], non_blocking=True)  # rewritten after the next sync
         self.run(("moe", i, n), lambda: self.moe_subset_segment(i, n))
 

@@ -61,6 +61,10 @@ def store_sampling_defaults(path: Path) -> dict:
 
 
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 100.0
+# ExpertCache's CacheStats field -> GenerationStats field (the contract module loads without torch)
+CACHE_STAT_NAMES = {"hits": "cache_hits", "misses": "cache_misses", "prefetch_issued": "prefetch_issued",
+                    "prefetch_used": "prefetch_used", "bytes_h2d": "bytes_h2d", "misses_cpu": "misses_cpu",
+                    "misses_both": "misses_both"}
 
 
 def check_sampling(s: SamplingSettings) -> None:
@@ -184,7 +188,7 @@ class Engine:
         model.setup_kv(min(self.max_context, len(prompt_ids) + max_new))
         gen = torch.Generator().manual_seed(s.seed) if s.seed is not None else None
         before = asdict(cache.stats)
-        cpu_before = list(asdict(model.hybrid.stats).values()) if model.hybrid is not None else None
+        cpu_before = asdict(model.hybrid.stats) if model.hybrid is not None else None
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         reuse = common_prefix(self.cached_ids, prompt_ids)
@@ -216,19 +220,14 @@ class Engine:
             if stats.new_tokens > 1:
                 stats.tokens_per_s = (stats.new_tokens - 1) / max(stats.decode_s, 1e-9)
             after = asdict(cache.stats)
-            stats.cache_hits = after["hits"] - before["hits"]
-            stats.cache_misses = after["misses"] - before["misses"]
-            stats.prefetch_issued = after["prefetch_issued"] - before["prefetch_issued"]
-            stats.prefetch_used = after["prefetch_used"] - before["prefetch_used"]
-            stats.bytes_h2d = after["bytes_h2d"] - before["bytes_h2d"]
-            stats.misses_cpu = after["misses_cpu"] - before["misses_cpu"]
-            stats.misses_both = after["misses_both"] - before["misses_both"]
+            for ours, theirs in CACHE_STAT_NAMES.items():
+                setattr(stats, theirs, after[ours] - before[ours])
             stats.misses_copied = stats.cache_misses - stats.misses_cpu
             if model.hybrid is not None:
-                now = asdict(model.hybrid.stats).values()
-                runs, nbytes, secs, waited = (a - b for a, b in zip(now, cpu_before))
-                stats.cpu_expert_runs, stats.cpu_s, stats.cpu_wait_s = runs, secs, waited
-                stats.cpu_gb_per_s = nbytes / secs / 1e9 if secs > 0 else 0.0
+                now = asdict(model.hybrid.stats)
+                cpu = type(model.hybrid.stats)(**{k: now[k] - cpu_before[k] for k in now})
+                stats.cpu_expert_runs, stats.cpu_s, stats.cpu_wait_s = cpu.experts, cpu.seconds, cpu.waited_s
+                stats.cpu_gb_per_s = cpu.gb_per_s
             total = stats.prefill_s + stats.decode_s
             stats.h2d_gb_per_s = stats.bytes_h2d / total / 1e9 if total > 0 else 0.0
             stats.peak_vram_bytes = peak_device_bytes(self)
@@ -584,8 +583,6 @@ def measure_costs(hybrid, copy, host: torch.Tensor, cache: ExpertCache):
         w = cache.decode(cache.views[0][0]) if cache.decode else cache.views[0][0]
         h = torch.zeros(1, x.shape[1], dtype=w["w1"].dtype)
         gpu_s = best(lambda: F.linear(F.silu(F.linear(h, w["w1"])) * F.linear(h, w["w3"]), w["w2"]))
-    params = copy.w13.rows * copy.w13.cols + copy.w2.rows * copy.w2.cols
     return placement.Costs(link_gbps=link / 1e9, cpu_gbps=copy.nbytes() / cpu_s / 1e9, gpu_expert_s=gpu_s,
-                           cpu_gflops=2 * params * 32 / flops_s / 1e9,
-                           cpu_overhead_s=20e-6 if cache.cuda else 0.0,  # + h down, the result up
-                           cpu_threads=hybrid.worker.threads)
+                           cpu_gflops=2 * hybrid.sizes.params * 32 / flops_s / 1e9,
+                           cpu_overhead_s=20e-6 if cache.cuda else 0.0)  # + h down, the result up

@@ -289,7 +289,7 @@ class OffloadedMixtral:
         over the top-k logits, which include the router's bias).
         """
         kind = layer.get("routing", "softmax_topk_norm")
-        logits = F.linear(h, layer["router"], layer.get("router_bias")).float()
+        logits = router_logits(layer, h)
         if kind == "topk_softmax":
             top, ids = torch.topk(logits, self.cfg.top_k, dim=-1)
             return torch.softmax(top, dim=-1), ids
@@ -391,7 +391,7 @@ class OffloadedMixtral:
         experts [T, m] (default top_k, as `route` ranks them)."""
         layer = self.moe_layers[j]
         h = rms_norm(x, layer["moe_norm"], self.cfg.rms_norm_eps)
-        probs = torch.softmax(F.linear(h, layer["router"], layer.get("router_bias")).float(), dim=-1)
+        probs = torch.softmax(router_logits(layer, h), dim=-1)
         return torch.topk(probs, m or self.cfg.top_k, dim=-1).indices
 
     def linear(self, x: torch.Tensor, w) -> torch.Tensor:
@@ -451,6 +451,11 @@ def sink_attention(q, k, v, mask, sinks: torch.Tensor) -> torch.Tensor:
 
 
 # -- norm and RoPE helpers ----------------------------------------------------------------------
+
+
+def router_logits(layer: dict, h: torch.Tensor) -> torch.Tensor:
+    """A MoE layer's router on h [T, H] (normed): float32 [T, E]."""
+    return F.linear(h, layer["router"], layer.get("router_bias")).float()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -29,9 +29,6 @@ class Costs:
     gpu_expert_s: float  # one cached expert on the GPU at batch 1
     cpu_gflops: float = 1000.0  # the CPU kernel at many tokens (prefill); measured at load
     cpu_overhead_s: float = 50e-6  # activation down, result up, the worker's hand-off
-    cpu_threads: int = 0
-    free_vram_bytes: int | None = None
-    free_ram_bytes: int | None = None
 
 
 @dataclass(frozen=True)

@@ -401,7 +401,7 @@ class TraceRecorder:
         self.rows.append([])
 
     def choose(self, model, i: int, x, weights, ids, guesses):
-        L = model.cfg.num_layers
+        L = model.cfg.num_moe_layers  # i counts MoE layers (moe_index)
         g = torch.full((self.depth, ids.shape[0], self.m), -1, dtype=torch.long)
         for d in range(1, self.depth + 1):
             if i + d < L:
@@ -519,7 +519,7 @@ def record_trace(engine, ids: torch.Tensor, note: str, window: int = TRACE_WINDO
     max(top_k, TRACE_GUESSES) of layer l+d's router on the residual stream that enters layer
     l's experts) for every token."""
     model, cfg = engine.model, engine.config
-    depth = min(depth, cfg.num_layers - 1)
+    depth = min(depth, cfg.num_moe_layers - 1)
     recorder = TraceRecorder(max(depth, 1), min(cfg.num_experts, max(cfg.top_k, TRACE_GUESSES)))
     old, model.routing = model.routing, recorder
     try:
