@@ -59,11 +59,9 @@ def start(app: QApplication, folder: Path, engine: EngineBackend, setup: SetupBa
         if notice:
             window.chat.notice.show_notice(notice)
     window.show()
+    controller.load_model()  # says "No model set up" when there is none yet
     if not settings.get(Key.WIZARD_DONE) or settings.get(Key.PENDING_INSTALL):
-        controller.load_model()  # says "No model set up" when there is none yet
         window.open_wizard()
-    else:
-        controller.load_model()
     return AppParts(settings, history, controller, window)
 
 

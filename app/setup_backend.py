@@ -69,7 +69,7 @@ def real_fetch(repo_id: str, dest: Path, **kwargs) -> Path:
 
 
 def real_find_in_hf_cache(repo_id: str) -> Path | None:
-    from engine.download import find_in_hf_cache
+    from engine.hf_cache import find_in_hf_cache
 
     return find_in_hf_cache(repo_id)
 

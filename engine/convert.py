@@ -375,7 +375,7 @@ def convert_checkpoint(src, dest, expert_bits: int, attn_bits: int, device: str 
     tmp = store.temp_sibling(dest)
     store.remove_partial(tmp)  # leftovers of an earlier interrupted run, before measuring space
     dense_bytes = sum(nbytes(dt, shape) for _, dt, shape in dense_entries(cfg, refs, names, aq)[0])
-    check_free_space(dest, dense_bytes + cfg.num_layers * cfg.num_experts * store.expert_layout(cfg, eq)[1])
+    check_free_space(dest, dense_bytes + cfg.num_moe_layers * cfg.num_experts * store.expert_layout(cfg, eq)[1])
     make_temp(tmp)
     report = progress or (lambda f, m: None)
     try:
@@ -464,7 +464,7 @@ def resolve_tokenizer_dir(arg) -> Path:
     if p.is_dir():
         return p
     try:
-        from engine.download import find_in_hf_cache
+        from engine.hf_cache import find_in_hf_cache
         found = find_in_hf_cache(str(arg))
     except ImportError:
         found = None

@@ -38,17 +38,12 @@ from typing import Callable
 # FetchProgress is imported from here by the app
 from engine.download_progress import FetchProgress, _fmt_bytes, _ProgressBar, _Tracker  # noqa: F401
 from engine.errors import UserError
-
-# find_in_hf_cache, hf_cache_dir, list_repo_files, RemoteFile and RepoListing lived here once;
-# other modules still import them from engine.download.
-from engine.hf_cache import (  # noqa: F401
+from engine.hf_cache import (
     RemoteFile,
     RepoListing,
     cache_blob,
     cache_repo_dir,
-    find_in_hf_cache,
     gated_message,
-    hf_cache_dir,
     list_repo_files,
     path_problem,
     safe_relpath,

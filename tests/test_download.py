@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from engine import download
-from engine.download import FetchCancelled, cli_fetch, fetch_repo, find_in_hf_cache
+from engine.download import FetchCancelled, cli_fetch, fetch_repo
 from engine.errors import UserError
+from engine.hf_cache import find_in_hf_cache
 
 try:
     from tests.hub_server import FakeRepo, HubServer, git_blob_sha1
