@@ -32,6 +32,7 @@ import torch
 
 from engine import quant, routing as routing_mod, store as store_mod
 from engine.bench_shapes import MODEL_SHAPES, family_dense, shape_config
+from engine.cpu_experts import HqqExpert
 from engine.errors import UserError
 from engine.expert_cache import ExpertCache, pace_cycles, sleep_cycles_per_s
 from engine.generate import compute_ready, cpu_copies_of, cpu_experts_for, fmt_bytes, parse_size, workspace_bytes
@@ -291,6 +292,7 @@ class Conditions:
     guess_recall: float = 0.85
     h2d_gbps: float | None = None  # pace copies to this rate; None = the link as it is
     seed: int = 0
+    cpu_format: str | None = None  # the hybrid's CPU experts: None = hqq in place where it can, else int4
 
     def routing_source(self, cfg, device, depth: int):
         return routing_mod.parse_routing(self.routing, cfg, device, self.guess_recall, depth, self.seed)
@@ -348,9 +350,9 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
             kk = cfg.top_k if mode == "naive" else ks[kern]
             depth = prefetch if mode in ("full", "hybrid") else 0
             if mode == "hybrid" and s.cpu_copies is None:
-                log("  making int4 CPU copies of every expert (on the GPU)")
-                s.cpu_copies = cpu_copies_of(cfg, s.host, expert_views(cfg, s.fields, s.eq), device, "int4",
-                                             None, kk)
+                log(f"  the CPU experts ({cond.cpu_format or 'default'} format)")
+                s.cpu_copies = cpu_copies_of(cfg, s.host, expert_views(cfg, s.fields, s.eq), device,
+                                             cond.cpu_format, None, kk)
             first, decode, d, peak, recall = run_mode(s, policy, kk, depth, kern, prompt, new_tokens,
                                                       cond.routing_source(cfg, device, max(depth, 1)), cycles,
                                                       cpu_copies=s.cpu_copies if mode == "hybrid" else None,
@@ -378,9 +380,20 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
         "new_tokens": new_tokens, "expert_bytes": stride, "resident_bytes": s.dense_bytes,
         "pinned_gb_per_s": bw / 1e9, "cache_experts": k,
         "routing": routing, "link": link, "cpu_threads": torch.get_num_threads(),
+        "cpu_experts": cpu_experts_report(s.cpu_copies, cfg) if "hybrid" in modes else None,
         "resident_compute_ms_per_token": {kk: v * 1e3 for kk, v in compute.items()},
         "results": [asdict(r) for r in results],
     }
+
+
+def cpu_experts_report(copies: dict | None, cfg) -> dict | None:
+    """The hybrid's CPU experts: their format and the bits per weight the CPU reads."""
+    if not copies:
+        return None
+    one = next(iter(copies.values()))
+    kind = "hqq" if isinstance(one, HqqExpert) else one.w13.fmt
+    return {"format": kind, "bits_per_weight": one.nbytes() * 8 / (3 * cfg.hidden_size * cfg.intermediate_size),
+            "experts": len(copies), "extra_ram_bytes": 0 if kind == "hqq" else sum(c.nbytes() for c in copies.values())}
 
 
 def mode_result(mode, kern, kk, depth, first, decode, d, peak, recall, new_tokens, bw, compute, budget):
@@ -469,6 +482,8 @@ def cli_bench(argv: list[str]) -> int:
                         "probability R^d (default 0.85)")
     p.add_argument("--h2d-gbps", type=float, help="pace host->device expert copies to this many GB/s")
     p.add_argument("--cpu-threads", type=int, help="torch CPU threads (default: torch's own)")
+    p.add_argument("--cpu-format", choices=("hqq", "int4", "int8"),
+                   help="the hybrid's CPU experts (default: hqq, the stored bytes in place)")
     p.add_argument("--json", action="store_true", help="print the report(s) as JSON")
     p.add_argument("--json-dir", help="also write one JSON report per budget and prompt length here")
     a = p.parse_args(argv)
@@ -477,7 +492,7 @@ def cli_bench(argv: list[str]) -> int:
     if not 0 <= a.guess_recall <= 1 or (a.h2d_gbps is not None and a.h2d_gbps <= 0) \
             or (a.cpu_threads is not None and a.cpu_threads < 1):
         raise UserError("--guess-recall must be in [0, 1], --h2d-gbps above 0 and --cpu-threads 1 or more.")
-    cond = Conditions(a.routing, a.guess_recall, a.h2d_gbps)
+    cond = Conditions(a.routing, a.guess_recall, a.h2d_gbps, cpu_format=a.cpu_format)
     # a bad --routing (or a trace too short for the run) fails before the build
     source = routing_mod.parse_routing(a.routing, shape_config(a.model, a.layers), "cpu",
                                        a.guess_recall, a.prefetch)

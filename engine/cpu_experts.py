@@ -1,9 +1,12 @@
 """Experts computed on the CPU from host memory, with torch's own weight-only kernels.
 
-No compiler is needed on the user's machine: the kernels are torch's prebuilt CPU ops
-(AVX2 / AVX-512). A CPU copy of an expert has its own layout, derived from the dequantized
-expert (the store's HQQ layout groups along OUTPUT rows, these kernels group along the
-INPUT dimension). One CpuMatrix W [N, K] (N outputs, K inputs) is one of:
+No compiler is needed on the user's machine. The default, "hqq", is not a copy at all: the
+kernel of engine/hqq_cpu.py (numba) reads an HQQ expert (2, 3 or 4 bits) in the host memory
+the GPU cache copies it from, so every expert can run on the CPU at no RAM cost. The other
+formats are copies in their own layout for torch's prebuilt CPU ops (AVX2 / AVX-512), derived
+from the dequantized expert (the store's HQQ layout groups along OUTPUT rows, these kernels
+group along the INPUT dimension): for 16-bit stores, or where numba is missing. One
+CpuMatrix W [N, K] (N outputs, K inputs) is one of:
 
   "int4"  torch.ops.aten._weight_int4pack_mm_for_cpu: codes q in [0, 16), groups of g input
           columns (g = 128 where K allows, else 64 or 32), scale and zero per (group, row):
@@ -22,7 +25,8 @@ An expert is two matrices: w13 = [w1; w3] ([2I, H], one product gives gate and u
 w2 [H, I]; out = w2 (silu(w1 x) * w3 x). forward() takes and returns float32; inside, x is
 rounded to the matrix's activation dtype (bfloat16 for int4/int8, as on the GPU).
 torch has no 2- or 3-bit CPU kernel, and a pure-torch one (unpack, then matmul) writes the
-unpacked weights back to RAM: about 100x slower than int4 (benchmarks/cpu_experts.py).
+unpacked weights back to RAM: about 100x slower than int4 (benchmarks/cpu_experts.py); hence
+the numba kernel for the store's own bytes.
 
 CpuWorker keeps one thread ready (torch's intra-op pool warm): torch ops release the GIL,
 so the main thread keeps queuing GPU work and copies while the CPU computes.
@@ -39,7 +43,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-FORMATS = ("int4", "int8", "dense")
+COPY_FORMATS = ("int4", "int8", "dense")  # copies in their own layout
+FORMATS = ("hqq",) + COPY_FORMATS  # "hqq": the stored expert, in place
 GROUPS = (128, 64, 32)  # int4 groups used, largest (fewest bytes) first; the kernel also takes 256
 CLIPS = (1.0, 0.96, 0.92, 0.88, 0.84)  # int4 range shrink factors tried per group
 
@@ -87,6 +92,33 @@ class CpuExpert:
         """x float32 [T, H] -> float32 [T, H]."""
         gate, up = self.w13.matmul(x).chunk(2, dim=-1)
         return self.w2.matmul(F.silu(gate) * up)
+
+
+@dataclass
+class HqqExpert:
+    """An expert as stored (HQQ QMatrix views of host memory), run by engine/hqq_cpu.py."""
+    w1: object  # hqq_cpu.CpuQMatrix
+    w3: object
+    w2: object
+
+    def nbytes(self) -> int:
+        return self.w1.nbytes() + self.w3.nbytes() + self.w2.nbytes()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from engine import hqq_cpu
+        return torch.from_numpy(hqq_cpu.swiglu_expert(x.float().numpy(), self.w1, self.w3, self.w2))
+
+
+def hqq_expert(w: dict) -> HqqExpert:
+    """w: the stored expert's QMatrix views ("w1", "w3", "w2"), in host memory."""
+    from engine import hqq_cpu
+    return HqqExpert(*(hqq_cpu.from_qmatrix(w[m]) for m in ("w1", "w3", "w2")))
+
+
+def hqq_supported(w: dict) -> bool:
+    """Whether the stored expert (its views) can run in place ("hqq"), numba installed."""
+    from engine import hqq_cpu
+    return not hqq_cpu.available() and all(hqq_cpu.supported(w.get(m)) for m in ("w1", "w3", "w2"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,7 +194,7 @@ def make_matrix(w: torch.Tensor, fmt: str) -> CpuMatrix:
         return quantize_int8(w)
     if fmt == "dense":
         return CpuMatrix("dense", *w.shape, w.detach().cpu().contiguous())
-    raise ValueError(f"unknown CPU expert format {fmt!r}; use one of {', '.join(FORMATS)}")
+    raise ValueError(f"unknown CPU expert format {fmt!r}; use one of {', '.join(COPY_FORMATS)}")
 
 
 def make_expert(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, fmt: str) -> CpuExpert:
@@ -212,10 +244,13 @@ class CpuWorker:
     main thread's is left as it is). run() returns a Future; stats are updated under a lock.
     """
 
-    def __init__(self, threads: int | None = None):
+    def __init__(self, threads: int | None = None, numba: bool = False):
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeferry-cpu-experts")
         if threads:
             self.pool.submit(torch.set_num_threads, threads).result()
+        if numba:  # numba keeps its thread count per launching thread too
+            from engine import hqq_cpu
+            self.pool.submit(hqq_cpu.set_threads, threads or torch.get_num_threads()).result()
         self.threads = self.pool.submit(torch.get_num_threads).result()
         self.stats = CpuRunStats()
         self.lock = threading.Lock()
@@ -256,9 +291,13 @@ class CpuExperts:
         self.copies, self.mode, self.costs, self.every_expert = copies, mode, costs, every_expert
         cpu_bytes = max((c.nbytes() for c in copies.values()), default=0)
         self.sizes = placement.ExpertSizes(gpu_bytes, cpu_bytes, params)
-        self.worker = None if every_expert else CpuWorker(threads)
+        numba = any(isinstance(c, HqqExpert) for c in copies.values())
+        self.worker = None if every_expert else CpuWorker(threads, numba)
         if every_expert and threads:  # the experts run in the calling thread
             torch.set_num_threads(threads)
+            if numba:
+                from engine import hqq_cpu
+                hqq_cpu.set_threads(threads)
         self.stats = CpuRunStats() if every_expert else self.worker.stats
         self.stage: torch.Tensor | None = None  # pinned [top_k, H]: results on their way up
 

@@ -401,8 +401,9 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
     """Open a store and put it on the device. progress(fraction, message).
 
     cpu_experts "off" | "all" | "auto" (engine/cpu_experts.py, engine/placement.py): missed
-    experts computed on the CPU from CPU copies in cpu_format (int4, int8, dense; default int4
-    where the shapes allow), within ram_budget for those copies. On a CPU device without
+    experts computed on the CPU, by default ("hqq") from the experts' own bytes in host memory
+    where they are HQQ-quantized, else from CPU copies in cpu_format (int4, int8, dense;
+    default int4 where the shapes allow) within ram_budget for those copies. On a CPU device without
     cache_experts, every expert runs on the CPU kernels."""
     from transformers import AutoTokenizer
 
@@ -500,6 +501,8 @@ def make_cpu_experts(st: store_mod.Store, host: torch.Tensor, cache: ExpertCache
         raise UserError(f"--cpu-experts runs SiLU experts in HQQ or 16-bit form; this {cfg.family} store's "
                         f"experts are not, so use --cpu-experts off.")
     view = lambda buf: store_mod.view_expert(buf, st.expert_fields, st.expert_quant, cfg)  # noqa: E731
+    if cache.host is not None:  # the pinned copy the cache copies from: the experts' home in RAM
+        host = cache.host
     copies = cpu_copies_of(cfg, host, view, cache.device, fmt, ram_budget, cache.K, progress, dtype)
     if every_expert and len(copies) < cfg.num_moe_layers * cfg.num_experts:
         raise UserError("The RAM budget cannot hold a CPU copy of every expert; raise --ram-budget.")
@@ -518,12 +521,21 @@ def default_ram_budget() -> int | None:
 
 def cpu_copies_of(cfg: ModelConfig, host: torch.Tensor, view, device: torch.device, fmt: str | None,
                   ram_budget: int | None, slots: int, progress=None, dtype=torch.bfloat16) -> dict:
-    """(layer, expert) -> CpuExpert for the experts placement.cpu_copies picks within ram_budget,
-    each derived from the dequantized stored expert (dequantized and re-quantized on the
-    compute device: minutes on a CPU for Mixtral, seconds on a GPU). dense copies keep the
-    model's compute dtype."""
+    """(layer, expert) -> CpuExpert. "hqq" (the default where it applies): every expert, run in
+    place from host. Otherwise the experts placement.cpu_copies picks within ram_budget, each
+    derived from the dequantized stored expert (dequantized and re-quantized on the compute
+    device: minutes on a CPU for Mixtral, seconds on a GPU); dense copies keep the model's
+    compute dtype."""
     from engine import cpu_experts as ce, placement
 
+    if fmt in (None, "hqq") and ce.hqq_supported(view(host[0, 0])):  # in place: no copy, no RAM
+        copies = {}
+        for layer in range(cfg.num_moe_layers):
+            copies.update({(layer, e): ce.hqq_expert(view(host[layer, e])) for e in range(cfg.num_experts)})
+        return copies
+    if fmt == "hqq":
+        raise UserError("--cpu-format hqq runs HQQ experts of 2, 3 or 4 bits in place and needs numba; "
+                        "this store's experts are not such, or numba is missing: use --cpu-format int4.")
     fmt = fmt or ("int4" if ce.supported("int4", cfg.hidden_size, cfg.intermediate_size) else "int8")
     dtype = dtype if fmt == "dense" else torch.float32  # float32 in, the copy rounds it
 

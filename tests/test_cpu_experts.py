@@ -71,7 +71,7 @@ def test_int8_kernel_matches_its_dequantized_codes():
 
 
 @pytest.mark.parametrize("expert_bits", [2, 3, 4])
-@pytest.mark.parametrize("fmt", ce.FORMATS)
+@pytest.mark.parametrize("fmt", ce.COPY_FORMATS)
 def test_cpu_expert_equals_reference_of_its_copy_and_reports_extra_error(expert_bits, fmt):
     """The GPU copy is the store's HQQ expert; the CPU copy is derived from its dequantized
     values. The CPU output equals the float reference of the CPU copy; its distance from the
@@ -109,7 +109,7 @@ def test_cpu_expert_equals_reference_of_its_copy_and_reports_extra_error(expert_
 
 def test_expert_bytes_per_format():
     w = [torch.randn(256, 128), torch.randn(256, 128), torch.randn(128, 256)]
-    sizes = {fmt: ce.make_expert(*w, fmt).nbytes() for fmt in ce.FORMATS}
+    sizes = {fmt: ce.make_expert(*w, fmt).nbytes() for fmt in ce.COPY_FORMATS}
     params = 3 * 256 * 128
     assert sizes["dense"] == 4 * params  # float32 weights stay float32
     assert sizes["int8"] == params + 2 * (512 + 128)  # + a bfloat16 scale per row

@@ -218,3 +218,20 @@ def test_default_ram_budget_is_what_is_available(store16, monkeypatch):
     assert len(tight.model.hybrid.copies) == 5
     assert "CPU copies of 5 of the 24 experts" in tight.note
     assert greedy(tight) == want
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_quantized_store_runs_its_own_bytes_on_the_cpu_by_default(tmp_path, bits):
+    """A 2-4 bit store: the default CPU format is "hqq" (the stored expert in place, no copy),
+    and it gives the dequantized model's greedy tokens, with a cache (hybrid) and without one."""
+    from engine.cpu_experts import HqqExpert
+
+    make_checkpoint(tmp_path / "ck", seed=5, num_local_experts=4, hidden_size=64, intermediate_size=128)
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st", bits, 16, "cpu")
+    want = reference_greedy(load_dequantized_hf_model(tmp_path / "st"), PROMPT, 16)
+    for kw in ({"cache_experts": 2}, {}):
+        engine = load_engine(tmp_path / "st", device="cpu", dtype="float32", cpu_experts="all", **kw)
+        copies = engine.model.hybrid.copies
+        assert len(copies) == engine.model.cfg.num_moe_layers * 4 and all(isinstance(c, HqqExpert) for c in copies.values())
+        assert greedy(engine) == want, kw
+        assert engine.last_stats.cpu_expert_runs > 0
