@@ -5,7 +5,8 @@
 
 For each thread count: the RAM read bandwidth (a large float32 sum), then one batch-1
 product with a 14336x4096 (w1/w3) and a 4096x14336 (w2) matrix in each CPU format of
-engine/cpu_experts.py, plus two references: a bf16 matmul and a pure-torch 2-bit attempt
+engine/cpu_experts.py (hqq2/3/4: the stored HQQ expert run in place by engine/hqq_cpu.py;
+"hqq2-expert" times a whole 2-bit expert, gate + up + down, in one call), plus two references: a bf16 matmul and a pure-torch 2-bit attempt
 (unpack the codes to int8, then the int8 kernel). Each timed call uses the next of enough
 copies of the matrix that together they exceed --rotate-gib, so the L3 cannot serve them.
 GB/s counts the bytes the kernel must read (codes + scales/zeros). Weights are random codes:
@@ -20,6 +21,7 @@ import time
 
 import torch
 
+from engine import hqq_cpu, quant
 from engine.cpu_experts import CpuMatrix
 
 SHAPES = ((14336, 4096), (4096, 14336))  # (outputs N, inputs K)
@@ -54,6 +56,67 @@ def random_matrix(fmt: str, N: int, K: int, gen) -> CpuMatrix:
     raise ValueError(fmt)
 
 
+def random_hqq(bits: int, N: int, K: int, gen) -> hqq_cpu.CpuQMatrix:
+    """Random codes and 8-bit scales/zeros in the store's layout (the engine's expert specs)."""
+    spec = quant.EXPERT_SPECS[bits]
+    fields = quant.field_shapes(N, K, spec)
+    t = {name: (torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen) if dtype == torch.uint8
+                else torch.rand(shape, generator=gen).half()) for name, (dtype, shape) in fields.items()}
+    return hqq_cpu.from_qmatrix(quant.QMatrix.from_tensors({"rows": N, "cols": K, "bits": bits,
+                                                             "group_size": spec.group_size}, t))
+
+
+class HqqMatrix:
+    """Adapter so the timing loop treats the in-place kernel like a CpuMatrix."""
+
+    def __init__(self, m: hqq_cpu.CpuQMatrix):
+        self.m = m
+
+    def nbytes(self) -> int:
+        return self.m.nbytes()
+
+    def matmul(self, x: torch.Tensor):
+        return hqq_cpu.matmul(x.float().numpy(), self.m)
+
+
+class HqqExpertTimed:
+    def __init__(self, w1, w3, w2):
+        self.w = (w1, w3, w2)
+
+    def nbytes(self) -> int:
+        return sum(w.nbytes() for w in self.w)
+
+    def matmul(self, x: torch.Tensor):
+        return hqq_cpu.swiglu_expert(x.float().numpy(), *self.w)
+
+
+def time_hqq(fmt: str, N: int, K: int, rotate_gib: float, reps: int) -> dict:
+    bits = int(fmt[3])
+    gen = torch.Generator().manual_seed(N + bits)
+    if fmt.endswith("-expert"):  # Mixtral's expert: w1, w3 [I, H], w2 [H, I]; N, K = I, H
+        make = lambda: HqqExpertTimed(random_hqq(bits, N, K, gen), random_hqq(bits, N, K, gen),  # noqa: E731
+                                      random_hqq(bits, K, N, gen))
+        shape = f"expert {N}x{K}"
+    else:
+        make = lambda: HqqMatrix(random_hqq(bits, N, K, gen))  # noqa: E731
+        shape = f"{N}x{K}"
+    first = make()
+    copies = max(2, int(rotate_gib * (1 << 30) // first.nbytes()) + 1)
+    mats = [first] + [make() for _ in range(copies - 1)]
+    x = torch.randn(1, K, generator=gen)
+    for m in mats[:2]:
+        m.matmul(x)
+    times = []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        mats[i % copies].matmul(x)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    med = times[len(times) // 2]
+    return {"format": fmt, "shape": shape, "us": round(med * 1e6, 1), "us_best": round(times[0] * 1e6, 1),
+            "gb_per_s": round(first.nbytes() / med / 1e9, 2), "bytes": first.nbytes(), "copies": copies}
+
+
 def run(m: CpuMatrix, x: torch.Tensor) -> torch.Tensor:
     if m.fmt == "2bit":  # the best a compiler-free 2-bit path can do: unpack, then int8 kernel
         codes = torch.cat([((m.packed >> s) & 3) for s in (6, 4, 2, 0)]).view(torch.int8)
@@ -86,8 +149,8 @@ def time_format(fmt: str, N: int, K: int, rotate_gib: float, reps: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
-    ap.add_argument("--formats", nargs="+", default=["int4g32", "int4g64", "int4g128", "int4g256", "int8",
-                                                      "bf16", "2bit-unpack"])
+    ap.add_argument("--formats", nargs="+", default=["hqq2", "hqq3", "hqq4", "hqq2-expert", "int4g128",
+                                                      "int4g256", "int8", "bf16"])
     ap.add_argument("--rotate-gib", type=float, default=1.0, help="total size of the rotated copies")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", action="store_true")
@@ -95,11 +158,13 @@ def main() -> None:
     rows = []
     for t in args.threads:
         torch.set_num_threads(t)
+        hqq_cpu.set_threads(t)
         ram = ram_read_gbps(min(2.0, 2 * args.rotate_gib))
         print(f"threads {t}: RAM read {ram:.1f} GB/s", flush=True)
         for fmt in args.formats:
-            for N, K in SHAPES:
-                r = time_format(fmt, N, K, args.rotate_gib, args.reps)
+            for N, K in SHAPES[:1] if fmt.endswith("-expert") else SHAPES:
+                timer = time_hqq if fmt.startswith("hqq") else time_format
+                r = timer(fmt, N, K, args.rotate_gib, args.reps)
                 r.update(threads=t, ram_read_gb_per_s=round(ram, 1),
                          of_ram=round(r["gb_per_s"] / ram, 2))
                 rows.append(r)
