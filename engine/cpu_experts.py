@@ -35,6 +35,7 @@ so the main thread keeps queuing GPU work and copies while the CPU computes.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,6 +48,7 @@ COPY_FORMATS = ("int4", "int8", "dense")  # copies in their own layout
 FORMATS = ("hqq",) + COPY_FORMATS  # "hqq": the stored expert, in place
 GROUPS = (128, 64, 32)  # int4 groups used, largest (fewest bytes) first; the kernel also takes 256
 CLIPS = (1.0, 0.96, 0.92, 0.88, 0.84)  # int4 range shrink factors tried per group
+SWITCH_INTERVAL_S = 1e-4  # the GIL's switch interval while a CPU worker runs
 
 
 @dataclass
@@ -255,6 +257,10 @@ class CpuWorker:
         self.stats = CpuRunStats()
         self.lock = threading.Lock()
         self.pool.submit(torch.ones(256, 256).sum).result()  # the pool's threads start now
+        # A thread waiting for the GIL gets it only when the holder blocks or after the switch
+        # interval (5 ms by default): as long as a whole layer. The main thread mostly queues
+        # GPU work, so a short interval lets the worker start and hand back at once.
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
 
     def run(self, jobs: list[tuple[CpuExpert, torch.Tensor]]) -> Future:
         """Compute expert(x) for each (expert, x float32 [T, H]); Future of the outputs, in order."""
