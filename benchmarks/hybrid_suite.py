@@ -5,9 +5,10 @@
     python3 benchmarks/hybrid_suite.py OUT.json 2 hybrid-12GiB    # only the runs named
 
 Uniform routing (the headline), fused kernels, P=128, T=64. Each budget runs lru, full (cache +
-prefetch) and hybrid (full + misses computed on the CPU from int4 copies, chosen per layer by
-the cost model) on one build, so the rows compare the same weights and routing; 2-bit also
-runs the desktop stand-in (copies paced to 25 GB/s, 8 CPU threads). Writes the reports as one
+prefetch) and hybrid (full + misses computed on the CPU from the stored HQQ bytes in place,
+chosen per expert by the cost model) on one build, so the rows compare the same weights and
+routing; 12GiB also runs the hybrid with prefetch 0 and 2, and the desktop stand-in (copies
+paced to 25 GB/s, 8 CPU threads); "none" (every expert resident) checks nothing got slower. Writes the reports as one
 JSON list and prints their markdown tables.
 """
 
@@ -25,10 +26,15 @@ from engine import bench  # noqa: E402
 LADDER = ("lru", "full", "hybrid")
 RUNS = {
     2: [("hybrid-12GiB", "12GiB", LADDER, bench.Conditions(), None),
+        ("hybrid-12GiB-prefetch0", "12GiB", ("hybrid",), bench.Conditions(), None, 0),
+        ("hybrid-12GiB-prefetch2", "12GiB", ("full", "hybrid"), bench.Conditions(), None, 2),
         ("hybrid-12GiB-25GBps-8threads", "12GiB", LADDER, bench.Conditions(h2d_gbps=25.0), 8),
+        ("hybrid-12GiB-25GBps-8threads-prefetch0", "12GiB", ("hybrid",), bench.Conditions(h2d_gbps=25.0), 8, 0),
+        ("none", "none", ("lru",), bench.Conditions(), None),
         ("hybrid-8GiB", "8GiB", ("full", "hybrid"), bench.Conditions(), None),
         ("hybrid-16GiB", "16GiB", ("full", "hybrid"), bench.Conditions(), None)],
     4: [("hybrid-12GiB-4bit", "12GiB", LADDER, bench.Conditions(), None),
+        ("hybrid-12GiB-4bit-prefetch0", "12GiB", ("hybrid",), bench.Conditions(), None, 0),
         ("hybrid-12GiB-4bit-25GBps-8threads", "12GiB", LADDER, bench.Conditions(h2d_gbps=25.0), 8)],
 }
 

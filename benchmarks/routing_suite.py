@@ -48,10 +48,10 @@ def run_all(bits: int, runs: list) -> list[dict]:
     s = bench.build(32, bits, 4, log=log)
     reports = []
     default_threads = torch.get_num_threads()
-    for name, budget, modes, cond, threads in runs:
+    for name, budget, modes, cond, threads, *depth in runs:  # depth: prefetch layers (default 1)
         t = time.perf_counter()
         torch.set_num_threads(threads or default_threads)
-        report = bench.measure(s, budget, 128, 64, modes, ("fused",), 1, log=log, cond=cond)
+        report = bench.measure(s, budget, 128, 64, modes, ("fused",), depth[0] if depth else 1, log=log, cond=cond)
         reports.append({"name": name, "wall_s": round(time.perf_counter() - t, 1), **report})
         print(f"### {name}\n\n{bench.markdown_table(report)}\n", flush=True)
     torch.set_num_threads(default_threads)
