@@ -42,3 +42,26 @@ def test_a_replayed_trace_is_reported_with_its_own_statistics(tmp_path):
     line = bench.conditions_line(again)
     assert f"LRU hit ratio at 8 cached: {stats['lru_hit_ratio'][8]:.3f}" in line
     assert "trace " in line and "demo-heldout" in line and "CPU threads" in line
+
+
+def test_the_hybrid_mode_reports_its_cpu_experts():
+    """measure()'s hybrid mode on the CPU under a budget that caches 2 of 8 experts: misses
+    run on the CPU from the stored 2-bit bytes in place ("hqq", no extra RAM), and the report
+    says so with the bits per weight the CPU reads."""
+    tiny = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4,
+            "num_kv_heads": 4, "head_dim": 16, "max_position_embeddings": 256}
+    s = bench.build(2, 2, 8, device="cpu", config=tiny, log=lambda m: None)
+    budget = bench.cache_size_for  # the budget that leaves room for exactly 2 slots
+    per_slot = s.cfg.num_moe_layers * s.host.shape[2]
+    for extra in range(0, 64 << 20, 1 << 14):
+        if budget(s.dense_bytes + 2 * per_slot + extra, s.cfg, s.dense_bytes, s.host.shape[2], 20, s.device,
+                  "reference") == 2:
+            break
+    r = bench.measure(s, str(s.dense_bytes + 2 * per_slot + extra), 8, 12, ("lru", "hybrid"), ("reference",), 1,
+                      log=lambda m: None, cond=bench.Conditions(routing="uniform"))
+    lru, hybrid = r["results"]
+    assert lru["cache_experts"] == hybrid["cache_experts"] == 2
+    assert hybrid["misses_cpu"] > 0 and lru["misses_cpu"] == 0
+    cpu = r["cpu_experts"]
+    assert cpu["format"] == "hqq" and cpu["extra_ram_bytes"] == 0 and cpu["experts"] == 2 * 8
+    assert 2.5 < cpu["bits_per_weight"] < 3.5  # 2-bit codes + 8-bit scales and zeros per 16
