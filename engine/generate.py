@@ -18,13 +18,12 @@ from typing import Iterable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from engine import quant, store as store_mod
+from engine import quant, store as store_mod, vram
 from engine.contract import ExpertTrace, GenerationStats, SamplingSettings, TokenPiece  # noqa: F401 - re-exported
 from engine.errors import UserError
 from engine.expert_cache import ExpertCache
-from engine.model import KVCache, ModelConfig, OffloadedMixtral
-
-GiB = 1 << 30
+from engine.model import ModelConfig, OffloadedMixtral
+from engine.units import GB, KB, MB, TB, GiB, KiB, MiB, TiB, fmt_bytes
 
 
 def detokenize(tokenizer, ids: Iterable[int]) -> Iterator[tuple[int, str]]:
@@ -144,8 +143,7 @@ class Engine:
     def set_cache_experts(self, k: int) -> None:
         with self.lock:
             check_cache_size(k, self.config)
-            fixed = fixed_device_bytes(self.store, self.model, self.max_context)
-            check_budget(self.vram_budget, fixed, k, self.config.num_moe_layers * self.store.expert_bytes)
+            check_budget(self.vram_budget, engine_device_bytes(self), k)
             host = self.model.cache.host if self.model.cache.host is not None else store_mod.experts_array(self.store)
             self.model.cache = None
             self.model.cache = make_cache(self.store, host, k, self.device, self.dtype)
@@ -285,34 +283,26 @@ def parse_size(text: str | None) -> int | None:
     if not m:
         raise UserError(f"Cannot read the size {text!r}; write it like 12GiB, 16GB or 800MiB.")
     unit = (m.group(2) or "b").rstrip("b") or ""
-    mult = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
-            "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}[unit]
+    mult = {"": 1, "k": KB, "m": MB, "g": GB, "t": TB, "ki": KiB, "mi": MiB, "gi": GiB, "ti": TiB}[unit]
     return int(float(m.group(1)) * mult)
 
 
-def fmt_bytes(n: int) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / (1 << 20):.1f} MiB"
+def device_bytes(cfg: ModelConfig, dense_bytes: int, expert_bytes: int, context: int, dtype,
+                 device: torch.device, kernels: str = "auto") -> vram.DeviceBytes:
+    """What the model holds on the device besides its expert cache (engine/vram.py's sizing,
+    the planner's too)."""
+    on_gpu = device.type == "cuda"
+    return vram.DeviceBytes(
+        dense=dense_bytes,
+        kv_cache=vram.kv_cache_bytes(cfg.num_layers, context, cfg.num_kv_heads, cfg.head_dim, dtype.itemsize),
+        workspace=vram.workspace_bytes(cfg.hidden_size * cfg.intermediate_size, dtype.itemsize, kernels, on_gpu),
+        per_slot=cfg.num_moe_layers * expert_bytes, num_experts=cfg.num_experts)
 
 
-def workspace_bytes(cfg: ModelConfig, dtype, device: torch.device, kernels: str = "auto") -> int:
-    """Room for activations and transient matrices on the device.
-
-    The fused path dequantizes at most one expert matrix into a workspace for long prompts
-    (plus its inputs and outputs); the reference path builds float32 codes, scales and the
-    dequantized matrix at every product (measured: ~1 GB for Mixtral's 14336x4096 at once).
-    """
-    if device.type != "cuda":
-        return 0
-    per_matrix = cfg.intermediate_size * cfg.hidden_size
-    if kernels == "reference":
-        return 14 * per_matrix + 256 * (1 << 20)
-    return 3 * per_matrix * dtype.itemsize + 256 * (1 << 20)
-
-
-def fixed_device_bytes(store: store_mod.Store, model: OffloadedMixtral, context: int) -> int:
-    """Bytes on the device that do not depend on the expert cache size."""
-    return (model.dense_bytes + KVCache.nbytes(store.config, context, model.dtype)
-            + workspace_bytes(store.config, model.dtype, model.device, model.kernels))
+def engine_device_bytes(engine: "Engine") -> vram.DeviceBytes:
+    m = engine.model
+    return device_bytes(engine.config, m.dense_bytes, engine.store.expert_bytes, engine.max_context, m.dtype,
+                        m.device, m.kernels)
 
 
 def check_cache_size(k: int, cfg: ModelConfig) -> None:
@@ -321,14 +311,13 @@ def check_cache_size(k: int, cfg: ModelConfig) -> None:
                         f"of this model); got {k}.")
 
 
-def check_budget(budget: int | None, fixed: int, k: int, per_slot: int) -> None:
+def check_budget(budget: int | None, sizing: vram.DeviceBytes, k: int) -> None:
     if budget is None:
         return
-    need = fixed + k * per_slot
+    need = sizing.needed(k)
     if need > budget:
-        least = fixed + per_slot
         raise UserError(f"A VRAM budget of {fmt_bytes(budget)} cannot hold this model with {k} cached "
-                        f"expert(s) per layer ({fmt_bytes(need)} needed; at least {fmt_bytes(least)} "
+                        f"expert(s) per layer ({fmt_bytes(need)} needed; at least {fmt_bytes(sizing.needed(1))} "
                         f"with 1); raise --vram-budget or lower --cache-experts.")
 
 
@@ -435,19 +424,18 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
         # collapse when another process holds a core: measured 1.4 vs 130 tokens/s on 2 cores.
         torch.set_num_threads(1)
     dense, dense_b = move_dense(store_mod.read_dense(st), dev, dtype)
-    fixed = dense_b + KVCache.nbytes(cfg, context, dtype) + workspace_bytes(cfg, dtype, dev, kernels)
-    per_slot = cfg.num_moe_layers * st.expert_bytes
+    sizing = device_bytes(cfg, dense_b, st.expert_bytes, context, dtype, dev, kernels)
     if budget is None and dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
-        limit = free + dense_b - 512 * (1 << 20)  # dense weights are already on the device
+        limit = vram.auto_budget(free + dense_b)  # the dense weights are already on the device
     elif budget is None:
-        limit = fixed + per_slot * cfg.num_experts if per_slot * cfg.num_experts <= 4 * GiB else fixed + 4 * GiB
+        limit = sizing.needed(vram.cpu_cache_slots(sizing.per_slot, cfg.num_experts))
     else:
         limit = budget
-    k = cache_experts if cache_experts is not None else max(0, min(cfg.num_experts, (limit - fixed) // per_slot))
+    k = cache_experts if cache_experts is not None else sizing.slots(limit)
     k = 1 if every_expert else k  # the CPU kernels run every expert: the cache is never read
     if k < 1 or (budget is not None):
-        check_budget(limit, fixed, max(k, 1), per_slot)
+        check_budget(limit, sizing, max(k, 1))
     host = store_mod.experts_array(st)
     cache = make_cache(st, host, k, dev, dtype, lambda f, m: report(0.1 + 0.9 * f, m))
     model = OffloadedMixtral(cfg, dense, cache, dev, dtype, kernels)
