@@ -51,6 +51,7 @@ from engine.errors import UserError
 from engine.hf_cache import path_problem
 from engine.model import ModelConfig
 from engine.safetensors_io import DTYPE_NAMES, DTYPES, FormatError, read_header, read_tensor
+from engine.units import GiB
 
 FORMAT = "moeferry-store"
 VERSION = 1
@@ -404,8 +405,8 @@ def check_backed(cfg: ModelConfig, nbytes: int, what: str) -> None:
     need = min_model_bytes(cfg)
     if need > nbytes:
         raise UserError(f"{what} has a config.json describing {cfg.num_layers} layers of {cfg.num_experts} "
-                        f"experts (at least {need / 2**30:.1f} GiB even at 1 bit per weight), but its weight "
-                        f"files hold {nbytes / 2**30:.3f} GiB; the config does not belong to these weights.")
+                        f"experts (at least {need / GiB:.1f} GiB even at 1 bit per weight), but its weight "
+                        f"files hold {nbytes / GiB:.3f} GiB; the config does not belong to these weights.")
 
 
 def check_layout(path: Path, manifest: dict, cfg: ModelConfig) -> None:
