@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections import Counter
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -81,29 +82,59 @@ def check_sampling(s: SamplingSettings) -> None:
         raise UserError("--no-repeat-ngram must be 0 (off) or more.")
 
 
+class Repetition:
+    """The repetition controls' tables for the tokens so far, updated one token at a time: the
+    counts of the last repeat_last_n tokens, and for every (n-1)-token prefix the tokens that
+    followed it (rebuilding them for every new token costs a pass over the whole context)."""
+
+    def __init__(self, s: SamplingSettings, context: Sequence[int] = ()):
+        self.penalty, self.n, self.last_n = s.repeat_penalty or 1.0, s.no_repeat_ngram or 0, s.repeat_last_n
+        self.tokens: list[int] = []
+        self.window: Counter[int] = Counter()  # token -> times in the penalty's window
+        self.followers: dict[tuple[int, ...], set[int]] = {}  # (n-1)-gram -> tokens seen after it
+        for tok in context:
+            self.add(tok)
+
+    def add(self, tok: int) -> None:
+        self.tokens.append(tok)
+        if self.penalty != 1.0 and self.last_n != 0:
+            self.window[tok] += 1
+            if 0 < self.last_n < len(self.tokens):
+                old = self.tokens[-self.last_n - 1]
+                self.window[old] -= 1
+                if not self.window[old]:
+                    del self.window[old]
+        if self.n >= 1 and len(self.tokens) >= self.n:
+            gram = self.tokens[len(self.tokens) - self.n:]
+            self.followers.setdefault(tuple(gram[:-1]), set()).add(gram[-1])
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [vocab] with the controls applied (a copy; the same tensor when none applies)."""
+        ngrams = self.n >= 1 and len(self.tokens) >= self.n
+        if self.penalty == 1.0 and not ngrams:
+            return logits
+        logits = logits.clone()
+        if self.penalty != 1.0 and self.window:
+            idx = torch.tensor(sorted(self.window), device=logits.device)
+            seen = logits[idx]
+            logits[idx] = torch.where(seen > 0, seen / self.penalty, seen * self.penalty)
+        if ngrams:
+            banned = self.followers.get(tuple(self.tokens[len(self.tokens) - self.n + 1:]))
+            if banned:
+                logits[torch.tensor(sorted(banned), device=logits.device)] = float("-inf")
+        return logits
+
+
 def penalize(logits: torch.Tensor, s: SamplingSettings, context: list[int]) -> torch.Tensor:
     """logits [vocab] with the repetition controls applied to the context's tokens (a copy)."""
-    penalty, n = s.repeat_penalty or 1.0, s.no_repeat_ngram or 0
-    window = context if s.repeat_last_n < 0 else context[-s.repeat_last_n:] if s.repeat_last_n > 0 else []
-    if penalty == 1.0 and (n < 1 or len(context) < n):
-        return logits
-    logits = logits.clone()
-    if penalty != 1.0 and window:
-        idx = torch.tensor(sorted(set(window)), device=logits.device)
-        seen = logits[idx]
-        logits[idx] = torch.where(seen > 0, seen / penalty, seen * penalty)
-    if n >= 1 and len(context) >= n:
-        grams = torch.tensor(context).unfold(0, n, 1)  # [positions, n]
-        tail = torch.tensor(context[len(context) - n + 1:], dtype=grams.dtype)
-        banned = grams[(grams[:, :-1] == tail).all(dim=1), -1]
-        logits[banned.to(logits.device)] = float("-inf")
-    return logits
+    return Repetition(s, context).apply(logits)
 
 
 def sample(logits: torch.Tensor, s: SamplingSettings, gen: torch.Generator | None,
-           context: Sequence[int] = ()) -> int:
-    """logits [vocab] float32 -> token id. temperature 0 = greedy. context: the tokens so far."""
-    logits = penalize(logits, s, list(context))
+           context: Sequence[int] | Repetition = ()) -> int:
+    """logits [vocab] float32 -> token id. temperature 0 = greedy. context: the tokens so far, or
+    their Repetition tables (kept by the caller, one add() per token)."""
+    logits = (context if isinstance(context, Repetition) else Repetition(s, context)).apply(logits)
     if s.temperature <= 0:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float().cpu() / s.temperature, dim=-1)
@@ -198,7 +229,8 @@ class Engine:
         tokens = torch.tensor(prompt_ids[reuse:], device=self.device)
         model.trace = None
         logits = model.forward(tokens, start=reuse)
-        tok = sample(logits[-1], s, gen, prompt_ids)
+        repetition = Repetition(s, prompt_ids)
+        tok = sample(logits[-1], s, gen, repetition)
         stats.prefill_s = stats.first_token_s = time.perf_counter() - t0
         done = list(prompt_ids)
         model.trace = []
@@ -211,7 +243,8 @@ class Engine:
                     break
                 logits = model.forward(torch.tensor([tok], device=self.device), start=len(done))
                 done.append(tok)
-                tok = sample(logits[-1], s, gen, done)
+                repetition.add(tok)
+                tok = sample(logits[-1], s, gen, repetition)
         finally:
             self.cached_ids = done  # keys/values of these positions are valid for reuse
             stats.decode_s = time.perf_counter() - t1
