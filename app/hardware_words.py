@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 from app.setup_backend import PlanSummary
 from app.stats_format import fmt_bytes, speed_words
-from engine.units import GiB, fmt_memory
+from engine.units import GB, GiB, fmt_memory
 
 # Mixtral's 2-bit experts with 8-bit metadata are about 17 GB; they sit in host RAM.
-EXPERTS_RAM_BYTES = 18 * 10**9
+EXPERTS_RAM_BYTES = 18 * GB
 
 
 @dataclass(frozen=True)

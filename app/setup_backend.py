@@ -28,6 +28,7 @@ class SetupBackend:
     probe: Callable[[], dict]
     catalog: Callable[[], list[CatalogEntry]]
     plan: Callable[..., PlanSummary | None]  # plan(hw, entry or store path, vram budget[, cache_experts])
+    recommend: Callable[[dict, list[CatalogEntry]], str | None]  # the catalog id to recommend (or "demo")
     # fetch(repo_id, dest, revision=, endpoint=, progress=(FetchProgress -> None), cancel=[, allow_patterns=])
     fetch: Callable[..., Path]
     find_in_hf_cache: Callable[[str], Path | None]
@@ -60,6 +61,14 @@ def real_plan(hw: dict, model: CatalogEntry | Path | None, vram_budget: int | No
     except (KeyError, ValueError, TypeError, OSError):
         return None
     return PlanSummary(plan.cache_experts_per_layer, plan.predicted_tokens_per_s, plan.verdict, plan.hit_rate)
+
+
+def real_recommend(hw: dict, catalog: list[CatalogEntry]) -> str | None:
+    """`moeferry probe`'s recommendation (engine.hardware.recommend_model) for these entries."""
+    from engine.hardware import catalog_plans
+
+    rows = catalog_plans(hw, entries=[e.raw for e in catalog if e.raw])
+    return next((r["id"] for r in rows if r["recommended"]), None)
 
 
 def real_fetch(repo_id: str, dest: Path, **kwargs) -> Path:
@@ -101,7 +110,7 @@ def real_demo_path() -> Path | None:
 
 def real_setup_backend() -> SetupBackend:
     return SetupBackend(
-        probe=real_probe, catalog=load_catalog, plan=real_plan, fetch=real_fetch,
+        probe=real_probe, catalog=load_catalog, plan=real_plan, recommend=real_recommend, fetch=real_fetch,
         find_in_hf_cache=real_find_in_hf_cache, convert=real_convert, verify=real_verify,
         demo_path=real_demo_path, endpoint=os.environ.get("HF_ENDPOINT") or None,
     )

@@ -14,17 +14,6 @@ def fmt_bytes(n: float | None) -> str:
     return units.fmt_bytes(n, decimal=True)
 
 
-def fmt_duration(seconds: float | None) -> str:
-    if seconds is None or seconds != seconds or seconds < 0:
-        return "unknown"
-    seconds = int(round(seconds))
-    if seconds < 60:
-        return f"{seconds} s"
-    if seconds < 3600:
-        return f"{seconds // 60} min {seconds % 60:02d} s"
-    return f"{seconds // 3600} h {(seconds % 3600) // 60:02d} min"
-
-
 def _ratio(a, b) -> float | None:
     return None if not b else a / b
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from engine import plan
 from engine.errors import UserError
+from engine.units import fmt_bytes
 
 TOLERANCE = 0.30
 # Peak memory bandwidth by GPU name (the benchmark report names the GPU but does not measure
@@ -78,10 +79,17 @@ def report_hardware(report: dict) -> dict:
 
 
 def report_sizes(report: dict) -> plan.ModelSizes:
-    """Mixtral-8x7B at the report's layer count, with the byte counts the run really had."""
-    config = dict(plan.MIXTRAL_8X7B_CONFIG, num_hidden_layers=report["layers"])
+    """The report's model shape (engine/bench_shapes.py MODEL_SHAPES; reports written before
+    they named one are Mixtral-8x7B's) at its layer count, with the byte counts the run really had."""
+    from engine.bench_shapes import MODEL_SHAPES
+
+    shape = report.get("model") or "mixtral-8x7b"
+    if shape not in MODEL_SHAPES:
+        raise UserError(f"The report of {report.get('date', '?')} is of the model {shape!r}, which "
+                        f"plan_check does not know; it knows {', '.join(MODEL_SHAPES)}.")
+    config = dict(MODEL_SHAPES[shape], num_hidden_layers=report["layers"])
     sizes = plan.ModelSizes.from_config(config, report["expert_bits"], report.get("attn_bits", 4),
-                                        name=f"bench {report['layers']} layers")
+                                        name=f"bench {shape} {report['layers']} layers")
     sizes.expert_bytes = int(report["expert_bytes"])
     sizes.dense_bytes = int(report["resident_bytes"])
     return sizes
@@ -178,7 +186,7 @@ def refit(bench_reports: list[dict], modes=("lru", "full"), kernels: str = "fuse
 
 
 def _gib(n: int | None) -> str:
-    return "none" if n is None else f"{n / 2**30:.1f} GiB"
+    return "none" if n is None else fmt_bytes(n)
 
 
 def markdown(rows: list[dict]) -> str:

@@ -35,8 +35,9 @@ from engine.bench_shapes import MODEL_SHAPES, family_dense, shape_config
 from engine.cpu_experts import HqqExpert
 from engine.errors import UserError
 from engine.expert_cache import ExpertCache, pace_cycles, sleep_cycles_per_s
-from engine.generate import compute_ready, cpu_copies_of, cpu_experts_for, fmt_bytes, parse_size, workspace_bytes
-from engine.model import KVCache, ModelConfig, OffloadedMixtral
+from engine.generate import compute_ready, cpu_copies_of, cpu_experts_for, device_bytes, parse_size
+from engine.model import ModelConfig, OffloadedMixtral
+from engine.units import GiB, fmt_bytes
 
 MIXTRAL = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                num_kv_heads=8, head_dim=128, num_experts=8, top_k=2, rms_norm_eps=1e-5, rope_theta=1e6,
@@ -174,15 +175,14 @@ def paced_copy_rate(device, nbytes: int, cycles: int) -> float:
 
 
 def cache_size_for(budget: int | None, cfg, dense_bytes, stride, context, device, kernels="fused") -> int:
-    fixed = (dense_bytes + KVCache.nbytes(cfg, context, torch.bfloat16)
-             + workspace_bytes(cfg, torch.bfloat16, device, kernels))
     if budget is None:
         return cfg.num_experts
-    k = (budget - fixed) // (cfg.num_moe_layers * stride)
+    sizing = device_bytes(cfg, dense_bytes, stride, context, torch.bfloat16, device, kernels)
+    k = sizing.slots(budget)
     if k < 1:
         raise UserError(f"A VRAM budget of {fmt_bytes(budget)} cannot hold the resident weights "
-                        f"({fmt_bytes(fixed)}) and one expert per layer; raise --vram-budget.")
-    return int(min(k, cfg.num_experts))
+                        f"({fmt_bytes(sizing.fixed)}) and one expert per layer; raise --vram-budget.")
+    return k
 
 
 def sync(device) -> None:
@@ -434,7 +434,7 @@ def markdown_table(report: dict) -> str:
             f"{r['prefetch_precision']:.2f}/{r['prefetch_recall']:.2f} | "
             f"{r['gb_per_token']:.2f} | {r['h2d_gb_per_s']:.1f} | {r['bound_ms_per_token']:.1f} | "
             f"{r['achieved_ms_per_token']:.1f} | {r['achieved_over_bound']:.2f} | "
-            f"{r['peak_vram_bytes'] / 2**30:.2f}{'' if r['under_budget'] else ' (over!)'} | "
+            f"{r['peak_vram_bytes'] / GiB:.2f}{'' if r['under_budget'] else ' (over!)'} | "
             f"{r['misses_cpu']} (+{r['misses_both']}) | {r['cpu_gb_per_s']:.1f} | {r['cpu_wait_ms_per_token']:.2f} |")
     return "\n".join(lines)
 

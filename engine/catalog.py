@@ -5,7 +5,7 @@ Imports nothing heavy.
     ENTRY: id, name, kind ("checkpoint" | "paper-checkpoint" | "embedded"), repo_id, revision,
            needs_convert, import (a format converted by import, e.g. "paper-checkpoint"),
            expert_bits, attn_bits, download_bytes, disk_bytes, quality {note, ...},
-           description, tokenizer_repo_id, gated, tokenizer_gated, recommended_route,
+           description, tokenizer_repo_id, gated, tokenizer_gated,
            sizes / config (engine.plan.ModelSizes.from_catalog reads them from `raw`)
 """
 
@@ -35,7 +35,6 @@ class CatalogEntry:
     tokenizer_repo_id: str = ""  # where the tokenizer comes from when the checkpoint has none
     gated: bool = False          # the hub asks to accept a licence and log in first
     embedded: bool = False       # the demo model shipped with the app (no download)
-    recommended_route: bool = False  # the route the wizard marks when the machine has a GPU
     raw: dict | None = None     # the entry as read, for the planner and the probe's rows
 
 
@@ -57,7 +56,6 @@ def entry_from_dict(d: dict) -> CatalogEntry:
         tokenizer_repo_id=str(d.get("tokenizer_repo_id") or ""),
         gated=bool(d.get("gated") or d.get("tokenizer_gated")),
         embedded=d.get("kind") == "embedded",
-        recommended_route=bool(d.get("recommended_route")),
         raw=d,
     )
 

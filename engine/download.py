@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable
 
 # FetchProgress is imported from here by the app
-from engine.download_progress import FetchProgress, _fmt_bytes, _ProgressBar, _Tracker  # noqa: F401
+from engine.download_progress import FetchProgress, _ProgressBar, _Tracker  # noqa: F401
 from engine.errors import UserError
 from engine.hf_cache import (
     RemoteFile,
@@ -48,6 +48,7 @@ from engine.hf_cache import (
     path_problem,
     safe_relpath,
 )
+from engine.units import fmt_bytes
 
 STATE_NAME = ".moeferry-fetch.json"
 CHUNK = 1 << 20
@@ -171,7 +172,7 @@ def cli_fetch(repo_id: str, dest: str, revision: str | None, endpoint: str | Non
     manifest = _read_json(path / STATE_NAME) or {}
     n = len(manifest.get("files", []))
     total = sum(f["size"] for f in manifest.get("files", []))
-    print(f"{repo_id} is in {path}: {n} files, {_fmt_bytes(total)}, every file verified.")
+    print(f"{repo_id} is in {path}: {n} files, {fmt_bytes(total)}, every file verified.")
     return 0
 
 
@@ -199,7 +200,7 @@ def _select(files: list[RemoteFile], allow_patterns, skip_pickles: bool, log) ->
         skipped = [f for f in files if f.path.endswith(PICKLE_SUFFIXES)]
         if skipped:
             log(f"Skipping {len(skipped)} pickled weight file(s) "
-                f"({_fmt_bytes(sum(f.size for f in skipped))}) that duplicate the safetensors weights.")
+                f"({fmt_bytes(sum(f.size for f in skipped))}) that duplicate the safetensors weights.")
             files = [f for f in files if not f.path.endswith(PICKLE_SUFFIXES)]
     if not files:
         raise UserError("The repository has no files to download (after filtering): check the "
@@ -334,7 +335,7 @@ def _check_disk(partial: Path, files: list[RemoteFile], state: dict, cache_repo:
     free = shutil.disk_usage(where).free
     if needed + DISK_MARGIN_BYTES > free:
         raise UserError(f"Not enough free disk space in {where}: the download needs "
-                        f"{_fmt_bytes(needed)} more but only {_fmt_bytes(free)} is free; free "
+                        f"{fmt_bytes(needed)} more but only {fmt_bytes(free)} is free; free "
                         f"some space or choose another DEST.", 1)
 
 
@@ -481,14 +482,14 @@ def _download(url: str, token: str | None, incomplete: Path, rf: RemoteFile, tra
             failures = _backoff(failures, t.got, policy, cancel, rf, f"HTTP {e.code}", tracker.log,
                                 e.code, _retry_after(e))
         except _Stalled:
-            why = f"slower than {_fmt_bytes(policy.min_rate_bps)}/s for {policy.stall_s:.0f} s"
+            why = f"slower than {fmt_bytes(policy.min_rate_bps)}/s for {policy.stall_s:.0f} s"
             failures = _backoff(failures, 0, policy, cancel, rf, why, tracker.log)
         except (_Dropped, OSError, http.client.HTTPException) as e:
             why = "connection dropped" if isinstance(e, _Dropped) else type(e).__name__
             try:
                 t.check_rate(policy)
             except _Stalled:
-                why, t.got = f"{why}, slower than {_fmt_bytes(policy.min_rate_bps)}/s", 0
+                why, t.got = f"{why}, slower than {fmt_bytes(policy.min_rate_bps)}/s", 0
             failures = _backoff(failures, t.got, policy, cancel, rf, why, tracker.log)
     return t.hasher.hexdigest()
 

@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.hf_cache import RemoteFile
+from engine.units import fmt_bytes, fmt_duration
 
 
 @dataclass
@@ -99,9 +100,9 @@ class _ProgressBar:
     def __call__(self, p: FetchProgress) -> None:
         frac = p.done / p.total if p.total else 1.0
         fill = int(frac * self.width)
-        eta = _fmt_duration(p.eta_s) if p.eta_s is not None else "--"
+        eta = fmt_duration(p.eta_s) if p.eta_s is not None else "--"
         line = (f"{frac * 100:5.1f}% [{'#' * fill}{'-' * (self.width - fill)}] "
-                f"{_fmt_bytes(p.done)}/{_fmt_bytes(p.total)} {_fmt_bytes(p.rate_bps)}/s "
+                f"{fmt_bytes(p.done)}/{fmt_bytes(p.total)} {fmt_bytes(p.rate_bps)}/s "
                 f"ETA {eta}  {p.file}")
         if _isatty(self.stream):
             self.stream.write("\r" + line[:120].ljust(120))
@@ -126,18 +127,3 @@ def _isatty(stream) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):
         return False
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def _fmt_duration(s: float) -> str:
-    s = int(s)
-    if s >= 3600:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 60}m{s % 60:02d}s"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections import Counter
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -18,13 +19,12 @@ from typing import Iterable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from engine import quant, store as store_mod
+from engine import quant, store as store_mod, vram
 from engine.contract import ExpertTrace, GenerationStats, SamplingSettings, TokenPiece  # noqa: F401 - re-exported
 from engine.errors import UserError
 from engine.expert_cache import ExpertCache
-from engine.model import KVCache, ModelConfig, OffloadedMixtral
-
-GiB = 1 << 30
+from engine.model import ModelConfig, OffloadedMixtral
+from engine.units import GB, KB, MB, TB, GiB, KiB, MiB, TiB, fmt_bytes
 
 
 def detokenize(tokenizer, ids: Iterable[int]) -> Iterator[tuple[int, str]]:
@@ -82,29 +82,59 @@ def check_sampling(s: SamplingSettings) -> None:
         raise UserError("--no-repeat-ngram must be 0 (off) or more.")
 
 
+class Repetition:
+    """The repetition controls' tables for the tokens so far, updated one token at a time: the
+    counts of the last repeat_last_n tokens, and for every (n-1)-token prefix the tokens that
+    followed it (rebuilding them for every new token costs a pass over the whole context)."""
+
+    def __init__(self, s: SamplingSettings, context: Sequence[int] = ()):
+        self.penalty, self.n, self.last_n = s.repeat_penalty or 1.0, s.no_repeat_ngram or 0, s.repeat_last_n
+        self.tokens: list[int] = []
+        self.window: Counter[int] = Counter()  # token -> times in the penalty's window
+        self.followers: dict[tuple[int, ...], set[int]] = {}  # (n-1)-gram -> tokens seen after it
+        for tok in context:
+            self.add(tok)
+
+    def add(self, tok: int) -> None:
+        self.tokens.append(tok)
+        if self.penalty != 1.0 and self.last_n != 0:
+            self.window[tok] += 1
+            if 0 < self.last_n < len(self.tokens):
+                old = self.tokens[-self.last_n - 1]
+                self.window[old] -= 1
+                if not self.window[old]:
+                    del self.window[old]
+        if self.n >= 1 and len(self.tokens) >= self.n:
+            gram = self.tokens[len(self.tokens) - self.n:]
+            self.followers.setdefault(tuple(gram[:-1]), set()).add(gram[-1])
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [vocab] with the controls applied (a copy; the same tensor when none applies)."""
+        ngrams = self.n >= 1 and len(self.tokens) >= self.n
+        if self.penalty == 1.0 and not ngrams:
+            return logits
+        logits = logits.clone()
+        if self.penalty != 1.0 and self.window:
+            idx = torch.tensor(sorted(self.window), device=logits.device)
+            seen = logits[idx]
+            logits[idx] = torch.where(seen > 0, seen / self.penalty, seen * self.penalty)
+        if ngrams:
+            banned = self.followers.get(tuple(self.tokens[len(self.tokens) - self.n + 1:]))
+            if banned:
+                logits[torch.tensor(sorted(banned), device=logits.device)] = float("-inf")
+        return logits
+
+
 def penalize(logits: torch.Tensor, s: SamplingSettings, context: list[int]) -> torch.Tensor:
     """logits [vocab] with the repetition controls applied to the context's tokens (a copy)."""
-    penalty, n = s.repeat_penalty or 1.0, s.no_repeat_ngram or 0
-    window = context if s.repeat_last_n < 0 else context[-s.repeat_last_n:] if s.repeat_last_n > 0 else []
-    if penalty == 1.0 and (n < 1 or len(context) < n):
-        return logits
-    logits = logits.clone()
-    if penalty != 1.0 and window:
-        idx = torch.tensor(sorted(set(window)), device=logits.device)
-        seen = logits[idx]
-        logits[idx] = torch.where(seen > 0, seen / penalty, seen * penalty)
-    if n >= 1 and len(context) >= n:
-        grams = torch.tensor(context).unfold(0, n, 1)  # [positions, n]
-        tail = torch.tensor(context[len(context) - n + 1:], dtype=grams.dtype)
-        banned = grams[(grams[:, :-1] == tail).all(dim=1), -1]
-        logits[banned.to(logits.device)] = float("-inf")
-    return logits
+    return Repetition(s, context).apply(logits)
 
 
 def sample(logits: torch.Tensor, s: SamplingSettings, gen: torch.Generator | None,
-           context: Sequence[int] = ()) -> int:
-    """logits [vocab] float32 -> token id. temperature 0 = greedy. context: the tokens so far."""
-    logits = penalize(logits, s, list(context))
+           context: Sequence[int] | Repetition = ()) -> int:
+    """logits [vocab] float32 -> token id. temperature 0 = greedy. context: the tokens so far, or
+    their Repetition tables (kept by the caller, one add() per token)."""
+    logits = (context if isinstance(context, Repetition) else Repetition(s, context)).apply(logits)
     if s.temperature <= 0:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float().cpu() / s.temperature, dim=-1)
@@ -144,8 +174,7 @@ class Engine:
     def set_cache_experts(self, k: int) -> None:
         with self.lock:
             check_cache_size(k, self.config)
-            fixed = fixed_device_bytes(self.store, self.model, self.max_context)
-            check_budget(self.vram_budget, fixed, k, self.config.num_moe_layers * self.store.expert_bytes)
+            check_budget(self.vram_budget, engine_device_bytes(self), k)
             host = self.model.cache.host if self.model.cache.host is not None else store_mod.experts_array(self.store)
             self.model.cache = None
             self.model.cache = make_cache(self.store, host, k, self.device, self.dtype)
@@ -200,7 +229,8 @@ class Engine:
         tokens = torch.tensor(prompt_ids[reuse:], device=self.device)
         model.trace = None
         logits = model.forward(tokens, start=reuse)
-        tok = sample(logits[-1], s, gen, prompt_ids)
+        repetition = Repetition(s, prompt_ids)
+        tok = sample(logits[-1], s, gen, repetition)
         stats.prefill_s = stats.first_token_s = time.perf_counter() - t0
         done = list(prompt_ids)
         model.trace = []
@@ -213,7 +243,8 @@ class Engine:
                     break
                 logits = model.forward(torch.tensor([tok], device=self.device), start=len(done))
                 done.append(tok)
-                tok = sample(logits[-1], s, gen, done)
+                repetition.add(tok)
+                tok = sample(logits[-1], s, gen, repetition)
         finally:
             self.cached_ids = done  # keys/values of these positions are valid for reuse
             stats.decode_s = time.perf_counter() - t1
@@ -285,34 +316,26 @@ def parse_size(text: str | None) -> int | None:
     if not m:
         raise UserError(f"Cannot read the size {text!r}; write it like 12GiB, 16GB or 800MiB.")
     unit = (m.group(2) or "b").rstrip("b") or ""
-    mult = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
-            "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}[unit]
+    mult = {"": 1, "k": KB, "m": MB, "g": GB, "t": TB, "ki": KiB, "mi": MiB, "gi": GiB, "ti": TiB}[unit]
     return int(float(m.group(1)) * mult)
 
 
-def fmt_bytes(n: int) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / (1 << 20):.1f} MiB"
+def device_bytes(cfg: ModelConfig, dense_bytes: int, expert_bytes: int, context: int, dtype,
+                 device: torch.device, kernels: str = "auto") -> vram.DeviceBytes:
+    """What the model holds on the device besides its expert cache (engine/vram.py's sizing,
+    the planner's too)."""
+    on_gpu = device.type == "cuda"
+    return vram.DeviceBytes(
+        dense=dense_bytes,
+        kv_cache=vram.kv_cache_bytes(cfg.num_layers, context, cfg.num_kv_heads, cfg.head_dim, dtype.itemsize),
+        workspace=vram.workspace_bytes(cfg.hidden_size * cfg.intermediate_size, dtype.itemsize, kernels, on_gpu),
+        per_slot=cfg.num_moe_layers * expert_bytes, num_experts=cfg.num_experts)
 
 
-def workspace_bytes(cfg: ModelConfig, dtype, device: torch.device, kernels: str = "auto") -> int:
-    """Room for activations and transient matrices on the device.
-
-    The fused path dequantizes at most one expert matrix into a workspace for long prompts
-    (plus its inputs and outputs); the reference path builds float32 codes, scales and the
-    dequantized matrix at every product (measured: ~1 GB for Mixtral's 14336x4096 at once).
-    """
-    if device.type != "cuda":
-        return 0
-    per_matrix = cfg.intermediate_size * cfg.hidden_size
-    if kernels == "reference":
-        return 14 * per_matrix + 256 * (1 << 20)
-    return 3 * per_matrix * dtype.itemsize + 256 * (1 << 20)
-
-
-def fixed_device_bytes(store: store_mod.Store, model: OffloadedMixtral, context: int) -> int:
-    """Bytes on the device that do not depend on the expert cache size."""
-    return (model.dense_bytes + KVCache.nbytes(store.config, context, model.dtype)
-            + workspace_bytes(store.config, model.dtype, model.device, model.kernels))
+def engine_device_bytes(engine: "Engine") -> vram.DeviceBytes:
+    m = engine.model
+    return device_bytes(engine.config, m.dense_bytes, engine.store.expert_bytes, engine.max_context, m.dtype,
+                        m.device, m.kernels)
 
 
 def check_cache_size(k: int, cfg: ModelConfig) -> None:
@@ -321,14 +344,13 @@ def check_cache_size(k: int, cfg: ModelConfig) -> None:
                         f"of this model); got {k}.")
 
 
-def check_budget(budget: int | None, fixed: int, k: int, per_slot: int) -> None:
+def check_budget(budget: int | None, sizing: vram.DeviceBytes, k: int) -> None:
     if budget is None:
         return
-    need = fixed + k * per_slot
+    need = sizing.needed(k)
     if need > budget:
-        least = fixed + per_slot
         raise UserError(f"A VRAM budget of {fmt_bytes(budget)} cannot hold this model with {k} cached "
-                        f"expert(s) per layer ({fmt_bytes(need)} needed; at least {fmt_bytes(least)} "
+                        f"expert(s) per layer ({fmt_bytes(need)} needed; at least {fmt_bytes(sizing.needed(1))} "
                         f"with 1); raise --vram-budget or lower --cache-experts.")
 
 
@@ -436,19 +458,18 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
         # collapse when another process holds a core: measured 1.4 vs 130 tokens/s on 2 cores.
         torch.set_num_threads(1)
     dense, dense_b = move_dense(store_mod.read_dense(st), dev, dtype)
-    fixed = dense_b + KVCache.nbytes(cfg, context, dtype) + workspace_bytes(cfg, dtype, dev, kernels)
-    per_slot = cfg.num_moe_layers * st.expert_bytes
+    sizing = device_bytes(cfg, dense_b, st.expert_bytes, context, dtype, dev, kernels)
     if budget is None and dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
-        limit = free + dense_b - 512 * (1 << 20)  # dense weights are already on the device
+        limit = vram.auto_budget(free + dense_b)  # the dense weights are already on the device
     elif budget is None:
-        limit = fixed + per_slot * cfg.num_experts if per_slot * cfg.num_experts <= 4 * GiB else fixed + 4 * GiB
+        limit = sizing.needed(vram.cpu_cache_slots(sizing.per_slot, cfg.num_experts))
     else:
         limit = budget
-    k = cache_experts if cache_experts is not None else max(0, min(cfg.num_experts, (limit - fixed) // per_slot))
+    k = cache_experts if cache_experts is not None else sizing.slots(limit)
     k = 1 if every_expert else k  # the CPU kernels run every expert: the cache is never read
     if k < 1 or (budget is not None):
-        check_budget(limit, fixed, max(k, 1), per_slot)
+        check_budget(limit, sizing, max(k, 1))
     host = store_mod.experts_array(st)
     cache = make_cache(st, host, k, dev, dtype, lambda f, m: report(0.1 + 0.9 * f, m))
     model = OffloadedMixtral(cfg, dense, cache, dev, dtype, kernels)

@@ -323,12 +323,13 @@ def cli_probe(as_json: bool) -> int:
     return 0
 
 
-def catalog_plans(hw: dict, vram_budget_bytes: int | None = None) -> list[dict]:
-    """A plan for every catalog model this machine could use, the recommended one marked."""
+def catalog_plans(hw: dict, vram_budget_bytes: int | None = None, entries: list[dict] | None = None) -> list[dict]:
+    """A plan for every catalog model this machine could use (`entries`: the catalog's raw
+    entries, by default resources/catalog.json's), the recommended one marked."""
     from engine import plan as planner
 
     rows = []
-    for entry in (e.raw for e in load_catalog()):  # the rows keep the catalog's own keys
+    for entry in entries if entries is not None else (e.raw for e in load_catalog()):  # the catalog's own keys
         sizes = entry_sizes(entry)
         if sizes is None:
             continue
@@ -339,23 +340,34 @@ def catalog_plans(hw: dict, vram_budget_bytes: int | None = None) -> list[dict]:
                      "model_type": entry.get("model_type", "mixtral"),
                      "download_bytes": entry.get("download_bytes"),
                      "disk_bytes": entry.get("disk_bytes"), "plan": p.to_dict()})
-    if not rows:
-        return rows
+    best, chosen = recommend_model(hw, rows)
+    for row, key in ((best, "best_bits"), (chosen, "recommended")):
+        if row is not None:
+            row[key] = True
+    return rows
+
+
+def recommend_model(hw: dict, rows: list[dict]) -> tuple[dict | None, dict | None]:
+    """(the best bit-width among Mixtral's variants, the recommended model) among catalog_plans'
+    rows: `moeferry probe`'s and the wizard's recommendation. Without a GPU that holds the dense
+    weights the demo model; models that do not fit the free disk are never recommended."""
+    from engine import plan as planner
+
+    def pick(rows: list[dict]) -> dict:
+        return rows[planner.recommend([planner.Plan(**r["plan"]) for r in rows],
+                                      [r["download_bytes"] or 0 for r in rows])]
+
+    disk = hw.get("disk_free_bytes")
+    demo = next((r for r in rows if r["id"] == "demo"), None)
     # the bit-width choice and the route are among Mixtral's variants; other families are offered beside them
     mixtral = [r for r in rows if r["id"] != "demo" and r["model_type"] == "mixtral"]
-    plans = [planner.Plan(**r["plan"]) for r in mixtral]
-    if any(p.fits and p.device == "cuda" for p in plans):
-        best = mixtral[planner.recommend(plans, [r["download_bytes"] or 0 for r in mixtral])]
-        best["best_bits"] = True
-        # The route: the ready-made checkpoint (no 93 GB download, no conversion) when it fits.
-        ready = [r for r in mixtral if not r["needs_convert"] and r["plan"]["fits"]
-                 and r["plan"]["device"] == "cuda"]
-        chosen = ready[0] if ready else best
-    else:  # no GPU that can hold the dense weights: the demo model first
-        chosen = next((r for r in rows if r["id"] == "demo"), None)
-    if chosen is not None:
-        chosen["recommended"] = True
-    return rows
+    if not any(r["plan"]["fits"] and r["plan"]["device"] == "cuda" for r in mixtral):  # the demo model first
+        return None, demo
+    best = pick(mixtral)
+    roomy = [r for r in mixtral if disk is None or not r["disk_bytes"] or r["disk_bytes"] <= disk]
+    # The route: the ready-made checkpoint (no 93 GB download, no conversion) when it fits.
+    ready = [r for r in roomy if not r["needs_convert"] and r["plan"]["fits"] and r["plan"]["device"] == "cuda"]
+    return best, ready[0] if ready else pick(roomy) if roomy else demo
 
 
 def entry_sizes(entry: dict):

@@ -271,7 +271,7 @@ def cache_blob(cache_repo: Path | None, rf: RemoteFile) -> Path | None:
 
 def _safetensors_whole(path: Path) -> bool:
     """True when the file is as long as its (valid) header says (catches truncated copies)."""
-    from engine.safetensors_io import FormatError, read_header  # torch: only when asked
+    from engine.safetensors_io import FormatError, read_header
 
     try:
         header, start = read_header(path)

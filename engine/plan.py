@@ -23,7 +23,9 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-GiB = 1024**3
+from engine import vram
+from engine.safetensors_io import FormatError, read_header
+from engine.units import GiB
 
 # The routing assumption, the same as `moeferry bench`'s default (engine/routing.py): uniform,
 # independent from token to token, so a per-layer LRU cache of k of E experts hits k/E (the
@@ -45,10 +47,6 @@ EXPERT_GROUP = {2: 16, 3: 64, 4: 64}
 ATTN_GROUP = {4: 64, 8: 64}
 EXPERT_META_GROUP, ATTN_META_GROUP = 128, 256
 
-# What stays free on the GPU besides the weights and the expert cache: the CUDA context,
-# the allocator's slack and activations of a long prompt (measured: the paper's code peaks
-# 10.0 GiB for 3 cached experts/layer where its weights + cache take about 8.5 GiB).
-WORKSPACE_BYTES = int(1.25 * GiB)
 DEFAULT_CONTEXT_TOKENS = 4096
 DEFAULT_PROMPT_TOKENS = 128
 # Host RAM that the OS, Python, torch and the app need besides the model's weights.
@@ -56,7 +54,7 @@ HOST_RESERVE_BYTES = 3 * GiB
 # A plan is "slower but better" worth recommending if it keeps this share of the best speed.
 # Offloaded decode is bound by the expert copies, so more expert bits stay inside it when they
 # leave the cache as large (3-bit costs ~7.5 % more bytes per expert) and fall outside when the
-# bigger experts cost a cached expert per layer (3-bit on a 12 GB card keeps ~80 %).
+# bigger experts cost a cached expert per layer (3-bit on a 16 GB card keeps ~75 %).
 SPEED_TOLERANCE = 0.85
 
 
@@ -121,10 +119,17 @@ class ModelSizes:
     expert_bits: int | None = None
     attn_bits: int | None = None
     name: str = ""
+    moe_layers: int = 0  # layers with experts; 0 = all of them
+    ffn_matrix_params: int = 0  # one expert matrix, hidden x FFN width; 0 = a third of expert_params
+    max_context: int | None = None  # the model's max_position_embeddings, when known
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.moe_layers or self.num_layers
 
     @property
     def all_expert_bytes(self) -> int:
-        return self.num_layers * self.num_experts * self.expert_bytes
+        return self.num_moe_layers * self.num_experts * self.expert_bytes
 
     @property
     def store_bytes(self) -> int:
@@ -157,9 +162,23 @@ class ModelSizes:
                         + _matrix_bytes(H, F, expert_bits, EXPERT_GROUP, EXPERT_META_GROUP))
         return cls(num_layers=L, num_experts=E, top_k=config["num_experts_per_tok"],
                    expert_bytes=expert_bytes, dense_bytes=attn_bytes + 2 * (embed + head + small),
-                   kv_bytes_per_token=L * 2 * nkv * hd * 2, expert_params=expert_params,
+                   kv_bytes_per_token=vram.kv_cache_bytes(L, 1, nkv, hd), expert_params=expert_params,
                    dense_params=attn_params + embed + head + small, embed_params=embed,
-                   embed_bytes=2 * embed, expert_bits=expert_bits, attn_bits=attn_bits, name=name)
+                   embed_bytes=2 * embed, expert_bits=expert_bits, attn_bits=attn_bits, name=name,
+                   moe_layers=_moe_layer_count(config), ffn_matrix_params=H * F,
+                   max_context=config.get("max_position_embeddings"))
+
+    def device_bytes(self, context_tokens: int) -> vram.DeviceBytes:
+        """What the engine holds on the GPU besides the cache, at its defaults (bfloat16,
+        fused kernels), for a context of `context_tokens` (capped at the model's maximum)."""
+        return vram.DeviceBytes(
+            dense=self.dense_bytes, kv_cache=self.kv_bytes_per_token * self.context(context_tokens),
+            workspace=vram.workspace_bytes(self.ffn_matrix_params or self.expert_params // 3),
+            per_slot=self.num_moe_layers * self.expert_bytes, num_experts=self.num_experts)
+
+    def context(self, context_tokens: int) -> int:
+        """The KV cache's positions: the engine's, min(asked, the model's maximum)."""
+        return min(context_tokens, self.max_context) if self.max_context else context_tokens
 
     @classmethod
     def from_catalog(cls, entry: dict) -> "ModelSizes":
@@ -172,6 +191,10 @@ class ModelSizes:
             return replace(cls.from_store(store), name=entry.get("name", "demo"))
         if "sizes" in entry:
             known = {k: v for k, v in entry["sizes"].items() if k in cls.__dataclass_fields__}
+            if "config" in entry:  # the shape's fields the sizes leave out
+                shape = cls.from_config(entry["config"], entry["expert_bits"], entry["attn_bits"])
+                known = dict(moe_layers=shape.moe_layers, ffn_matrix_params=shape.ffn_matrix_params,
+                             max_context=shape.max_context) | known
             return cls(**known, expert_bits=entry.get("expert_bits"),
                        attn_bits=entry.get("attn_bits"), name=entry.get("name", entry.get("id", "")))
         return cls.from_config(entry["config"], entry["expert_bits"], entry["attn_bits"],
@@ -179,7 +202,7 @@ class ModelSizes:
 
     @classmethod
     def from_store(cls, path) -> "ModelSizes":
-        """From a MoE Ferry store folder: its config.json and manifest.json."""
+        """From a MoE Ferry store folder: its config.json, manifest.json and dense weights' header."""
         path = Path(path)
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
         manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
@@ -190,15 +213,22 @@ class ModelSizes:
         stride = (manifest.get("experts") or {}).get("stride")
         if stride:
             sizes.expert_bytes = int(stride)
-        files = manifest.get("files")
-        if isinstance(files, dict):
-            files = [dict(v, path=k) if isinstance(v, dict) else {"path": k, "size": v}
-                     for k, v in files.items()]
-        dense = [f.get("size", 0) for f in files or [] if isinstance(f, dict)
-                 and str(f.get("path", f.get("name", ""))).startswith("dense")]
-        if dense:
-            sizes.dense_bytes = int(sum(dense))
+        try:
+            header, _ = read_header(path / "dense.safetensors")
+        except FormatError as e:
+            raise ValueError(str(e)) from None
+        sizes.dense_bytes = vram.dense_bytes_on_gpu(header)
         return sizes
+
+
+def _moe_layer_count(config: dict) -> int:
+    """Layers with routed experts (engine/model.py's family_options: qwen's decoder_sparse_step
+    and mlp_only_layers; every layer elsewhere)."""
+    layers = config["num_hidden_layers"]
+    if config.get("model_type") not in ("qwen3_moe", "qwen2_moe"):
+        return layers
+    step, dense = config.get("decoder_sparse_step") or 1, set(config.get("mlp_only_layers") or ())
+    return sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
 
 
 def demo_store_path() -> Path | None:
@@ -241,10 +271,10 @@ class Plan:
     hit_rate: float = 0.0
     misses_per_token: float = 0.0
     bytes_h2d_per_token: float = 0.0
-    vram_needed_bytes: int = 0  # dense + cache + transfer buffers + headroom
+    vram_needed_bytes: int = 0  # dense + cache + headroom (engine/vram.py)
     headroom_bytes: int = 0  # kv cache + workspace
     kv_cache_bytes: int = 0
-    workspace_bytes: int = WORKSPACE_BYTES
+    workspace_bytes: int = 0
     context_tokens: int = DEFAULT_CONTEXT_TOKENS
     host_ram_needed_bytes: int = 0
     h2d_bytes_per_s: float | None = None
@@ -291,11 +321,9 @@ def has_cuda_gpu(hw: dict) -> bool:
 
 
 def default_vram_budget(hw: dict) -> int | None:
-    if hw.get("vram_free_bytes"):
-        return int(hw["vram_free_bytes"])
-    if hw.get("vram_total_bytes"):
-        return int(hw["vram_total_bytes"]) - GiB // 2
-    return None
+    """The engine's budget when none is given (engine/vram.py's auto_budget of the free VRAM)."""
+    free = hw.get("vram_free_bytes") or hw.get("vram_total_bytes")
+    return vram.auto_budget(int(free)) if free else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,15 +357,9 @@ def predict_gpu(hw: dict, m: ModelSizes, k: int, coeffs: Coefficients = DEFAULT,
             "bytes_h2d": misses * m.expert_bytes, "bound": bound, "h2d_bytes_per_s": bw}
 
 
-# The CPU engine's expert cache: as many experts per layer as fit in this many packed bytes
-# (engine/generate.py load_engine's CPU default); the cached ones are kept dequantized.
-CPU_EXPERT_CACHE_BYTES = 4 * GiB
-
-
 def cpu_cache_experts(m: ModelSizes) -> int:
     """Experts per layer the CPU engine keeps dequantized (all of them for the demo model)."""
-    per_slot = max(m.num_layers * m.expert_bytes, 1)
-    return int(min(m.num_experts, CPU_EXPERT_CACHE_BYTES // per_slot))
+    return vram.cpu_cache_slots(m.num_moe_layers * m.expert_bytes, m.num_experts)
 
 
 def predict_cpu(hw: dict, m: ModelSizes, coeffs: Coefficients = DEFAULT,
@@ -392,42 +414,42 @@ def make_plan(hw: dict, model, vram_budget_bytes: int | None = None, *,
     """The plan for one model on this hardware: cache size, fit, predicted speed, verdict.
 
     `model` is a ModelSizes or a catalog entry dict. The cache gets what the VRAM budget
-    (default: the free VRAM) leaves after the dense weights, `top_k * (1 + prefetch_depth)`
-    transfer buffers and the headroom: KV cache for `context_tokens` plus WORKSPACE_BYTES.
+    (default: the engine's, from the free VRAM) leaves after the dense weights, the KV cache
+    for `context_tokens` and the workspace: engine/vram.py's sizing, the engine's own.
     Routing: uniform (hit rate k/E) unless `trace_hit_ratio` gives a trace's own LRU hit ratios.
     """
     m = model if isinstance(model, ModelSizes) else ModelSizes.from_catalog(model)
-    kv = m.kv_bytes_per_token * context_tokens
-    headroom = kv + WORKSPACE_BYTES
+    context_tokens = m.context(context_tokens)
+    sizing = m.device_bytes(context_tokens)
+    kv, headroom = sizing.kv_cache, sizing.kv_cache + sizing.workspace
     budget = vram_budget_bytes if vram_budget_bytes is not None else default_vram_budget(hw)
     ram_total = hw.get("ram_total_bytes")
     host_needed = m.all_expert_bytes + HOST_RESERVE_BYTES
     common = dict(vram_budget_bytes=budget, expert_bits=m.expert_bits, kv_cache_bytes=kv,
-                  headroom_bytes=headroom, context_tokens=context_tokens, model=m.name)
+                  headroom_bytes=headroom, workspace_bytes=sizing.workspace,
+                  context_tokens=context_tokens, model=m.name)
     gib = lambda n: f"{n / GiB:.1f} GiB"  # noqa: E731
 
-    fixed = m.dense_bytes + m.top_k * (1 + prefetch_depth) * m.expert_bytes + headroom
     gpu_reason = None
     if not has_cuda_gpu(hw):
         gpu_reason = ("an NVIDIA GPU is present but this PyTorch has no CUDA support"
                       if hw.get("gpu_name") else "no usable NVIDIA GPU was found")
-    elif budget is None or budget < fixed:
-        gpu_reason = (f"the GPU's {gib(budget or 0)} budget is below the {gib(fixed)} that the "
-                      f"dense weights, transfer buffers and headroom need")
+    elif budget is None or sizing.slots(budget) < 1:
+        gpu_reason = (f"the GPU's {gib(budget or 0)} budget is below the {gib(sizing.needed(1))} that the "
+                      f"dense weights, KV cache, workspace and one cached expert per layer need")
     if gpu_reason:
         return _cpu_plan(hw, m, gpu_reason, coeffs, prompt_tokens, common)
 
-    per_k = m.num_layers * m.expert_bytes
-    k = min(m.num_experts, int((budget - fixed) // per_k))
+    k = sizing.slots(budget)
     if cache_experts_per_layer is not None:
         k = min(cache_experts_per_layer, m.num_experts)
     p = predict_gpu(hw, m, k, coeffs, prefetch_depth, prompt_tokens, trace_hit_ratio=trace_hit_ratio)
-    vram_needed = fixed + k * per_k
+    vram_needed = sizing.needed(k)
     ram_ok = ram_total is None or ram_total >= host_needed
     fits = vram_needed <= budget and ram_ok
-    notes = [f"VRAM: {gib(m.dense_bytes)} dense weights + {k} x {m.num_layers} cached experts "
-             f"({gib(k * per_k)}) + transfer buffers + headroom {gib(headroom)} (KV cache for "
-             f"{context_tokens} tokens {gib(kv)}, workspace {gib(WORKSPACE_BYTES)})."]
+    notes = [f"VRAM: {gib(m.dense_bytes)} dense weights + {k} x {m.num_moe_layers} cached experts "
+             f"({gib(k * sizing.per_slot)}) + headroom {gib(headroom)} (KV cache for "
+             f"{context_tokens} tokens {gib(kv)}, workspace {gib(sizing.workspace)})."]
     if not ram_ok:
         verdict = (f"Not enough RAM: the experts need {gib(host_needed)} of host memory with the "
                    f"system's share, and this machine has {gib(ram_total)}; use fewer bits or the "

@@ -15,17 +15,34 @@ import json
 import math
 import os
 import struct
+from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 MAX_HEADER_BYTES = 100_000_000
+
+
+@cache
+def _torch_dtypes() -> tuple[dict, dict]:
+    """(name -> torch dtype, torch dtype -> name); torch is imported only for reading or writing
+    tensors, so that checking a header (the wizard's look at the Hugging Face cache) stays light."""
+    import torch
+
+    dtypes = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+              "U8": torch.uint8, "BOOL": torch.bool}
+    return dtypes, {v: k for k, v in dtypes.items()}
+
+
+def __getattr__(name: str):
+    """DTYPES and DTYPE_NAMES, made on first use (see _torch_dtypes)."""
+    if name in ("DTYPES", "DTYPE_NAMES"):
+        return _torch_dtypes()[name == "DTYPE_NAMES"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class FormatError(Exception):
@@ -62,7 +79,7 @@ def check_entries(name: str, header: dict, data_bytes: int) -> None:
     """Raise FormatError unless every entry fits the data section (data_bytes long)."""
     spans = []
     for key, e in header.items():
-        if not isinstance(e, dict) or e.get("dtype") not in DTYPES:
+        if not isinstance(e, dict) or e.get("dtype") not in ITEMSIZE:
             raise FormatError(f"{name}: tensor {key!r} has no known dtype")
         shape, offsets = e.get("shape"), e.get("data_offsets")
         if not _ints(shape) or any(d < 0 for d in shape):
@@ -70,7 +87,7 @@ def check_entries(name: str, header: dict, data_bytes: int) -> None:
         if not _ints(offsets) or len(offsets) != 2 or not 0 <= offsets[0] <= offsets[1] <= data_bytes:
             raise FormatError(f"{name}: tensor {key!r} lies outside the file (data_offsets "
                               f"{offsets!r}, {data_bytes} data bytes); the file is truncated or damaged")
-        nbytes = math.prod(shape) * DTYPES[e["dtype"]].itemsize
+        nbytes = math.prod(shape) * ITEMSIZE[e["dtype"]]
         if offsets[1] - offsets[0] != nbytes:
             raise FormatError(f"{name}: tensor {key!r} claims {offsets[1] - offsets[0]} bytes for "
                               f"shape {shape} ({nbytes} bytes)")
@@ -88,6 +105,8 @@ def _ints(v) -> bool:
 
 def read_tensor(path: Path, entry: dict, data_start: int) -> torch.Tensor:
     """Read one tensor (header entry, checked by read_header) into a fresh CPU tensor."""
+    import torch
+
     start, end = entry["data_offsets"]
     with open(path, "rb") as f:
         if data_start + end > os.fstat(f.fileno()).st_size:  # the file shrank since its header was read
@@ -96,7 +115,7 @@ def read_tensor(path: Path, entry: dict, data_start: int) -> torch.Tensor:
         f.seek(data_start + start)
         if f.readinto(buf) != len(buf):
             raise FormatError(f"{path.name} is truncated")
-    dtype = DTYPES[entry["dtype"]]
+    dtype = _torch_dtypes()[0][entry["dtype"]]
     if not buf:
         return torch.empty(entry["shape"], dtype=dtype)
     return torch.frombuffer(buf, dtype=dtype).reshape(entry["shape"])
@@ -111,12 +130,14 @@ class StreamingWriter:
 
     def __init__(self, path: Path, entries: list[tuple[str, torch.dtype, tuple]],
                  metadata: dict[str, str] | None = None, align: int = 256):
+        import torch
+
         header, offset = {}, 0
         self.order = []
         for name, dtype, shape in entries:
             nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
             offset = -(-offset // align) * align  # keep every tensor aligned for views
-            header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape),
+            header[name] = {"dtype": _torch_dtypes()[1][dtype], "shape": list(shape),
                             "data_offsets": [offset, offset + nbytes]}
             self.order.append((name, dtype, tuple(shape), offset, nbytes))
             offset += nbytes
@@ -171,5 +192,7 @@ class StreamingWriter:
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
+    import torch
+
     t = t.detach().contiguous().cpu()
     return memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")

@@ -51,6 +51,7 @@ from engine.errors import UserError
 from engine.hf_cache import path_problem
 from engine.model import ModelConfig
 from engine.safetensors_io import DTYPE_NAMES, DTYPES, FormatError, read_header, read_tensor
+from engine.units import GiB
 
 FORMAT = "moeferry-store"
 VERSION = 1
@@ -205,8 +206,8 @@ def open_store(arg: str | Path) -> Store:
     """Open a store after every check that needs no hashing (verify_store re-hashes)."""
     path, manifest = read_manifest(arg)
     listed_file_problems(path, manifest, hashing=False, exit_code=1)
-    check_no_code(path, f"The store {path}")
     hf_config = read_json(path / "config.json")
+    check_no_code(path, f"The store {path}", read={"config.json": hf_config})
     if not isinstance(hf_config, dict):
         raise UserError(f"{path}/config.json is missing or damaged; run `moeferry verify {path}`.", 1)
     cfg = model_config(hf_config, f"The store {path}")
@@ -316,10 +317,10 @@ def verify_store(arg: str | Path, progress=None) -> list[str]:
     A store that would run code, or whose config the engine refuses, raises UserError (exit 1).
     """
     path, manifest = read_manifest(arg)
-    check_no_code(path, f"The store {path}", exit_code=1)
+    hf = read_json(path / "config.json")
+    check_no_code(path, f"The store {path}", exit_code=1, read={"config.json": hf})
     bad = listed_file_problems(path, manifest, hashing=True, progress=progress)
     if not any(b.startswith("config.json:") for b in bad):
-        hf = read_json(path / "config.json")
         if not isinstance(hf, dict):
             bad.append("config.json: not a JSON object")
         else:
@@ -339,15 +340,18 @@ def read_json(path: Path):
         return None
 
 
-def check_no_code(folder: Path, what: str, exit_code: int = 2) -> None:
-    """Refuse a folder that ships Python files or names custom code (`auto_map`) in its configs."""
+def check_no_code(folder: Path, what: str, exit_code: int = 2, read: dict | None = None) -> None:
+    """Refuse a folder that ships Python files or names custom code (`auto_map`) in its configs.
+    `read`: {file name: its JSON value} of the configs the caller has parsed already."""
+    read = read or {}
     py = next(iter(sorted(folder.rglob("*.py"))), None)
     if py is not None:
         raise UserError(f"{what} contains the Python file {py.relative_to(folder)}; MoE Ferry never "
                         f"runs code shipped with a model, so it refuses the folder: use a checkpoint "
                         f"without custom code.", exit_code)
     for name in ("config.json",) + TOKENIZER_FILES + ("generation_config.json",):
-        if name.endswith(".json") and name != "tokenizer.json" and _has_key(read_json(folder / name), "auto_map"):
+        if name.endswith(".json") and name != "tokenizer.json" and \
+                _has_key(read[name] if name in read else read_json(folder / name), "auto_map"):
             raise UserError(f"{what} has an auto_map in {name}, which asks to run custom code; MoE "
                             f"Ferry never runs code shipped with a model, so it refuses the folder.",
                             exit_code)
@@ -401,8 +405,8 @@ def check_backed(cfg: ModelConfig, nbytes: int, what: str) -> None:
     need = min_model_bytes(cfg)
     if need > nbytes:
         raise UserError(f"{what} has a config.json describing {cfg.num_layers} layers of {cfg.num_experts} "
-                        f"experts (at least {need / 2**30:.1f} GiB even at 1 bit per weight), but its weight "
-                        f"files hold {nbytes / 2**30:.3f} GiB; the config does not belong to these weights.")
+                        f"experts (at least {need / GiB:.1f} GiB even at 1 bit per weight), but its weight "
+                        f"files hold {nbytes / GiB:.3f} GiB; the config does not belong to these weights.")
 
 
 def check_layout(path: Path, manifest: dict, cfg: ModelConfig) -> None:

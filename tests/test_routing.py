@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import bench, quant, routing
+from engine import bench, quant, routing, vram
 from engine.errors import UserError
 from engine.model import rms_norm, rope_cos_sin
 from engine.routing import lru_hits
@@ -115,7 +115,7 @@ def test_uniform_routing_hits_k_over_e_and_reaches_the_stated_recall(synthetic):
     s = synthetic
     cfg = s.cfg
     k = 3
-    budget = (s.dense_bytes + bench.KVCache.nbytes(cfg, 8 + 300, torch.bfloat16)
+    budget = (s.dense_bytes + vram.kv_cache_bytes(cfg.num_layers, 8 + 300, cfg.num_kv_heads, cfg.head_dim)
               + k * cfg.num_layers * s.host.shape[2])
     cond = bench.Conditions("uniform", guess_recall=0.7, seed=1)
     r = bench.measure(s, str(budget), 8, 300, ("lru", "full"), ("reference",), 1, log=lambda m: None, cond=cond)

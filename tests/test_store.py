@@ -153,3 +153,41 @@ def test_conversion_memory_stays_far_below_the_checkpoint(tmp_path):
     one_expert = 3 * 512 * 2048 * 4
     assert growth < 0.15 * ckpt_bytes, (growth, ckpt_bytes)
     assert growth < 12 * one_expert
+
+
+def count_reads(monkeypatch):
+    """Counters of config.json parses and file hashes by engine/store.py."""
+    from collections import Counter
+
+    from engine import store
+
+    parsed, hashed = Counter(), Counter()
+    read_json, sha256_file = store.read_json, store.sha256_file
+
+    def counting_read(path):
+        parsed[path.name] += 1
+        return read_json(path)
+
+    def counting_hash(path, *args, **kwargs):
+        hashed[path.name] += 1
+        return sha256_file(path, *args, **kwargs)
+
+    monkeypatch.setattr(store, "read_json", counting_read)
+    monkeypatch.setattr(store, "sha256_file", counting_hash)
+    return parsed, hashed
+
+
+def test_a_verify_hashes_each_file_once_and_a_load_parses_the_config_once(monkeypatch):
+    from engine.generate import load_engine
+    from engine.paths import demo_store_path
+    from engine.store import open_store
+
+    path = demo_store_path()
+    parsed, hashed = count_reads(monkeypatch)
+    assert verify_store(path) == []
+    files = json.loads((path / "manifest.json").read_text())["files"]
+    assert hashed == {name: 1 for name in files} and parsed["config.json"] == 1
+    for opened in (lambda: open_store(path), lambda: load_engine(path, device="cpu").close()):
+        parsed.clear(), hashed.clear()
+        opened()
+        assert parsed["config.json"] == 1 and not hashed

@@ -26,7 +26,8 @@ def survey(backend) -> dict:
             found = backend.find_in_hf_cache(e.repo_id)
             if found:
                 hf_cache[e.id] = Path(found)
-    return {"hw": hw, "catalog": catalog, "plans": plans, "hf_cache": hf_cache, "demo": backend.demo_path()}
+    return {"hw": hw, "catalog": catalog, "plans": plans, "recommended": backend.recommend(hw, catalog),
+            "hf_cache": hf_cache, "demo": backend.demo_path()}
 
 
 class HardwarePage(QWizardPage):
@@ -81,7 +82,7 @@ class HardwarePage(QWizardPage):
 
     def _finished(self, result: dict) -> None:
         w = self.w
-        w.hw, w.catalog, w.plans = result["hw"], result["catalog"], result["plans"]
+        w.hw, w.catalog, w.plans, w.recommended = result["hw"], result["catalog"], result["plans"], result["recommended"]
         w.hf_cache, w.demo = result["hf_cache"], result["demo"]
         first = w.catalog[0] if w.catalog else None
         plan = w.plans.get(first.id) if first else None

@@ -49,9 +49,8 @@ def _repo_name(repo_id: str) -> str:
 
 
 def catalog_option(entry: CatalogEntry, plan, cached: Path | None, disk_free: int | None,
-                   has_gpu: bool = True) -> Option:
-    """One catalog entry as a choice; without enough free disk it cannot be chosen. The catalog's
-    recommendation counts only with a GPU: without one the demo is the recommended choice."""
+                   recommended: bool = False) -> Option:
+    """One catalog entry as a choice; without enough free disk it cannot be chosen."""
     parts = []
     if cached:
         parts.append("in your Hugging Face cache: no download")
@@ -75,7 +74,7 @@ def catalog_option(entry: CatalogEntry, plan, cached: Path | None, disk_free: in
     if short_of_disk:
         notes.append(f"Not enough free disk space: it needs {fmt_bytes(entry.disk_bytes)}, "
                      f"{fmt_bytes(disk_free)} is free.")
-    recommended = has_gpu and entry.recommended_route and not short_of_disk
+    recommended = recommended and not short_of_disk
     tooltip = "\n\n".join(t for t in (entry.description, QUALITY_TIP if quality else "") if t)
     return Option(entry.id, entry.name, " · ".join(parts), " ".join(notes), entry, enabled=not short_of_disk,
                   recommended=recommended, tooltip=tooltip)
@@ -190,13 +189,13 @@ class ModelPage(QWizardPage):
         hw = w.hw or {}
         has_gpu = bool(w.verdict and w.verdict.has_gpu)
         disk_free = hw.get("disk_free_bytes")
-        models = [catalog_option(e, w.plans.get(e.id), w.hf_cache.get(e.id), disk_free, has_gpu)
+        models = [catalog_option(e, w.plans.get(e.id), w.hf_cache.get(e.id), disk_free, e.id == w.recommended)
                   for e in w.catalog if not e.embedded]
         demo = Option(
             "demo", "Demo model (tiny, included)",
             "no download · runs on any computer in seconds" if w.demo else "not part of this installation",
             "Shows how the app and the expert map work; its answers are not useful.",
-            enabled=w.demo is not None, recommended=not has_gpu and w.demo is not None)
+            enabled=w.demo is not None, recommended=w.recommended == "demo" and w.demo is not None)
         # Without a GPU the demo is the sensible start, so it comes first, above the fold.
         self.options = models + [demo] if has_gpu else [demo] + models
         self.options.append(Option(

@@ -67,6 +67,7 @@ class SetupWizard(QWizard):
         self.verdict: HardwareVerdict | None = None
         self.catalog: list[CatalogEntry] = []
         self.plans: dict[str, PlanSummary | None] = {}
+        self.recommended: str | None = None  # the catalog id (or "demo") `moeferry probe` recommends too
         self.hf_cache: dict[str, Path] = {}
         self.demo: Path | None = None
         self.entry: CatalogEntry | None = None

@@ -149,7 +149,7 @@ def write_settings(folder: Path, **values) -> None:
 def make_store(path: Path, expert_bits: int = 2, source: str = "tiny/mixtral") -> Path:
     """A folder that looks like a MoE Ferry store to the app (manifest only)."""
     path.mkdir(parents=True, exist_ok=True)
-    manifest = {"format": "moeferry-store", "version": 1, "source": {"repo_id": source},
+    manifest = {"format": "moeferry-store", "version": 1, "source": {"repo": source},
                 "quantization": {"experts": {"bits": expert_bits}, "attention": {"bits": 4}}, "files": {}}
     (path / "manifest.json").write_text(json.dumps(manifest))
     return path
@@ -200,7 +200,10 @@ def fake_setup_backend(tmp: Path, hw: dict | None = None, fetch=None, convert=No
             progress(i / 4, f"layer {i} of 4")
         make_store(Path(dest), expert_bits)
 
+    def recommend(hw_, entries):  # the real one (engine.hardware.recommend_model) reads catalog sizes
+        return entries[0].id if hw_.get("gpu_name") and entries else "demo"
+
     demo = make_store(tmp / "demo-store", source="demo")
-    return SetupBackend(probe=lambda: dict(hw), catalog=lambda: list(catalog), plan=plan,
+    return SetupBackend(probe=lambda: dict(hw), catalog=lambda: list(catalog), plan=plan, recommend=recommend,
                         fetch=fetch or default_fetch, find_in_hf_cache=lambda repo: None,
                         convert=convert or default_convert, verify=lambda p: [], demo_path=lambda: demo)

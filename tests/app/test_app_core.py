@@ -9,8 +9,9 @@ from app.expert_trace import Cell, summarize_trace
 from app.hardware_words import describe_hardware
 from app.install import InstallRequest, download_progress, run_install
 from app.setup_backend import PlanSummary
-from app.stats_format import fmt_duration, stats_items
+from app.stats_format import stats_items
 from engine.contract import ExpertTrace, GenerationStats
+from engine.units import fmt_duration
 from tests.app.fakes import NO_GPU, RTX_3060, fake_setup_backend
 
 

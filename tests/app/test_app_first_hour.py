@@ -124,14 +124,7 @@ def no_gpu_backend(tmp_path, disk_free=40_000_000_000):
     backend = fake_setup_backend(tmp_path, hw=dict(NO_GPU, disk_free_bytes=disk_free))
     backend.plan = lambda hw, entry, budget, cache_experts=None: PlanSummary(
         cache_experts_per_layer=0, predicted_tokens_per_s=0.0046, verdict="Runs on the CPU.", hit_rate=1.0)
-    backend.catalog = lambda: [replace_recommended(e) for e in fake_setup_backend(tmp_path).catalog()]
     return backend
-
-
-def replace_recommended(entry):
-    from dataclasses import replace
-
-    return replace(entry, recommended_route=True) if entry.id == "mixtral-2bit" else entry
 
 
 def test_model_page_without_a_gpu(launch, qtbot, tmp_path):

@@ -143,3 +143,19 @@ def test_cli(tmp_path, capsys):
     assert C.main([str(bad)]) == 2
     assert "not a `moeferry bench --json` report" in capsys.readouterr().err
     assert math.isfinite(C.compare([report()])[0]["ratio"])
+
+
+def test_the_shape_comes_from_the_report():
+    from engine.bench_shapes import MODEL_SHAPES
+    from engine.errors import UserError
+
+    mixtral = C.report_sizes(report())  # a report from before they named their model: Mixtral
+    assert (mixtral.num_experts, mixtral.top_k) == (8, 2)
+    qwen = dict(report(layers=4), model="qwen3-30b-a3b", expert_bytes=2_511_360, resident_bytes=300_000_000)
+    sizes = C.report_sizes(qwen)
+    want = replace(P.ModelSizes.from_config(dict(MODEL_SHAPES["qwen3-30b-a3b"], num_hidden_layers=4), 2, 4),
+                   expert_bytes=2_511_360, dense_bytes=300_000_000, name=sizes.name)
+    assert sizes == want and (sizes.num_experts, sizes.top_k, sizes.num_layers) == (128, 8, 4)
+    assert C.compare([qwen])[0]["predicted_hit_rate"] == pytest.approx(P.hit_rate(3, 128))
+    with pytest.raises(UserError, match="does not know"):
+        C.report_sizes(dict(report(), model="llama"))
