@@ -2,6 +2,7 @@
 
     python benchmarks/gguf_random.py --model qwen3-30b-a3b --type Q4_K_M OUT.gguf
     python benchmarks/gguf_random.py --fit 11GiB OUT.gguf     # the -ncmoe that leaves <= 11 GiB on the GPU
+                                                              # (also with --model: of the file it writes)
 
 The shape is engine/bench_shapes.py's (the same ModelConfig the engine's synthetic model has),
 written as llama.cpp's architecture of that family (mixtral as "llama", qwen3_moe "qwen3moe",
@@ -89,8 +90,9 @@ def block_type(main, cols: int):
     return main if cols % gguf.GGML_QUANT_SIZES[main][0] == 0 else FALLBACK.get(main, Q.Q8_0)
 
 
-def write_gguf(path, cfg: ModelConfig, type_name: str, seed: int = 0) -> None:
-    """Write cfg's model as llama.cpp's architecture of its family, with random `type_name` blocks."""
+def write_gguf(path, cfg: ModelConfig, type_name: str, seed: int = 0) -> dict[str, int]:
+    """Write cfg's model as llama.cpp's architecture of its family, with random `type_name` blocks;
+    returns each tensor's bytes."""
     if cfg.family not in ARCHS:
         raise SystemExit(f"No llama.cpp architecture for {cfg.family}; choose one of {', '.join(ARCHS)}.")
     if cfg.num_moe_layers != cfg.num_layers:
@@ -100,15 +102,17 @@ def write_gguf(path, cfg: ModelConfig, type_name: str, seed: int = 0) -> None:
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     write_hparams(w, cfg, ftype)
     write_vocab(w, cfg.vocab_size)
-    known = set(gguf.MODEL_TENSORS[arch])
+    known, sizes = set(gguf.MODEL_TENSORS[arch]), {}
     for kind, bid, suffix, array, qtype in tensors(cfg, expert_q, dense_q, Blocks(seed)):
         assert kind in known, (arch, kind)  # a name this architecture's loader knows
         name = gguf.TENSOR_NAMES[kind].format(bid=bid) + "." + suffix
         w.add_tensor(name, array, raw_dtype=qtype)
+        sizes[name] = array.nbytes
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file(progress=False)
     w.close()
+    return sizes
 
 
 def write_hparams(w, cfg: ModelConfig, ftype) -> None:
@@ -203,22 +207,26 @@ def tensors(cfg: ModelConfig, expert_q, dense_q, b: Blocks):
     yield T.OUTPUT, None, "weight", *outw
 
 
-def ncmoe_for(path, gpu_bytes: int) -> tuple[int, int, int]:
-    """(N, bytes left on the GPU, file bytes): the smallest llama-bench -ncmoe N (the first N layers'
-    experts on the CPU) that leaves at most gpu_bytes of weights on the GPU; every layer if none does."""
-    reader = gguf.GGUFReader(str(path))
+def ncmoe_for(sizes: dict[str, int], gpu_bytes: int) -> tuple[int, int, int]:
+    """(N, bytes left on the GPU, all bytes) for a GGUF's tensor sizes: the smallest llama-bench
+    -ncmoe N (the first N layers' experts on the CPU) that leaves at most gpu_bytes of weights on
+    the GPU; every layer if none does."""
     per_layer: dict[int, int] = {}
-    total = 0
-    for t in reader.tensors:
-        total += int(t.n_bytes)
-        m = EXPERT_TENSORS.match(t.name)
+    for name, n in sizes.items():
+        m = EXPERT_TENSORS.match(name)
         if m:
-            per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + int(t.n_bytes)
-    left, n = total, 0
+            per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + n
+    total = left = sum(sizes.values())
+    n = 0
     while left > gpu_bytes and n < len(per_layer):
         left -= per_layer[n]
         n += 1
     return n, left, total
+
+
+def file_sizes(path) -> dict[str, int]:
+    """Each tensor's bytes in an existing GGUF (GGUFReader parses the whole vocabulary: seconds)."""
+    return {t.name: int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors}
 
 
 def parse_size(text: str) -> int:
@@ -233,17 +241,19 @@ def main(argv=None) -> int:
     p.add_argument("--model", choices=tuple(MODEL_SHAPES), help="the shape to write")
     p.add_argument("--type", choices=tuple(TYPES), default="Q4_K_M", help="the blocks (default Q4_K_M)")
     p.add_argument("--layers", type=int, help=argparse.SUPPRESS)  # the first N layers: tests
-    p.add_argument("--fit", help="instead of writing: print the -ncmoe that leaves at most this much on the GPU")
+    p.add_argument("--fit", help="then print N, the bytes it leaves on the GPU and all bytes, where N is the "
+                                 "-ncmoe that leaves at most this much (e.g. 11GiB); without --model, of OUT as it is")
     p.add_argument("out", help="the GGUF file")
     a = p.parse_args(argv)
+    if not (a.model or a.fit):
+        p.error("give --model to write a GGUF, or --fit to size an existing one")
+    if a.model:
+        sizes = write_gguf(a.out, shape_config(a.model, a.layers), a.type)
+        print(f"{a.out}: {a.model} {a.type}, {os.path.getsize(a.out) / 2**30:.2f} GiB", file=sys.stderr)
+    else:
+        sizes = file_sizes(a.out)
     if a.fit:
-        n, left, total = ncmoe_for(a.out, parse_size(a.fit))
-        print(f"{n} {left} {total}")
-        return 0
-    if not a.model:
-        p.error("--model is required to write a GGUF")
-    write_gguf(a.out, shape_config(a.model, a.layers), a.type)
-    print(f"{a.out}: {a.model} {a.type}, {os.path.getsize(a.out) / 2**30:.2f} GiB", file=sys.stderr)
+        print(*ncmoe_for(sizes, parse_size(a.fit)))
     return 0
 
 

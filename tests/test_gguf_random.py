@@ -137,20 +137,22 @@ def test_the_random_blocks_decode_to_small_finite_weights_that_differ(tmp_path, 
 
 def test_the_cli_writes_the_full_width_shape_and_finds_the_ncmoe_that_fits(tmp_path, capsys):
     out = tmp_path / "olmoe.gguf"
-    assert gguf_random.main(["--model", "olmoe-1b-7b", "--type", "Q2_K", "--layers", "2", str(out)]) == 0
+    assert gguf_random.main(["--model", "olmoe-1b-7b", "--type", "Q2_K", "--layers", "2", "--fit", "1GiB",
+                             str(out)]) == 0
+    printed = capsys.readouterr().out.split()
     r = gguf.GGUFReader(str(out))
     shapes = {t.name: [int(d) for d in t.shape] for t in r.tensors}
     assert shapes["blk.1.ffn_down_exps.weight"] == [1024, 2048, 64] and shapes["token_embd.weight"] == [2048, 50304]
     assert "blk.2.attn_norm.weight" not in shapes
-    experts = [sum(int(t.n_bytes) for t in r.tensors if t.name.startswith(f"blk.{i}.ffn_") and "_exps" in t.name)
+    sizes = {t.name: int(t.n_bytes) for t in r.tensors}
+    experts = [sum(n for name, n in sizes.items() if name.startswith(f"blk.{i}.ffn_") and "_exps" in name)
                for i in range(2)]
-    total = sum(int(t.n_bytes) for t in r.tensors)
-    capsys.readouterr()
-    for fit, n in ((total, 0), (total - experts[0], 1), (total - experts[0] - 1, 2)):  # each read costs seconds
-        assert gguf_random.main(["--fit", f"{fit}B", str(out)]) == 0
-        got_n, left, got_total = map(int, capsys.readouterr().out.split())
-        assert (got_n, got_total) == (n, total), fit
-        assert left == total - sum(experts[:n])
+    total = sum(sizes.values())
+    assert printed == ["0", str(total), str(total)]  # all of it fits in 1 GiB
+    for fit, n in ((total, 0), (total - 1, 1), (total - experts[0], 1), (total - experts[0] - 1, 2), (1, 2)):
+        assert gguf_random.ncmoe_for(sizes, fit) == (n, total - sum(experts[:n]), total), fit
+    assert gguf_random.main(["--fit", f"{(total - experts[0]) / 2**20}MiB", str(out)]) == 0  # the file as it is
+    assert capsys.readouterr().out.split() == ["1", str(total - experts[0]), str(total)]
 
 
 def test_a_shape_with_dense_layers_is_refused_in_one_sentence(tmp_path):
