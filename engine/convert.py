@@ -35,6 +35,7 @@ from engine.safetensors_io import FormatError, StreamingWriter, read_header, rea
 TOKENIZER_FILES = store.TOKENIZER_FILES
 EXTRA_FILES = ("generation_config.json",)
 SPACE_MARGIN_BYTES = 64 << 20  # beyond the store's own size: config, tokenizer, manifest
+FLOAT_DTYPES = ("BF16", "F16", "F32")  # what a checkpoint's weights may be (MXFP4 blocks and scales: U8)
 
 
 class Cancelled(Exception):
@@ -150,7 +151,7 @@ def stacked_loader(refs: dict[str, TensorRef], cfg: ModelConfig):
         refs[f"model.layers.{layers[0]}.mlp.experts.gate_up_proj"].entry["dtype"]
 
 
-def check_experts(refs: dict[str, TensorRef], n: int, need, dtypes=("BF16", "F16", "F32")) -> None:
+def check_experts(refs: dict[str, TensorRef], n: int, need, dtypes=FLOAT_DTYPES) -> None:
     """The n expert tensors the config implies: counted against the checkpoint's before they are
     named (need() -> {name: shape}), then each present, of its shape and of one of `dtypes`."""
     check_count(len(refs), n)
@@ -200,19 +201,17 @@ def gpt_oss_expert_loader(refs: dict[str, TensorRef], cfg: ModelConfig, keep_mxf
     with biases, or the MXFP4 gate_up_proj_blocks / _scales [E, 2F, ...] and down_proj_... [E, H, ...]."""
     p0 = "model.layers.{}.mlp.experts."
     E, F, H, layers = cfg.num_experts, cfg.intermediate_size, cfg.hidden_size, cfg.moe_layer_ids
-    mx = (p0.format(layers[0]) + "gate_up_proj_blocks") in refs
-    if mx and (H % mxfp4.BLOCK or F % mxfp4.BLOCK):
+    mx, B = (p0.format(layers[0]) + "gate_up_proj_blocks") in refs, mxfp4.BLOCK
+    if mx and (H % B or F % B):
         raise UserError(f"The checkpoint's config.json gives hidden_size {H} and intermediate_size {F}, but MXFP4 "
-                        f"experts need multiples of {mxfp4.BLOCK}; the config does not belong to these weights.")
-    B = mxfp4.BLOCK
-    shapes = {"gate_up_proj_blocks": [E, 2 * F, H // B, B // 2], "gate_up_proj_scales": [E, 2 * F, H // B],
-              "down_proj_blocks": [E, H, F // B, B // 2], "down_proj_scales": [E, H, F // B]} if mx \
+                        f"experts need multiples of {B}; the config does not belong to these weights.")
+    weights = {"gate_up_proj_blocks": [E, 2 * F, H // B, B // 2], "gate_up_proj_scales": [E, 2 * F, H // B],
+               "down_proj_blocks": [E, H, F // B, B // 2], "down_proj_scales": [E, H, F // B]} if mx \
         else {"gate_up_proj": [E, H, 2 * F], "down_proj": [E, F, H]}
-    check_experts(refs, len(layers) * len(shapes), lambda: {
-        p0.format(l) + n: shape for l in layers for n, shape in shapes.items()}, ("U8",) if mx else ("BF16", "F16", "F32"))
-    check_experts(refs, len(layers) * 2, lambda: {
-        p0.format(l) + n: shape for l in layers for n, shape in (("gate_up_proj_bias", [E, 2 * F]),
-                                                                 ("down_proj_bias", [E, H]))})
+    biases = {"gate_up_proj_bias": [E, 2 * F], "down_proj_bias": [E, H]}
+    for parts, dtypes in ((weights, ("U8",) if mx else FLOAT_DTYPES), (biases, FLOAT_DTYPES)):
+        check_experts(refs, len(layers) * len(parts),
+                      lambda parts=parts: {p0.format(l) + n: shape for l in layers for n, shape in parts.items()}, dtypes)
 
     def load(layer, e):
         p = p0.format(layer)
@@ -259,7 +258,7 @@ def dense_names(cfg: ModelConfig, refs: dict) -> list[tuple[str, str]]:
     check_count(len(refs), len(names), "non-expert")
     check_present(refs, [src for _, src in names])
     check_shapes(refs, {src: dense_shape(cfg, dst) for dst, src in names})
-    check_dtypes(refs, [src for _, src in names], ("BF16", "F16", "F32"))
+    check_dtypes(refs, [src for _, src in names], FLOAT_DTYPES)
     return names
 
 
