@@ -35,6 +35,7 @@ from engine.safetensors_io import FormatError, StreamingWriter, read_header, rea
 TOKENIZER_FILES = store.TOKENIZER_FILES
 EXTRA_FILES = ("generation_config.json",)
 SPACE_MARGIN_BYTES = 64 << 20  # beyond the store's own size: config, tokenizer, manifest
+FLOAT_DTYPES = ("BF16", "F16", "F32")  # what a checkpoint's weights may be (MXFP4 blocks and scales: U8)
 
 
 class Cancelled(Exception):
@@ -58,7 +59,7 @@ class TensorRef:
 def read_hf_config(src: Path) -> dict:
     """config.json of a checkpoint folder that ships no code, of a supported family, sizes checked."""
     if not src.is_dir():
-        raise UserError(f"{src} is not a folder; give the folder of a Hugging Face Mixtral checkpoint.")
+        raise UserError(f"{src} is not a folder; give the folder of a Hugging Face MoE checkpoint.")
     if not (src / "config.json").is_file():
         raise UserError(f"{src} has no config.json, so it is not a Hugging Face checkpoint; "
                         f"give the folder that holds config.json and the .safetensors files.")
@@ -128,26 +129,36 @@ def expert_loader(refs: dict[str, TensorRef], cfg: ModelConfig):
         p = f"model.layers.{layer}.block_sparse_moe.experts.{e}."
         return {m: refs[p + m + ".weight"].load() for m in store.EXPERT_MATRICES}
 
-    def fused(layer, e):
-        return read_stacked_expert(refs, cfg, layer, e)
-
-    h, f, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts
+    n, layers = cfg.num_experts, cfg.moe_layer_ids
     if "model.layers.0.block_sparse_moe.experts.0.w1.weight" in refs:
-        check_count(len(refs), cfg.num_layers * n * len(store.EXPERT_MATRICES))  # before naming them all
-        need = {f"model.layers.{l}.block_sparse_moe.experts.{e}.{m}.weight": list(store.expert_shape(cfg, m))
-                for l in range(cfg.num_layers) for e in range(n) for m in store.EXPERT_MATRICES}
-        check_present(refs, list(need))
-        check_shapes(refs, need)
+        check_experts(refs, len(layers) * n * 3, lambda: {
+            f"model.layers.{l}.block_sparse_moe.experts.{e}.{m}.weight": list(store.expert_shape(cfg, m))
+            for l in layers for e in range(n) for m in store.EXPERT_MATRICES})
         return per_expert, refs["model.layers.0.block_sparse_moe.experts.0.w1.weight"].entry["dtype"]
     if "model.layers.0.mlp.experts.gate_up_proj" in refs:
-        check_count(len(refs), cfg.num_layers * 2)
-        need = {f"model.layers.{l}.mlp.experts.{m}": shape for l in range(cfg.num_layers)
-                for m, shape in (("gate_up_proj", [n, 2 * f, h]), ("down_proj", [n, h, f]))}
-        check_present(refs, list(need))
-        check_shapes(refs, need)
-        return fused, refs["model.layers.0.mlp.experts.gate_up_proj"].entry["dtype"]
+        return stacked_loader(refs, cfg)
     raise UserError("The checkpoint has no Mixtral expert weights (expected keys like "
                     "model.layers.0.block_sparse_moe.experts.0.w1.weight); is it a Mixtral checkpoint?")
+
+
+def stacked_loader(refs: dict[str, TensorRef], cfg: ModelConfig):
+    """transformers' stacked experts (every family but gpt_oss), checked: a loader and its dtype."""
+    h, f, n, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.moe_layer_ids
+    need = lambda: {f"model.layers.{l}.mlp.experts.{m}": shape for l in layers  # noqa: E731
+                    for m, shape in (("gate_up_proj", [n, 2 * f, h]), ("down_proj", [n, h, f]))}
+    check_experts(refs, len(layers) * 2, need)
+    return (lambda layer, e: read_stacked_expert(refs, cfg, layer, e)), \
+        refs[f"model.layers.{layers[0]}.mlp.experts.gate_up_proj"].entry["dtype"]
+
+
+def check_experts(refs: dict[str, TensorRef], n: int, need, dtypes=FLOAT_DTYPES) -> None:
+    """The n expert tensors the config implies: counted against the checkpoint's before they are
+    named (need() -> {name: shape}), then each present, of its shape and of one of `dtypes`."""
+    check_count(len(refs), n)
+    want = need()
+    check_present(refs, list(want))
+    check_shapes(refs, want)
+    check_dtypes(refs, list(want), dtypes)
 
 
 def read_stacked_expert(refs: dict[str, TensorRef], cfg: ModelConfig, layer: int, e: int) -> dict:
@@ -172,29 +183,35 @@ def family_expert_loader(refs: dict[str, TensorRef], cfg: ModelConfig, keep_mxfp
 def qwen_expert_loader(refs: dict[str, TensorRef], cfg: ModelConfig):
     """qwen3_moe, qwen2_moe, olmoe: mlp.experts.E.{gate,up,down}_proj.weight, or stacked."""
     names = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
-    first = cfg.moe_layer_ids[0]
-    if f"model.layers.{first}.mlp.experts.0.gate_proj.weight" in refs:
-        check_present(refs, [f"model.layers.{l}.mlp.experts.{e}.{n}.weight" for l in cfg.moe_layer_ids
-                             for e in range(cfg.num_experts) for _, n in names])
+    layers = cfg.moe_layer_ids
+    if f"model.layers.{layers[0]}.mlp.experts.0.gate_proj.weight" in refs:
+        check_experts(refs, len(layers) * cfg.num_experts * 3, lambda: {
+            f"model.layers.{l}.mlp.experts.{e}.{n}.weight": list(store.expert_shape(cfg, m))
+            for l in layers for e in range(cfg.num_experts) for m, n in names})
 
         def per_expert(layer, e):
             p = f"model.layers.{layer}.mlp.experts.{e}."
             return {m: refs[p + n + ".weight"].load() for m, n in names}
-        return per_expert, refs[f"model.layers.{first}.mlp.experts.0.gate_proj.weight"].entry["dtype"], None
-    stacked = [f"model.layers.{l}.mlp.experts.{m}" for l in cfg.moe_layer_ids for m in ("gate_up_proj", "down_proj")]
-    check_present(refs, stacked)
-    return (lambda layer, e: read_stacked_expert(refs, cfg, layer, e)), refs[stacked[0]].entry["dtype"], None
+        return per_expert, refs[f"model.layers.{layers[0]}.mlp.experts.0.gate_proj.weight"].entry["dtype"], None
+    return (*stacked_loader(refs, cfg), None)
 
 
 def gpt_oss_expert_loader(refs: dict[str, TensorRef], cfg: ModelConfig, keep_mxfp4: bool):
     """gpt_oss: gate_up_proj [E, H, 2F] (x @ W, gate and up interleaved) and down_proj [E, F, H]
     with biases, or the MXFP4 gate_up_proj_blocks / _scales [E, 2F, ...] and down_proj_... [E, H, ...]."""
     p0 = "model.layers.{}.mlp.experts."
-    mx = (p0.format(0) + "gate_up_proj_blocks") in refs
-    parts = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales") if mx \
-        else ("gate_up_proj", "down_proj")
-    check_present(refs, [p0.format(l) + n for l in cfg.moe_layer_ids
-                         for n in parts + ("gate_up_proj_bias", "down_proj_bias")])
+    E, F, H, layers = cfg.num_experts, cfg.intermediate_size, cfg.hidden_size, cfg.moe_layer_ids
+    mx, B = (p0.format(layers[0]) + "gate_up_proj_blocks") in refs, mxfp4.BLOCK
+    if mx and (H % B or F % B):
+        raise UserError(f"The checkpoint's config.json gives hidden_size {H} and intermediate_size {F}, but MXFP4 "
+                        f"experts need multiples of {B}; the config does not belong to these weights.")
+    weights = {"gate_up_proj_blocks": [E, 2 * F, H // B, B // 2], "gate_up_proj_scales": [E, 2 * F, H // B],
+               "down_proj_blocks": [E, H, F // B, B // 2], "down_proj_scales": [E, H, F // B]} if mx \
+        else {"gate_up_proj": [E, H, 2 * F], "down_proj": [E, F, H]}
+    biases = {"gate_up_proj_bias": [E, 2 * F], "down_proj_bias": [E, H]}
+    for parts, dtypes in ((weights, ("U8",) if mx else FLOAT_DTYPES), (biases, FLOAT_DTYPES)):
+        check_experts(refs, len(layers) * len(parts),
+                      lambda parts=parts: {p0.format(l) + n: shape for l in layers for n, shape in parts.items()}, dtypes)
 
     def load(layer, e):
         p = p0.format(layer)
@@ -205,7 +222,6 @@ def gpt_oss_expert_loader(refs: dict[str, TensorRef], cfg: ModelConfig, keep_mxf
             return out | {"w1": gate_up[:, 0::2].T.contiguous(), "w3": gate_up[:, 1::2].T.contiguous(),
                           "w2": slice_first(refs[p + "down_proj"], e).T.contiguous()}
         blocks, scales = slice_first(refs[p + "gate_up_proj_blocks"], e), slice_first(refs[p + "gate_up_proj_scales"], e)
-        F, H = cfg.intermediate_size, cfg.hidden_size
         mats = {"w1": mxfp4.Mxfp4Matrix(F, H, blocks[0::2].contiguous(), scales[0::2].contiguous()),
                 "w3": mxfp4.Mxfp4Matrix(F, H, blocks[1::2].contiguous(), scales[1::2].contiguous()),
                 "w2": mxfp4.Mxfp4Matrix(H, F, slice_first(refs[p + "down_proj_blocks"], e),
@@ -214,8 +230,9 @@ def gpt_oss_expert_loader(refs: dict[str, TensorRef], cfg: ModelConfig, keep_mxf
             mats = {m: mxfp4.dequantize(w, torch.bfloat16) for m, w in mats.items()}
         return out | mats
 
-    dtype = "mxfp4" if mx else refs[p0.format(0) + "gate_up_proj"].entry["dtype"]
-    return load, dtype, refs[p0.format(0) + "gate_up_proj_bias"].entry["dtype"]
+    first = p0.format(layers[0])
+    dtype = "mxfp4" if mx else refs[first + "gate_up_proj"].entry["dtype"]
+    return load, dtype, refs[first + "gate_up_proj_bias"].entry["dtype"]
 
 
 def slice_first(ref: TensorRef, i: int) -> torch.Tensor:
@@ -238,23 +255,37 @@ def dense_names(cfg: ModelConfig, refs: dict) -> list[tuple[str, str]]:
         names += [(p + "input_layernorm.weight",) * 2, (p + "post_attention_layernorm.weight",) * 2]
         names += [(p + f"self_attn.{m}.weight",) * 2 for m in store.ATTN_MATRICES]
         names += family_layer_names(cfg, refs, p, l)
+    check_count(len(refs), len(names), "non-expert")
     check_present(refs, [src for _, src in names])
-    h = cfg.hidden_size
-    fixed = {"model.embed_tokens.weight": [cfg.vocab_size, h], "lm_head.weight": [cfg.vocab_size, h],
-             "model.norm.weight": [h]}
-    want = {}  # the shapes the config fixes (a family's extra tensors are checked by their use)
-    for dst, src in names:
-        proj, kind = dst.split(".")[-2:]
-        if dst in fixed:
-            want[src] = fixed[dst]
-        elif proj in store.ATTN_MATRICES and kind == "weight":
-            want[src] = list(store.attn_shape(cfg, proj))
-        elif dst.endswith("block_sparse_moe.gate.weight"):
-            want[src] = [cfg.num_experts, h]
-        elif dst.endswith("layernorm.weight"):
-            want[src] = [h]
-    check_shapes(refs, want)
+    check_shapes(refs, {src: dense_shape(cfg, dst) for dst, src in names})
+    check_dtypes(refs, [src for _, src in names], FLOAT_DTYPES)
     return names
+
+
+def dense_shape(cfg: ModelConfig, name: str) -> list[int]:
+    """The shape config.json implies for the non-expert tensor `name` (its store name)."""
+    h, v = cfg.hidden_size, cfg.vocab_size
+    fixed = {"model.embed_tokens.weight": [v, h], "lm_head.weight": [v, h], "model.norm.weight": [h]}
+    base, kind = name.rsplit(".", 1)
+    part = base.rsplit(".", 1)[-1]
+    matrix = store.dense_matrix_shape(cfg, base)
+    if name in fixed:
+        return fixed[name]
+    if matrix is not None and kind == "weight":
+        return list(matrix)
+    if part in store.ATTN_MATRICES:  # a bias
+        return [store.attn_shape(cfg, part)[0]]
+    if part in ("q_norm", "k_norm"):
+        heads = cfg.num_heads if part == "q_norm" else cfg.num_kv_heads
+        return [cfg.head_dim * (1 if cfg.qk_norm == "head" else heads)]
+    if name.endswith("self_attn.sinks"):
+        return [cfg.num_heads]
+    if base.endswith("block_sparse_moe.gate"):
+        return [cfg.num_experts, h] if kind == "weight" else [cfg.num_experts]
+    if part == "shared_expert_gate":
+        return [1, h]
+    assert part.endswith("layernorm"), name  # dense_names names nothing else
+    return [h]
 
 
 def family_layer_names(cfg: ModelConfig, refs: dict, p: str, layer: int) -> list[tuple[str, str]]:
@@ -278,10 +309,10 @@ def family_layer_names(cfg: ModelConfig, refs: dict, p: str, layer: int) -> list
     return out
 
 
-def check_count(have: int, n: int) -> None:
+def check_count(have: int, n: int, what: str = "expert") -> None:
     """Refuse a config that implies more tensors than the checkpoint's headers hold (`have`)."""
     if n > have:
-        raise UserError(f"The checkpoint's config.json implies {n} expert tensors, but its files hold "
+        raise UserError(f"The checkpoint's config.json implies {n} {what} tensors, but its files hold "
                         f"{have} tensors in all; the config does not belong to these weights.")
 
 
@@ -291,6 +322,14 @@ def check_shapes(refs: dict, want: dict[str, list[int]]) -> None:
         if refs[name].entry["shape"] != shape:
             raise UserError(f"The checkpoint's {name} has shape {refs[name].entry['shape']} where its "
                             f"config.json implies {shape}; the config does not belong to these weights.")
+
+
+def check_dtypes(refs: dict, names: list[str], dtypes) -> None:
+    """Weights must be floats (MXFP4 blocks and scales bytes): anything else is not a model's tensor."""
+    for name in names:
+        if refs[name].entry["dtype"] not in dtypes:
+            raise UserError(f"The checkpoint's {name} is {refs[name].entry['dtype']}, not {' or '.join(dtypes)}; "
+                            f"it is damaged or not the model its config.json names.")
 
 
 def checkpoint_bytes(refs: dict[str, TensorRef]) -> int:
