@@ -111,8 +111,10 @@ class ExpertCache:
         return self.B
 
     def slot_weights(self, layer: int, slot: int):
-        """The weights in a slot, whichever expert it holds (CUDA graphs bake them in)."""
-        return self._weights(layer, slot)
+        """The weights in a slot, whichever expert it holds (CUDA graphs bake them in): the
+        packed views until a decoding cache (the CPU's) has loaded the slot."""
+        decoded = self.decoded[layer][slot] if self.decode is not None else None
+        return self.views[layer][slot] if decoded is None else decoded
 
     def device_table(self, layer: int) -> torch.Tensor:
         """The layer's expert -> slot table on the device [experts] int32 (kernels.moe_decode)."""
