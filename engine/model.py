@@ -1,6 +1,12 @@
 """The MoE forward with offloaded experts, batch 1, read top to bottom.
 
-model -> layer -> attention / mixture of experts -> norm -> RoPE helpers.
+forward -> layer (written once) -> attention block / experts (host: dispatch) -> head; then the
+eager operations, EagerOps, the per-layer weights, norm and RoPE helpers.
+A layer is a few device segments handed to `run(key, fn)` and, for a MoE layer, the host part
+between them (routing sync, cache, the CPU hybrid, prefetch: engine/prefetch.py). It runs on a
+set of operations (norm, attention, router, experts): EagerOps here, or the fused ones of
+engine/decode_kernels.py; the CUDA-graph decode (engine/decode_graphs.py) runs this same layer
+and captures its segments. Its buffers are a Step.
 Attention, norms, routers and embeddings live on the compute device; experts come from the
 ExpertCache (engine/expert_cache.py), which copies them in from host memory when they miss.
 The maths follows transformers exactly (Mixtral's router: softmax in float32, top-k,
@@ -17,7 +23,7 @@ engine/store.py); their differences are named options of ModelConfig:
              softmax over its top-k logits (+ bias); clamped SwiGLU experts with biases; YaRN
 A layer is a dict (layer_weights) of its weights by role and of the options its functions
 read: "mlp" for a dense layer, else "router" and "moe_index" (its row in the expert cache and
-the store: moe() and dispatch() take that row, not the layer number), "routing", "window",
+the store: experts() keeps both, dispatch() takes that row), "routing", "window",
 "qk_norm", "clip_qkv", "sinks", "shared" where the family has them. Absent keys mean Mixtral's.
 """
 
@@ -521,7 +527,7 @@ class EagerOps:
         """x += delta (when given); out = rms_norm(x) * weight."""
         if delta is not None:
             x.add_(delta)
-        out.copy_(rms_norm(x, weight, self.m.cfg.rms_norm_eps))
+        rms_norm(x, weight, self.m.cfg.rms_norm_eps, out)
 
     def attention(self, i: int, layer: dict, s: Step) -> torch.Tensor:
         """Layer i's attention on s.hn, its output projection included: [T, H]."""
@@ -604,10 +610,10 @@ def router_logits(layer: dict, h: torch.Tensor) -> torch.Tensor:
     return F.linear(h, layer["router"], layer.get("router_bias")).float()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    return torch.mul(weight, xf.to(x.dtype), out=out)
 
 
 def rope_frequencies(cfg: ModelConfig, device) -> tuple[torch.Tensor, float]:
