@@ -51,10 +51,9 @@ def profile(layers: int, expert_bits: int, log=print) -> dict:
     m = OffloadedMixtral(cfg, s.dense, cache, s.device, torch.bfloat16, "fused")
     m.setup_kv(256)
     m.use_cuda_graphs()
-    g = m.graphs
+    g, st, ops = m.graphs, m.graphs.s, m.graphs.ops
     g.check_keys()
-    for i in range(cfg.num_layers):
-        cache.sync_table(i)
+    cache.sync_tables()
     g.pos.fill_(100)
     L0 = m.layers[0]
     H, D = cfg.num_heads, cfg.head_dim
@@ -62,22 +61,22 @@ def profile(layers: int, expert_bits: int, log=print) -> dict:
     k = torch.zeros(cfg.num_kv_heads, D, device=s.device, dtype=torch.bfloat16)
     v = torch.zeros_like(k)
     pieces = {
-        "add_rms_norm": lambda: dk.add_rms_norm(g.x, g.out, L0["attn_norm"], 1e-5, g.hn),
-        "q GEMV 4096x4096": lambda: m.linear(g.hn, L0["q_proj"]),
-        "k GEMV 1024x4096": lambda: m.linear(g.hn, L0["k_proj"]),
-        "k and v GEMVs, one launch (gemv_pair)": lambda: kernels.gemv_pair(g.hn, L0["k_proj"], L0["v_proj"],
-                                                                           g.k_new, g.v_new),
-        "rope_attention (pos 100)": lambda: dk.rope_attention(q, k, v, g.cos, g.sin, g.pos, m.kv.k[0], m.kv.v[0],
-                                                              None, g.attn),
-        "o GEMV 4096x4096": lambda: m.linear(g.attn, L0["o_proj"]),
-        "route_topk": lambda: dk.route_topk(g.h, L0["router"], cfg.top_k, g.weights[0], g.ids[0]),
-        "moe_decode (2 experts)": lambda: g.moe_segment(0),
-        "layer_segment (all of attention + routing)": lambda: g.layer_segment(0, 256),
+        "add_rms_norm": lambda: dk.add_rms_norm(st.x, st.out, L0["attn_norm"], 1e-5, st.hn),
+        "q GEMV 4096x4096": lambda: m.linear(st.hn, L0["q_proj"]),
+        "k GEMV 1024x4096": lambda: m.linear(st.hn, L0["k_proj"]),
+        "k and v GEMVs, one launch (gemv_pair)": lambda: kernels.gemv_pair(st.hn, L0["k_proj"], L0["v_proj"],
+                                                                           ops.k_new, ops.v_new),
+        "rope_attention (pos 100)": lambda: dk.rope_attention(q, k, v, st.cos, st.sin, g.pos, m.kv.k[0], m.kv.v[0],
+                                                              None, ops.attn),
+        "o GEMV 4096x4096": lambda: m.linear(ops.attn, L0["o_proj"]),
+        "route_topk": lambda: dk.route_topk(st.h, L0["router"], cfg.top_k, st.weights[0], st.ids[0, 0]),
+        "moe_decode (2 experts)": lambda: ops.experts(0, st, st.ids[0]),
+        "layer_segment (all of attention + routing)": lambda: m.attention_block(0, L0, st, ops),
         "head (norm + lm_head + float)": g.head_segment,
-        "embedding copy": lambda: g.x.copy_(F.embedding(g.tok, m.embed)),
+        "embedding copy": lambda: st.x.copy_(F.embedding(st.tokens, m.embed)),
     }
     res = {name: graph_us(fn) for name, fn in pieces.items()}
-    res["whole token (one graph)"] = graph_us(g.token_segment, reps=10)
+    res["whole token (one graph)"] = graph_us(lambda: g.token_segment(False), reps=10)
     per_layer = res["layer_segment (all of attention + routing)"] + res["moe_decode (2 experts)"]
     res["sum: layers x (layer_segment + moe_decode) + head"] = cfg.num_layers * per_layer + res[
         "head (norm + lm_head + float)"]

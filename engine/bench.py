@@ -34,7 +34,7 @@ from engine import quant, routing as routing_mod, store as store_mod
 from engine.bench_shapes import MODEL_SHAPES, family_dense, shape_config
 from engine.cpu_experts import HqqExpert
 from engine.errors import UserError
-from engine.expert_cache import ExpertCache, pace_cycles, sleep_cycles_per_s
+from engine.expert_cache import ExpertCache, pace_cycles, pin, sleep_cycles_per_s
 from engine.generate import compute_ready, cpu_copies_of, cpu_experts_for, device_bytes, parse_size
 from engine.model import ModelConfig, OffloadedMixtral
 from engine.units import GiB, fmt_bytes
@@ -136,6 +136,56 @@ def random_expert(cfg: ModelConfig, spec: quant.QuantSpec, fields: list[dict], s
     return buf
 
 
+class NaiveCache(ExpertCache):
+    """The paper's baseline: every use copies the expert synchronously; nothing is kept, nothing
+    prefetched."""
+
+    policy = "naive"
+    holds_every_expert = False
+
+    def _fill(self, progress) -> None:
+        if self.cuda:
+            self.host, self.pinned = pin(self.host, progress)
+
+    def acquire(self, layer: int, expert: int, keep=()):
+        self.stats.misses += 1
+        self.lru[layer].clear()  # nothing is kept: every use copies
+        # the experts of one step get their own slots: all of them may be read at once
+        slot = self._load(layer, expert, keep, list(keep).index(expert) % self.K if expert in keep else 0)
+        if self.cuda:
+            self.copy_stream.synchronize()
+        return self._weights(layer, slot), slot
+
+    def prefetch(self, layer: int, experts: list[int]) -> None:
+        pass
+
+    def admit(self, layer: int, expert: int) -> None:
+        pass
+
+
+class NoCopyCache(NaiveCache):
+    """The resident compute time, the bound's other half: expert e runs on slot e % K, whose
+    weights never change, and nothing moves."""
+
+    policy = "no-copy"
+
+    def _fill(self, progress) -> None:
+        self.table_host[:] = torch.arange(self.E, dtype=torch.int32) % self.K
+        self.table_dirty.update(range(self.L))
+        for layer in range(self.L):
+            self.slots[layer].copy_(self.host[layer, :self.K])
+            for slot in range(self.K):
+                self._decode(layer, slot)
+        self.host = None
+
+    def acquire(self, layer: int, expert: int, keep=()):
+        self.stats.hits += 1
+        return self._weights(layer, expert % self.K), expert % self.K
+
+
+CACHES = {"lru": ExpertCache, "naive": NaiveCache, "no-copy": NoCopyCache}  # by policy
+
+
 def expert_views(cfg: ModelConfig, fields: list[dict], eq: dict):
     """buf -> the QMatrix views (w1, w3, w2) of the expert packed in buf (an ExpertCache's make_views)."""
     return lambda buf: store_mod.view_expert(buf, fields, eq, cfg)
@@ -209,8 +259,8 @@ class Synthetic:
     def model(self, policy: str, k: int, prefetch: int, kernels: str, pace: int = 0) -> OffloadedMixtral:
         # the CPU (tests) dequantizes an expert once per load, as the engine does there
         decode = None if self.device.type == "cuda" else lambda w: {m: compute_ready(v, self.dtype) for m, v in w.items()}
-        cache = ExpertCache(self.host, k, self.device, expert_views(self.cfg, self.fields, self.eq),
-                            policy=policy, decode=decode, pace_cycles=pace)
+        cache = CACHES[policy](self.host, k, self.device, expert_views(self.cfg, self.fields, self.eq),
+                               decode=decode, pace_cycles=pace)
         model = OffloadedMixtral(self.cfg, self.dense, cache, self.device, self.dtype, kernels)
         model.prefetch_depth = prefetch
         return model
@@ -232,9 +282,7 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
         if link_gbps and model.hybrid.costs is not None:  # the paced link is the one it must plan for
             model.hybrid.costs.link_gbps = min(model.hybrid.costs.link_gbps, link_gbps)
     model.setup_kv(len(prompt) + new_tokens)
-    note = model.use_cuda_graphs(graphs and kernels == "fused")  # the reference path stays eager, as HQQ's
-    if note:
-        print(f"moeferry bench: {note}", file=sys.stderr)
+    model.use_cuda_graphs(graphs and kernels == "fused")  # the reference path stays eager, as HQQ's
     if model.graphs is not None:
         model.graphs.prepare(len(prompt) + new_tokens)  # captured before the clock starts
     t0 = time.perf_counter()

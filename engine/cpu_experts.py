@@ -306,6 +306,7 @@ class CpuExperts:
                 hqq_cpu.set_threads(threads)
         self.stats = CpuRunStats() if every_expert else self.worker.stats
         self.stage: torch.Tensor | None = None  # pinned [top_k, H]: results on their way up
+        self.link_planned = False  # the cache keeps the link's queue once told its rate
 
     def nbytes(self) -> int:
         return sum(c.nbytes() for c in self.copies.values())
@@ -332,9 +333,7 @@ class CpuExperts:
             plan = placement.choose_misses(self.costs, self.sizes, misses, len(needed) - len(misses),
                                            able, {e: len(uses[e]) for e in misses})
             run, both = sorted(plan.cpu), list(plan.both)
-        cache.stats.misses += len(run)
-        cache.stats.misses_cpu += len(run)
-        cache.stats.misses_both += len(both)
+        cache.count_cpu_misses(len(run), len(both))
         return {e: uses[e] for e in run}, both
 
     def choose_in_time(self, layer: int, needed: list[int], uses: dict, cache):
@@ -345,16 +344,14 @@ class CpuExperts:
         up further than two copies."""
         from engine import placement
 
-        if cache.link_s_per_byte is None:  # the costs are final by the first decoded token
-            cache.link_s_per_byte = 1 / (self.costs.link_gbps * 1e9)
-            cache.prefetch_horizon_s = 2 * placement.copy_s(self.costs, self.sizes)
-        lru = cache.lru[layer]
-        experts = [(e, cache.ready_at[layer][lru[e]] if e in lru else None) for e in needed]
+        if not self.link_planned:  # the costs are final by the first decoded token
+            cache.plan_link(1 / (self.costs.link_gbps * 1e9), 2 * placement.copy_s(self.costs, self.sizes))
+            self.link_planned = True
+        experts = [(e, cache.lands_at(layer, e)) for e in needed]
         able = {e for e in needed if (layer, e) in self.copies}
-        run = sorted(placement.choose_by_finish(self.costs, self.sizes, time.perf_counter(), cache.link_free_at,
+        run = sorted(placement.choose_by_finish(self.costs, self.sizes, time.perf_counter(), cache.link_free_time(),
                                                 experts, able))
-        cache.stats.misses += len(run)
-        cache.stats.misses_cpu += len(run)
+        cache.count_cpu_misses(len(run), 0)
         return {e: uses[e] for e in run}, []
 
     def start(self, layer: int, rows: dict, h: torch.Tensor, weights: torch.Tensor, out: torch.Tensor):

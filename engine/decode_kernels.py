@@ -1,4 +1,4 @@
-"""Fused Triton kernels for the small steps of a batch-1 decode step (CUDA graphs only).
+"""The layer's operations for one decoded token on fused kernels (FusedOps), and those kernels.
 
 Eagerly, one decoded token's attention and routing is about 45 tiny PyTorch kernels per layer
 (the RMS norm alone is 7, RoPE 10, the router 7); inside a CUDA graph each still costs one
@@ -9,18 +9,102 @@ dependent launch, 2-3 us on an H200, more than the work. These kernels do the sa
   rope_attention   RoPE on q and k at the position held on the device, k and v into the KV
                    cache, and the one query token against all cached positions (GQA, causal,
                    sliding window)
-  route_topk       router logits, softmax, top-k, renormalised, as transformers' Mixtral
+  route_topk       router logits (+ bias), softmax, top-k, renormalised or not: each family's
+                   router (gpt_oss's softmax over the top-k logits is the renormalised top-k
+                   of the softmax)
 
-Each rounds its intermediate results to the model's dtype where the eager path does, so the
-two paths agree up to float32 summation order (tests/test_decode_kernels.py). The eager
-functions of engine/model.py remain the reference, and what prefill and the CPU run.
+FusedOps is engine/model.EagerOps with these kernels wherever a layer's options allow them:
+attention only without q/k norms, clipping, biases or sinks and with a power-of-two head
+size; the others run the eager operation, inside the same graph. Its `experts` is the grouped
+expert kernel (kernels.moe_decode), which the graph runner enables when the cache's expert
+format supports it. Each kernel rounds its intermediate results to the model's dtype where
+the eager path does, so the two paths agree up to float32 summation order
+(tests/test_decode_kernels.py); the eager operations remain the reference, and what prefill
+and the CPU run.
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine import kernels
 from engine.kernels import tl, triton
+from engine.model import ATTN_PROJECTIONS, EagerOps, Step
+
+
+class FusedOps(EagerOps):
+    """EagerOps for one token (T = 1) on the fused kernels: 8 launches for a Mixtral layer's
+    attention and routing instead of about 45, 2 more per prefetch guess."""
+
+    def __init__(self, model, grouped: bool = False):
+        super().__init__(model)
+        cfg, dev, dt = model.cfg, model.device, model.dtype
+        self.grouped = grouped
+        self.attn = torch.zeros(1, cfg.num_heads * cfg.head_dim, dtype=dt, device=dev)
+        self.k_new = torch.zeros(1, cfg.num_kv_heads * cfg.head_dim, dtype=dt, device=dev)
+        self.v_new = torch.zeros_like(self.k_new)
+        self.guess_weights = torch.zeros(cfg.top_k, dtype=torch.float32, device=dev)
+        # a subset of the top-k (the others on the CPU): its positions, ids and weights
+        self.at_host = torch.zeros(cfg.top_k, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.at = torch.zeros(cfg.top_k, dtype=torch.long, device=dev)
+        self.at_ids = torch.zeros(cfg.top_k, dtype=torch.long, device=dev)
+        self.at_weights = torch.zeros(cfg.top_k, dtype=torch.float32, device=dev)
+
+    def add_norm(self, x, delta, weight, out) -> None:
+        add_rms_norm(x, delta, weight, self.m.cfg.rms_norm_eps, out)
+
+    def fused_attention(self, layer: dict) -> bool:
+        D = self.m.cfg.head_dim
+        plain = not any(k in layer for k in ("qk_norm", "clip_qkv", "sinks")) and \
+            not any(n + "_bias" in layer for n in ATTN_PROJECTIONS)
+        return plain and D & (D - 1) == 0
+
+    def span(self, layer: dict, s: Step) -> int:
+        return 0 if self.fused_attention(layer) else s.span  # the fused one reads pos only
+
+    def attention(self, i: int, layer: dict, s: Step) -> torch.Tensor:
+        if not self.fused_attention(layer):
+            return super().attention(i, layer, s)
+        m, cfg = self.m, self.m.cfg
+        q = m.linear(s.hn, layer["q_proj"]).view(cfg.num_heads, cfg.head_dim)
+        if kernels.pair_supported(layer["k_proj"], layer["v_proj"]):
+            kernels.gemv_pair(s.hn, layer["k_proj"], layer["v_proj"], self.k_new, self.v_new)
+            k, v = self.k_new, self.v_new
+        else:
+            k, v = m.linear(s.hn, layer["k_proj"]), m.linear(s.hn, layer["v_proj"])
+        rope_attention(q, k.view(cfg.num_kv_heads, cfg.head_dim), v.view(cfg.num_kv_heads, cfg.head_dim),
+                       s.cos, s.sin, s.pos, m.kv.k[i], m.kv.v[i], layer.get("window", cfg.sliding_window),
+                       self.attn)
+        return m.linear(self.attn, layer["o_proj"])
+
+    def route(self, layer: dict, h, weights, ids) -> None:
+        route_topk(h, layer["router"], self.m.cfg.top_k, weights[0], ids[0], layer.get("router_bias"),
+                   renormalize=layer.get("routing") != "softmax_topk")
+
+    def guess(self, j: int, x, scratch, ids) -> None:
+        layer = self.m.moe_layers[j]
+        add_rms_norm(x, None, layer["moe_norm"], self.m.cfg.rms_norm_eps, scratch)
+        route_topk(scratch, layer["router"], self.m.cfg.top_k, self.guess_weights, ids, layer.get("router_bias"))
+
+    def stage(self, at: list[int]) -> None:
+        """Send the top-k positions that experts(n=len(at)) runs (host, outside any graph; the
+        buffer is rewritten only after the next routing sync)."""
+        for j, p in enumerate(at):  # no tensor made per layer and token
+            self.at_host[j] = p
+        self.at[:len(at)].copy_(self.at_host[:len(at)], non_blocking=True)
+
+    def experts(self, mi: int, s: Step, ids: torch.Tensor, n: int | None = None) -> None:
+        """out = the weighted sum of MoE layer mi's routed experts, in two launches that read
+        each expert's slot from the cache's device table; n: only the n positions staged."""
+        cache = self.m.cache
+        ids, weights = ids[0], s.weights[0]
+        if n is not None:
+            torch.index_select(ids, 0, self.at[:n], out=self.at_ids[:n])
+            torch.index_select(weights, 0, self.at[:n], out=self.at_weights[:n])
+            ids, weights = self.at_ids[:n], self.at_weights[:n]
+        kernels.moe_decode(s.h, cache.slot_weights(mi, 0), cache.slot_bytes, ids, weights,
+                           cache.device_table(mi), s.out)
+
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -49,11 +133,14 @@ def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
 
 
 def route_topk(h: torch.Tensor, router: torch.Tensor, top_k: int, weights: torch.Tensor,
-               ids: torch.Tensor) -> None:
-    """weights [top_k] float32 and ids [top_k] int64 of h [1, H] under router [E, H]."""
+               ids: torch.Tensor, bias: torch.Tensor | None = None, renormalize: bool = True) -> None:
+    """weights [top_k] float32 and ids [top_k] int64 of h [1, H] under router [E, H] (+ bias [E]):
+    the top-k of the softmax, renormalised to sum 1 or as they are."""
     E, H = router.shape
-    _route_kernel[(1,)](h, router, weights, ids, H, E=E, BLOCK_E=triton.next_power_of_2(E),
-                        TOPK=top_k, BLOCK_H=min(1024, triton.next_power_of_2(H)), num_warps=4)
+    _route_kernel[(1,)](h, router, router if bias is None else bias, weights, ids, H, E=E,
+                        BLOCK_E=triton.next_power_of_2(E), TOPK=top_k,
+                        BLOCK_H=min(1024, triton.next_power_of_2(H)), HAS_BIAS=bias is not None,
+                        NORM=renormalize, num_warps=4)
 
 
 if triton is not None:
@@ -127,8 +214,8 @@ if triton is not None:
         tl.store(out_ptr + h * D + d, (acc / l_i).to(out_ptr.dtype.element_ty))
 
     @triton.jit
-    def _route_kernel(h_ptr, r_ptr, w_ptr, ids_ptr, H, E: tl.constexpr, BLOCK_E: tl.constexpr,
-                      TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _route_kernel(h_ptr, r_ptr, b_ptr, w_ptr, ids_ptr, H, E: tl.constexpr, BLOCK_E: tl.constexpr,
+                      TOPK: tl.constexpr, BLOCK_H: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr):
         dt: tl.constexpr = h_ptr.dtype.element_ty
         e = tl.arange(0, BLOCK_E)
         acc = tl.zeros((BLOCK_E,), tl.float32)
@@ -138,6 +225,8 @@ if triton is not None:
             w = tl.load(r_ptr + e[:, None] * H + k[None, :], mask=(e[:, None] < E) & (k[None, :] < H),
                         other=0.0).to(tl.float32)
             acc += tl.sum(w * x[None, :], axis=1)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + e, mask=e < E, other=0.0).to(tl.float32)
         logits = tl.where(e < E, _round(acc, dt), -float("inf"))  # F.linear's output dtype
         p = tl.exp(logits - tl.max(logits, axis=0))
         p = p / tl.sum(p, axis=0)
@@ -154,5 +243,8 @@ if triton is not None:
             best = tl.max(rest, axis=0)
             idx = tl.min(tl.where(rest == best, e, BLOCK_E), axis=0)
             tl.store(ids_ptr + j, idx.to(tl.int64))
-            tl.store(w_ptr + j, best / total)
+            if NORM:
+                tl.store(w_ptr + j, best / total)
+            else:
+                tl.store(w_ptr + j, best)
             rest = tl.where(e == idx, -1.0, rest)

@@ -36,15 +36,11 @@ SERIALS = itertools.count()
 
 
 class ExpertCache:
-    def __init__(self, host: torch.Tensor, slots_per_layer: int, device: torch.device, make_views,
-                 progress=None, policy: str = "lru", decode=None, pace_cycles: int = 0):
-        """host: uint8 [layers, experts, stride]; make_views(byte range) -> expert weights.
+    policy = "lru"  # the benchmark's baselines (engine/bench.py) are other policies
 
-        policy "lru" is the engine's. The benchmark also uses "naive" (every use copies the
-        expert synchronously, no caching: the paper's baseline) and "no-copy" (expert e runs
-        on slot e % K and nothing moves: the resident compute time, the bound's other half).
-        """
-        self.policy = policy
+    def __init__(self, host: torch.Tensor, slots_per_layer: int, device: torch.device, make_views,
+                 progress=None, decode=None, pace_cycles: int = 0):
+        """host: uint8 [layers, experts, stride]; make_views(byte range) -> expert weights."""
         self.pace_cycles = pace_cycles  # GPU cycles spun after each copy (see pace_cycles())
         # decode(weights) -> compute-ready weights, applied once per load (the CPU dequantizes
         # an expert when it arrives instead of at every product); None = use the views as they are
@@ -80,29 +76,79 @@ class ExpertCache:
             self.copy_stream = torch.cuda.Stream(device)
             self.ready = [[torch.cuda.Event() for _ in range(self.K)] for _ in range(L)]
             self.free = [[torch.cuda.Event() for _ in range(self.K)] for _ in range(L)]
-        if policy == "no-copy":
-            self.table_host[:] = torch.arange(E, dtype=torch.int32) % self.K
-            self.table_dirty.update(range(L))
-            for layer in range(L):
-                self.slots[layer].copy_(host[layer, :self.K])
-                for slot in range(self.K):
-                    self._decode(layer, slot)
-            self.host = None
-        elif self.K == E and policy == "lru":  # everything fits: load once, never copy again
-            for layer in range(L):
-                self.slots[layer].copy_(host[layer])
-                self.lru[layer].update((e, e) for e in range(E))
-                self.table_host[layer] = torch.arange(E, dtype=torch.int32)
+        self._fill(progress)
+
+    def _fill(self, progress) -> None:
+        """Everything fits: load once, never copy again. Else pin the host copy (CUDA)."""
+        if self.K == self.E:
+            for layer in range(self.L):
+                self.slots[layer].copy_(self.host[layer])
+                self.lru[layer].update((e, e) for e in range(self.E))
+                self.table_host[layer] = torch.arange(self.E, dtype=torch.int32)
                 self.table_dirty.add(layer)
-                for e in range(E):
+                for e in range(self.E):
                     self._decode(layer, e)
                 if progress:
-                    progress((layer + 1) / L, "loading experts onto the device")
+                    progress((layer + 1) / self.L, "loading experts onto the device")
             self.host = None
         elif self.cuda:
-            self.host, self.pinned = pin(host, progress)
+            self.host, self.pinned = pin(self.host, progress)
 
-    # -- what the model calls -------------------------------------------------------------------
+    # -- what the model, the graph runner and the prefetcher call ----------------------------------
+
+    @property
+    def holds_every_expert(self) -> bool:
+        """Every expert resident for good: nothing is ever copied (nor worth guessing)."""
+        return self.K == self.E
+
+    @property
+    def slots_per_layer(self) -> int:
+        return self.K
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one packed expert: slot s of a layer lies s * slot_bytes after slot 0."""
+        return self.B
+
+    def slot_weights(self, layer: int, slot: int):
+        """The weights in a slot, whichever expert it holds (CUDA graphs bake them in): the
+        packed views until a decoding cache (the CPU's) has loaded the slot."""
+        decoded = self.decoded[layer][slot] if self.decode is not None else None
+        return self.views[layer][slot] if decoded is None else decoded
+
+    def device_table(self, layer: int) -> torch.Tensor:
+        """The layer's expert -> slot table on the device [experts] int32 (kernels.moe_decode)."""
+        return self.table[layer]
+
+    def sync_tables(self) -> None:
+        for layer in list(self.table_dirty):
+            self.sync_table(layer)
+
+    def count_hits(self, n: int) -> None:
+        """n uses served from the device that did not go through acquire (the one-graph token)."""
+        self.stats.hits += n
+
+    # -- what the CPU+GPU hybrid (engine/cpu_experts.py) reads and sets --------------------------
+
+    def plan_link(self, s_per_byte: float, prefetch_horizon_s: float) -> None:
+        """Keep the link's queue on the host clock at this rate; no prefetch while it reaches
+        further than prefetch_horizon_s."""
+        self.link_s_per_byte, self.prefetch_horizon_s = s_per_byte, prefetch_horizon_s
+
+    def lands_at(self, layer: int, expert: int) -> float | None:
+        """When a resident expert's copy lands (host clock, 0 if long done); None if not resident."""
+        slot = self.lru[layer].get(expert)
+        return None if slot is None else self.ready_at[layer][slot]
+
+    def link_free_time(self) -> float:
+        """When the link has done every copy queued so far (host clock)."""
+        return self.link_free_at
+
+    def count_cpu_misses(self, cpu: int, both: int) -> None:
+        """Misses computed on the CPU (both: of those, also copied in for later)."""
+        self.stats.misses += cpu
+        self.stats.misses_cpu += cpu
+        self.stats.misses_both += both
 
     def resident(self, layer: int) -> tuple[int, ...]:
         return tuple(sorted(self.lru[layer]))
@@ -113,17 +159,6 @@ class ExpertCache:
         keep: experts needed in the same step, which a miss does not evict while others can go.
         """
         lru = self.lru[layer]
-        if self.policy == "no-copy":
-            self.stats.hits += 1
-            return self._weights(layer, expert % self.K), expert % self.K
-        if self.policy == "naive":
-            self.stats.misses += 1
-            lru.clear()  # nothing is kept: every use copies
-            # the experts of one step get their own slots: all of them may be read at once
-            slot = self._load(layer, expert, keep, list(keep).index(expert) % self.K if expert in keep else 0)
-            if self.cuda:
-                self.copy_stream.synchronize()
-            return self._weights(layer, slot), slot
         if expert in lru:
             self.stats.hits += 1
             lru.move_to_end(expert)
@@ -152,7 +187,7 @@ class ExpertCache:
 
     def prefetch(self, layer: int, experts: list[int]) -> None:
         """Start copying predicted experts (best guess first); never more than K per layer."""
-        if self.policy != "lru" or self.link_backed_up():
+        if self.link_backed_up():
             return
         experts = experts[:self.K]
         lru = self.lru[layer]
@@ -174,14 +209,14 @@ class ExpertCache:
     def admit(self, layer: int, expert: int) -> None:
         """Copy `expert` in for later use, not for this step (the hybrid's "both": computed on
         the CPU now, cached for the next time). Counted as a copy, not as a prefetch."""
-        if self.policy == "lru" and expert not in self.lru[layer]:
+        if expert not in self.lru[layer]:
             self._load(layer, expert, keep=(expert,))
 
     # -- inside ---------------------------------------------------------------------------------
 
     def _load(self, layer: int, expert: int, keep, slot: int | None = None) -> int:
         lru = self.lru[layer]
-        if slot is None:  # else the caller's choice (naive, whose lru is empty)
+        if slot is None:  # else the caller's choice (the benchmark's naive cache)
             slot = len(lru) if len(lru) < self.K else self._evict(layer, keep)
         lru[expert] = slot
         self.table_host[layer, expert] = slot

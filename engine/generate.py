@@ -483,7 +483,7 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
             cache.host = None  # never copied from: the CPU copies are the experts' only home
     model.prefetch_depth = 0 if every_expert else prefetch  # nothing is read from the cache
     model.setup_kv(context)  # allocated once, at full size: budgeted above and graph-friendly
-    eager_note = model.use_cuda_graphs(cuda_graphs)
+    model.use_cuda_graphs(cuda_graphs)
     if model.graphs is not None:
         model.graphs.prepare(min(context, 1024), lambda f, m: report(0.9 + 0.1 * f, m))
     note = "" if (cache.pinned or cache.host is None or dev.type != "cuda") else \
@@ -492,7 +492,6 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
         note = (note + " " if note else "") + (
             f"The RAM budget holds CPU copies of {len(model.hybrid.copies)} of the "
             f"{cfg.num_moe_layers * cfg.num_experts} experts; the others are always copied to the GPU.")
-    note = " ".join(n for n in (note, eager_note) if n)
     report(1.0, "ready")
     return Engine(st, model, tokenizer, dev, dtype, budget, context, note)
 

@@ -1,6 +1,12 @@
 """The MoE forward with offloaded experts, batch 1, read top to bottom.
 
-model -> layer -> attention / mixture of experts -> norm -> RoPE helpers.
+forward -> layer (written once) -> attention block / experts (host: dispatch) -> head; then the
+eager operations, EagerOps, the per-layer weights, norm and RoPE helpers.
+A layer is a few device segments handed to `run(key, fn)` and, for a MoE layer, the host part
+between them (routing sync, cache, the CPU hybrid, prefetch: engine/prefetch.py). It runs on a
+set of operations (norm, attention, router, experts): EagerOps here, or the fused ones of
+engine/decode_kernels.py; the CUDA-graph decode (engine/decode_graphs.py) runs this same layer
+and captures its segments. Its buffers are a Step.
 Attention, norms, routers and embeddings live on the compute device; experts come from the
 ExpertCache (engine/expert_cache.py), which copies them in from host memory when they miss.
 The maths follows transformers exactly (Mixtral's router: softmax in float32, top-k,
@@ -17,7 +23,7 @@ engine/store.py); their differences are named options of ModelConfig:
              softmax over its top-k logits (+ bias); clamped SwiGLU experts with biases; YaRN
 A layer is a dict (layer_weights) of its weights by role and of the options its functions
 read: "mlp" for a dense layer, else "router" and "moe_index" (its row in the expert cache and
-the store: moe() and dispatch() take that row, not the layer number), "routing", "window",
+the store: experts() keeps both, dispatch() takes that row), "routing", "window",
 "qk_norm", "clip_qkv", "sinks", "shared" where the family has them. Absent keys mean Mixtral's.
 """
 
@@ -31,6 +37,7 @@ import torch.nn.functional as F
 from engine.expert_cache import SERIALS
 from engine.kernels import qlinear
 from engine.mxfp4 import Mxfp4Matrix, dequantize as mxfp4_dequantize
+from engine.prefetch import Prefetcher
 
 ATTN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -101,11 +108,6 @@ class ModelConfig:
         """Layers that hold experts: the expert cache's and the store's layer count."""
         return len(self.moe_layer_ids)
 
-    @property
-    def mixtral_layer(self) -> bool:
-        """True when every layer is Mixtral's (what the CUDA-graph fast path implements)."""
-        return self.family == "mixtral"
-
 
 def family_options(c: dict) -> dict:
     """The ModelConfig options of one family, read from its config.json (see the fields)."""
@@ -155,10 +157,40 @@ class KVCache:
         return 2 * cfg.num_layers * capacity * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
+@dataclass
+class Step:
+    """The tensors one forward's layers read and write in place (see OffloadedMixtral.layer).
+
+    The eager forward makes one per call, for its T tokens. GraphedDecode keeps one for a single
+    token for its whole life: its graphs bake in these addresses, and the token's position is a
+    device tensor (pos) so that a graph replays at any position.
+    """
+    tokens: torch.Tensor  # [T]
+    x: torch.Tensor  # the residual stream [T, H]
+    hn: torch.Tensor  # attention's input (normed) [T, H]; scratch of the prefetch guesses
+    h: torch.Tensor  # the FFN's input (normed) [T, H]
+    out: torch.Tensor  # the last FFN's output [T, H], added to x by the next layer or the head
+    weights: torch.Tensor  # the current MoE layer's routing weights, float32 [T, k]
+    ids: torch.Tensor  # every MoE layer's routed experts [MoE layers, T, k]
+    guesses: torch.Tensor  # the current MoE layer's prefetch guesses [MoE layers, k] (last token)
+    cos: torch.Tensor  # RoPE at the T positions [T, 1, D]; with pos, the table [P, 1, D]
+    sin: torch.Tensor
+    start: int = 0  # the first token's position (eager)
+    pos: torch.Tensor | None = None  # [1] on the device: the one token's position (CUDA graphs)
+    span: int = 0  # with pos: the cached positions an eager attention reads
+    resident: bool = False  # every expert on the device: MoE layers have no host part
+    forced: tuple | None = None  # with resident: (weights, ids) [MoE layers, k] over the router's
+
+
+def run_now(key: tuple, fn) -> None:
+    """The eager forward's `run`: a device segment runs when the layer reaches it."""
+    fn()
+
+
 class OffloadedMixtral:
     def __init__(self, cfg: ModelConfig, dense: dict, cache, device, dtype, kernels: str = "auto"):
         self.cfg, self.cache, self.device, self.dtype, self.kernels = cfg, cache, device, dtype, kernels
-        self.prefetch_depth = 0
+        self.prefetcher = Prefetcher()
         self.kv: KVCache | None = None
         self.trace: list | None = None  # set to a list to record routing per decoded token
         self.routing = None  # engine/routing.py: forces (or records) the router's choice
@@ -170,18 +202,21 @@ class OffloadedMixtral:
         self.layers = [layer_weights(cfg, dense, i) for i in range(cfg.num_layers)]
         self.moe_layers = [layer for layer in self.layers if "router" in layer]  # by moe_index
         self.inv_freq, self.rope_scale = rope_frequencies(cfg, device)
+        self.ops = EagerOps(self)
 
-    def use_cuda_graphs(self, on: bool = True) -> str:
-        """Decode through CUDA graphs on a CUDA device. Returns "" or the sentence that says why
-        not: the graphed layer (engine/decode_graphs.py) is Mixtral's, so other families run
-        the eager layer."""
+    @property
+    def prefetch_depth(self) -> int:
+        return self.prefetcher.depth
+
+    @prefetch_depth.setter
+    def prefetch_depth(self, depth: int) -> None:
+        self.prefetcher.depth = depth
+
+    def use_cuda_graphs(self, on: bool = True) -> None:
+        """Decode one token at a time through CUDA graphs of this layer (engine/decode_graphs.py)
+        on a CUDA device; every family."""
         from engine.decode_graphs import GraphedDecode
-        self.graphs = None
-        if on and self.device.type == "cuda" and not self.cfg.mixtral_layer:
-            return (f"The fast CUDA-graph decode implements Mixtral's layer only, so this "
-                    f"{self.cfg.family} model runs the eager layer (correct, slower).")
         self.graphs = GraphedDecode(self) if on and self.device.type == "cuda" else None
-        return ""
 
     def setup_kv(self, capacity: int) -> None:
         """Allocate the KV cache; a no-op when the current one is big enough.
@@ -196,35 +231,186 @@ class OffloadedMixtral:
             self.kv.k[:, :old.capacity] = old.k
             self.kv.v[:, :old.capacity] = old.v
 
-    # -- the whole model ------------------------------------------------------------------------
+    def new_step(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, **options) -> Step:
+        """The buffers of one forward of these tokens (options: Step's last fields)."""
+        cfg, T, dev = self.cfg, tokens.shape[0], self.device
+        x = torch.zeros(T, cfg.hidden_size, dtype=self.dtype, device=dev)
+        moe = max(1, cfg.num_moe_layers)
+        return Step(tokens, x, torch.zeros_like(x), torch.zeros_like(x), torch.zeros_like(x),
+                    torch.zeros(T, cfg.top_k, dtype=torch.float32, device=dev),
+                    torch.zeros(moe, T, cfg.top_k, dtype=torch.long, device=dev),
+                    torch.zeros(moe, cfg.top_k, dtype=torch.long, device=dev), cos, sin, **options)
+
+    # -- one forward, top to bottom ---------------------------------------------------------------
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: int, last_only: bool = True) -> torch.Tensor:
-        """tokens [T] at positions start..start+T-1 -> logits [T or 1, vocab] (float32)."""
+        """tokens [T] at positions start..start+T-1 -> logits [T or 1, vocab] (float32).
+
+        One token with self.graphs goes through the same layers as CUDA graphs (GraphedDecode.step).
+        """
         T = tokens.shape[0]
         if T == 1 and self.graphs is not None:
             return self.graphs.step(tokens, start)
         pos = torch.arange(start, start + T, device=self.device)
-        cos, sin = rope_cos_sin(self.inv_freq, pos, self.dtype, self.rope_scale)
-        x = F.embedding(tokens, self.embed)  # [T, H]
+        s = self.new_step(tokens, *rope_cos_sin(self.inv_freq, pos, self.dtype, self.rope_scale), start=start)
         if self.routing is not None:
             self.routing.begin(T)
         step = [] if self.trace is not None and T == 1 else None
-        for i, layer in enumerate(self.layers):
-            x = x + self.attention(i, layer, rms_norm(x, layer["attn_norm"], self.cfg.rms_norm_eps),
-                                   cos, sin, start)
-            if "mlp" in layer:  # a dense layer: no experts
-                x = x + self.expert(layer["mlp"], rms_norm(x, layer["moe_norm"], self.cfg.rms_norm_eps))
-            else:
-                x = x + self.moe(layer["moe_index"], layer, x, step)
+        for i in range(self.cfg.num_layers):
+            self.layer(i, s, self.ops, run_now, step)
         if step is not None:
             self.trace.append(step)
-        if last_only:
-            x = x[-1:]
-        x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return self.head(s, self.ops, last_only)
 
-    # -- attention ------------------------------------------------------------------------------
+    def layer(self, i: int, s: Step, ops, run=run_now, step: list | None = None) -> None:
+        """Layer i on s's buffers, with the operations `ops` (EagerOps here; the fused ones of
+        engine/decode_kernels.py in the CUDA-graph decode).
+
+        The layer is a few device segments, each handed to run(key, fn): the eager forward runs
+        fn at once, GraphedDecode captures it once as a CUDA graph and replays it. Between them,
+        the host part of a MoE layer (experts) reads the routing and fetches the experts. The
+        FFN's output stays in s.out until the next layer adds it (so one fused kernel adds and
+        norms); step, when a list, gets this layer's routing (the trace).
+        """
+        layer = self.layers[i]
+        run(("attention", i, ops.span(layer, s)), lambda: self.attention_block(i, layer, s, ops))
+        if "mlp" in layer:  # a dense layer: no experts
+            run(("mlp", i), lambda: s.out.copy_(self.expert(layer["mlp"], s.h)))
+        else:
+            self.experts(i, layer, s, ops, run, step)
+        if "shared" in layer:
+            run(("shared", i), lambda: self.shared_expert(layer, s))
+
+    def attention_block(self, i: int, layer: dict, s: Step, ops) -> None:
+        """Layer i up to its FFN (a device segment): x += the last FFN's output (layer 0: x = the
+        embeddings); x += attention(norm(x)); h = norm(x); for a MoE layer, the router's choice
+        into s.ids and the prefetch guesses into s.guesses."""
+        if i == 0:
+            s.x.copy_(F.embedding(s.tokens, self.embed))
+        ops.add_norm(s.x, s.out if i > 0 else None, layer["attn_norm"], s.hn)
+        ops.add_norm(s.x, ops.attention(i, layer, s), layer["moe_norm"], s.h)
+        if "router" in layer:
+            ops.route(layer, s.h, s.weights, s.ids[layer["moe_index"]])
+            if not s.resident:
+                self.prefetcher.guess(self, ops, layer["moe_index"], s)
+            if not ops.grouped:  # the experts are added to out one by one (grouped: written whole)
+                s.out.zero_()
+
+    def experts(self, i: int, layer: dict, s: Step, ops, run, step: list | None) -> None:
+        """Layer i's routed experts into s.out. The host part: read the routing (the layer's one
+        sync, in dispatch), fetch the experts through the cache, run them (a device segment each,
+        or one for all with ops.grouped) and prefetch. With every expert resident (s.resident,
+        the one-graph token) there is no host part: the grouped kernel reads the slot table."""
+        mi = layer["moe_index"]
+        ids = s.ids[mi]
+        if s.resident:
+            if s.forced is not None:
+                ids.copy_(s.forced[1][mi:mi + 1])
+                s.weights.copy_(s.forced[0][mi:mi + 1])
+            ops.experts(mi, s, ids)
+            return
+        guesses = self.prefetcher.pending(self, mi, s)
+        if self.routing is not None:
+            self.force_routing(mi, s, ids, guesses)
+        io = (s.h, s.weights, s.out)  # for experts run on the CPU (self.hybrid)
+        if ops.grouped:
+            self.dispatch(mi, ids, guesses, step, add_all=lambda at: self.grouped_experts(i, s, ops, run, at), io=io)
+        else:
+            def add_expert(w: dict, slot: int, e: int, k: int | None) -> None:
+                run(("expert", i, slot, k), lambda: self.add_expert(w, s, ids, e, k))
+
+            self.dispatch(mi, ids, guesses, step, add_expert, io=io)
+
+    def dispatch(self, i: int, ids: torch.Tensor, guesses: torch.Tensor | None, step: list | None,
+                 add_expert=None, add_all=None, io: tuple | None = None) -> None:
+        """Fetch the routed experts through the cache and run them; then prefetch the guesses.
+
+        ids [T, k] device; guesses [D, k] device (layers i+1..i+D) or None. The one host sync
+        per layer happens here: routing decides what to copy (the guesses ride along).
+        Either add_expert(w, slot, e, k) runs one expert at a time, or add_all(positions) runs
+        the experts at those top-k positions at once once they are in place (the device reads
+        their slots from the cache's device table). With self.hybrid, io = (h, weights, out) of
+        the layer: the experts it picks run on the CPU meanwhile and are added to out before
+        returning.
+        """
+        ids_host = ids.tolist()
+        guesses_host = guesses.tolist() if guesses is not None else []
+        needed = sorted({e for row in ids_host for e in row})
+        if step is not None:
+            step.append((tuple(ids_host[0]), self.cache.resident(i)))
+        on_cpu, both, finish = {}, [], None
+        if self.hybrid is not None and io is not None:
+            on_cpu, both = self.hybrid.choose(i, needed, ids_host, self.cache)
+            if on_cpu:  # queued first: the CPU works while the host queues copies and kernels
+                finish = self.hybrid.start(i, on_cpu, *io)
+        slots = []
+        for e in (e for e in needed if e not in on_cpu):  # copies and compute queued, waiting for neither
+            w, slot = self.cache.acquire(i, e, keep=needed)
+            if add_all is None:
+                add_expert(w, slot, e, ids_host[0].index(e) if len(ids_host) == 1 else None)
+                self.cache.release(i, slot)
+            else:
+                slots.append(slot)
+        if add_all is not None:
+            self.cache.sync_table(i)
+            add_all([k for k, e in enumerate(ids_host[0]) if e not in on_cpu])
+            for slot in slots:
+                self.cache.release(i, slot)
+        self.prefetcher.issue(self.cache, i, guesses_host)  # queued behind the demand copies
+        for e in both:  # the link's idle time while the CPU works (engine/placement.py)
+            self.cache.admit(i, e)
+        if finish is not None:
+            finish()
+
+    def force_routing(self, i: int, s: Step, ids: torch.Tensor, guesses: torch.Tensor | None) -> None:
+        """Hand MoE layer i's routing to self.routing (engine/routing.py); what it chooses
+        instead is written over the router's, on the device, before dispatch reads it."""
+        weights, chosen, g = self.routing.choose(self, i, s.x, s.weights, ids, guesses)
+        if chosen is not ids:
+            ids.copy_(chosen)
+            s.weights.copy_(weights)
+        if g is not None and g is not guesses:
+            guesses.copy_(g)
+
+    def grouped_experts(self, i: int, s: Step, ops, run, at: list[int]) -> None:
+        """Layer i's routed experts at the top-k positions `at` in one go (the others run on the
+        CPU and are added to out later). All k: one segment. Fewer: a segment per count n that
+        gathers the n ids and weights first, so no GEMV runs for a CPU expert (a zero weight on
+        a valid slot would still read the whole expert). None: out = 0."""
+        mi, n = self.layers[i]["moe_index"], len(at)
+        if n == self.cfg.top_k:
+            run(("moe", i), lambda: ops.experts(mi, s, s.ids[mi]))
+        elif n == 0:
+            s.out.zero_()
+        else:
+            ops.stage(at)
+            run(("moe", i, n), lambda: ops.experts(mi, s, s.ids[mi], n))
+
+    def add_expert(self, w: dict, s: Step, ids: torch.Tensor, e: int, k: int | None) -> None:
+        """out += expert e's output (weights w) times its routing weight: at top-k position k
+        (decode: known on the host, no sync), else for each token routed to e."""
+        out, h, weights = s.out, s.h, s.weights
+        if k is not None:
+            out.add_((self.expert(w, h) * weights[:, k:k + 1]).to(out.dtype))
+        else:
+            rows, pos = (ids == e).nonzero(as_tuple=True)  # tokens routed to e, and where
+            y = self.expert(w, h[rows])
+            out.index_add_(0, rows, (y * weights[rows, pos, None]).to(out.dtype))
+
+    def shared_expert(self, layer: dict, s: Step) -> None:
+        """qwen2_moe: out += sigmoid(h . gate) * shared(h), resident, for every token."""
+        gate = torch.sigmoid(F.linear(s.h, layer["shared_gate"]))
+        s.out.add_(gate * self.expert(layer["shared"], s.h))
+
+    def head(self, s: Step, ops, last_only: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The last FFN's output added, the final norm, the LM head: logits float32 [T or 1, vocab]
+        (into out when given)."""
+        ops.add_norm(s.x, s.out, self.norm, s.hn)
+        y = F.linear(s.hn[-1:] if last_only else s.hn, self.lm_head)
+        return y.float() if out is None else out.copy_(y)
+
+    # -- the eager operations (EagerOps calls these) ------------------------------------------------
 
     def attention(self, i: int, layer: dict, h: torch.Tensor, cos, sin, start: int,
                   pos: torch.Tensor | None = None, span: int = 0) -> torch.Tensor:
@@ -279,8 +465,6 @@ class OffloadedMixtral:
         bias = layer.get(name + "_bias")
         return y if bias is None else y + bias
 
-    # -- mixture of experts ---------------------------------------------------------------------
-
     def route(self, layer: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, H] (normed) -> (weights float32 [T, k], expert ids [T, k]), as transformers.
 
@@ -298,69 +482,6 @@ class OffloadedMixtral:
             return weights, ids
         return weights / weights.sum(dim=-1, keepdim=True), ids
 
-    def moe(self, i: int, layer: dict, x: torch.Tensor, step: list | None) -> torch.Tensor:
-        h = rms_norm(x, layer["moe_norm"], self.cfg.rms_norm_eps)
-        weights, ids = self.route(layer, h)
-        guesses = self.guess_next_experts(i, x)
-        if self.routing is not None:  # a forced choice replaces the router's, nothing else
-            weights, ids, guesses = self.routing.choose(self, i, x, weights, ids, guesses)
-        out = torch.zeros_like(h)
-
-        def add_expert(w: dict, slot: int, e: int, k: int | None) -> None:
-            if k is not None:  # decode: e's place in the top-k is known on the host, no sync
-                out.add_((self.expert(w, h) * weights[:, k:k + 1]).to(out.dtype))
-            else:
-                rows, pos = (ids == e).nonzero(as_tuple=True)  # tokens routed to e, and where
-                y = self.expert(w, h[rows])
-                out.index_add_(0, rows, (y * weights[rows, pos, None]).to(out.dtype))
-
-        self.dispatch(i, ids, guesses, step, add_expert, io=(h, weights, out))
-        if "shared" in layer:  # qwen2_moe: resident, computed for every token, gated
-            gate = torch.sigmoid(F.linear(h, layer["shared_gate"]))
-            out.add_(gate * self.expert(layer["shared"], h))
-        return out
-
-    def dispatch(self, i: int, ids: torch.Tensor, guesses: torch.Tensor | None, step: list | None,
-                 add_expert=None, add_all=None, io: tuple | None = None) -> None:
-        """Fetch the routed experts through the cache and run them; then prefetch the guesses.
-
-        ids [T, k] device; guesses [D, k] device (layers i+1..i+D) or None. The one host sync
-        per layer happens here: routing decides what to copy (the guesses ride along).
-        Either add_expert(w, slot, e, k) runs one expert at a time, or add_all(positions) runs
-        the experts at those top-k positions at once once they are in place (the device reads
-        their slots from cache.table). With self.hybrid, io = (h, weights, out) of the layer:
-        the experts it picks run on the CPU meanwhile and are added to out before returning.
-        """
-        ids_host = ids.tolist()
-        guesses_host = guesses.tolist() if guesses is not None else []
-        needed = sorted({e for row in ids_host for e in row})
-        if step is not None:
-            step.append((tuple(ids_host[0]), self.cache.resident(i)))
-        on_cpu, both, finish = {}, [], None
-        if self.hybrid is not None and io is not None:
-            on_cpu, both = self.hybrid.choose(i, needed, ids_host, self.cache)
-            if on_cpu:  # queued first: the CPU works while the host queues copies and kernels
-                finish = self.hybrid.start(i, on_cpu, *io)
-        slots = []
-        for e in (e for e in needed if e not in on_cpu):  # copies and compute queued, waiting for neither
-            w, slot = self.cache.acquire(i, e, keep=needed)
-            if add_all is None:
-                add_expert(w, slot, e, ids_host[0].index(e) if len(ids_host) == 1 else None)
-                self.cache.release(i, slot)
-            else:
-                slots.append(slot)
-        if add_all is not None:
-            self.cache.sync_table(i)
-            add_all([k for k, e in enumerate(ids_host[0]) if e not in on_cpu])
-            for slot in slots:
-                self.cache.release(i, slot)
-        for d, guess in enumerate(guesses_host, start=1):  # queued behind the demand copies
-            self.cache.prefetch(i + d, guess)
-        for e in both:  # the link's idle time while the CPU works (engine/placement.py)
-            self.cache.admit(i, e)
-        if finish is not None:
-            finish()
-
     def expert(self, w: dict, h: torch.Tensor) -> torch.Tensor:
         """SwiGLU: w2 (silu(w1 h) * w3 h); with biases (b1, b3, b2: gpt_oss, the one family whose
         experts have them) its clamped variant."""
@@ -376,16 +497,6 @@ class OffloadedMixtral:
         glu = gate * torch.sigmoid(gate * self.cfg.swiglu_alpha)
         return self.linear((up + 1) * glu, w["w2"]) + w["b2"]
 
-    def guess_next_experts(self, i: int, x: torch.Tensor) -> torch.Tensor | None:
-        """Layers i+1..i+D's routers applied to the current residual stream (last token):
-        expert ids [D, k], or None when there is nothing to guess.
-
-        The residual stream changes slowly, so these guess which experts to copy early.
-        Only timing depends on them: a wrong guess costs a copy, never a different output.
-        """
-        out = [self.guess_ids(j, x[-1:]) for j in range(i + 1, min(i + 1 + self.prefetch_depth, len(self.moe_layers)))]
-        return torch.cat(out) if out else None
-
     def guess_ids(self, j: int, x: torch.Tensor, m: int | None = None) -> torch.Tensor:
         """Layer j's router on the residual stream x [T, H] (of an earlier layer): its m best
         experts [T, m] (default top_k, as `route` ranks them)."""
@@ -398,6 +509,47 @@ class OffloadedMixtral:
         if isinstance(w, Mxfp4Matrix):  # gpt_oss's experts as imported: no fused kernel yet
             return F.linear(x, mxfp4_dequantize(w, x.dtype))
         return qlinear(x, w, self.kernels)
+
+
+class EagerOps:
+    """The operations a layer is made of, in torch, for any number of tokens: the reference,
+    what prefill and the CPU run, and what the fused decode (engine/decode_kernels.FusedOps)
+    falls back to where a layer's options have no fused kernel. Each writes its result into
+    the buffers it is given (the ones CUDA graphs bake in) or returns it."""
+
+    grouped = False  # True: experts(), a layer's routed experts in one launch (FusedOps only)
+
+    def __init__(self, model: OffloadedMixtral):
+        self.m = model
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 out: torch.Tensor) -> None:
+        """x += delta (when given); out = rms_norm(x) * weight."""
+        if delta is not None:
+            x.add_(delta)
+        rms_norm(x, weight, self.m.cfg.rms_norm_eps, out)
+
+    def attention(self, i: int, layer: dict, s: Step) -> torch.Tensor:
+        """Layer i's attention on s.hn, its output projection included: [T, H]."""
+        if s.pos is None:
+            return self.m.attention(i, layer, s.hn, s.cos, s.sin, s.start)
+        return self.m.attention(i, layer, s.hn, s.cos[s.pos], s.sin[s.pos], 0, pos=s.pos, span=s.span)
+
+    def span(self, layer: dict, s: Step) -> int:
+        """What a CUDA graph of the layer's attention depends on besides the position on the
+        device: the span the eager attention reads."""
+        return s.span
+
+    def route(self, layer: dict, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> None:
+        """The router's choice for h [T, H]: weights [T, k], ids [T, k]."""
+        w, e = self.m.route(layer, h)
+        weights.copy_(w)
+        ids.copy_(e)
+
+    def guess(self, j: int, x: torch.Tensor, scratch: torch.Tensor, ids: torch.Tensor) -> None:
+        """MoE layer j's router on the last token of an earlier residual stream x: its top-k
+        ids [k] (the prefetcher's guess; scratch [1, H] is free to overwrite)."""
+        ids.copy_(self.m.guess_ids(j, x[-1:])[0])
 
 
 def layer_weights(cfg: ModelConfig, dense: dict, i: int) -> dict:
@@ -458,10 +610,10 @@ def router_logits(layer: dict, h: torch.Tensor) -> torch.Tensor:
     return F.linear(h, layer["router"], layer.get("router_bias")).float()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    return torch.mul(weight, xf.to(x.dtype), out=out)
 
 
 def rope_frequencies(cfg: ModelConfig, device) -> tuple[torch.Tensor, float]:

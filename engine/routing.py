@@ -406,7 +406,7 @@ class TraceRecorder:
         for d in range(1, self.depth + 1):
             if i + d < L:
                 g[d - 1] = model.guess_ids(i + d, x, self.m).cpu()
-        self.rows[-1].append((ids.cpu(), weights.float().cpu(), g))
+        self.rows[-1].append((ids.cpu().clone(), weights.float().cpu().clone(), g))  # buffers the layers reuse
         return weights, ids, guesses
 
     def trace(self, num_experts: int, note: str) -> RoutingTrace:

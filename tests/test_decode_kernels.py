@@ -87,3 +87,24 @@ def test_route_topk_matches_the_model_router(experts, top_k):
     route_topk(h, router, top_k, w, ids)
     assert ids.tolist() == want_ids[0].tolist()
     close(w, want_w[0], torch.float32)
+
+
+@pytest.mark.parametrize("routing", ["softmax_topk", "topk_softmax"])
+def test_route_topk_matches_the_other_families_routers(routing):
+    """norm_topk_prob false (qwen3_moe, olmoe: no renormalisation) and gpt_oss (a router bias,
+    softmax over the top-k logits: the renormalised top-k of the softmax)."""
+    from types import SimpleNamespace
+
+    from engine.decode_kernels import route_topk
+    from engine.model import OffloadedMixtral
+    g = torch.Generator().manual_seed(7)
+    h = torch.randn(1, 512, generator=g).to(DEVICE)
+    router = (torch.randn(12, 512, generator=g) * 0.05).to(DEVICE)
+    bias = torch.randn(12, generator=g).to(DEVICE) if routing == "topk_softmax" else None
+    layer = {"router": router, "routing": routing, **({"router_bias": bias} if bias is not None else {})}
+    want_w, want_ids = OffloadedMixtral.route(SimpleNamespace(cfg=SimpleNamespace(top_k=4)), layer, h)
+    w = torch.empty(4, device=DEVICE)
+    ids = torch.empty(4, dtype=torch.long, device=DEVICE)
+    route_topk(h, router, 4, w, ids, bias, renormalize=routing != "softmax_topk")
+    assert ids.tolist() == want_ids[0].tolist()
+    close(w, want_w[0], torch.float32)

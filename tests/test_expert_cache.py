@@ -1,15 +1,16 @@
-"""The per-layer LRU expert cache on a scripted routing sequence (CPU: copies are memcpy)."""
+"""The per-layer LRU expert cache on a scripted routing sequence (CPU: copies are memcpy), and
+the benchmark's baseline caches (naive, no-copy: engine/bench.py)."""
 
 import torch
 
-from engine.expert_cache import ExpertCache
+from engine.bench import CACHES
 
 L, E, B = 2, 6, 16
 
 
 def make_cache(k, policy="lru"):
     host = torch.arange(L * E, dtype=torch.uint8)[:, None].repeat(1, B).view(L, E, B)  # expert id in every byte
-    return ExpertCache(host, k, torch.device("cpu"), lambda buf: buf, policy=policy)
+    return CACHES[policy](host, k, torch.device("cpu"), lambda buf: buf)
 
 
 def use(cache, layer, expert):
@@ -111,3 +112,24 @@ def test_a_fully_resident_or_no_copy_cache_has_a_fixed_table():
                 cache.release(layer, slot)
             cache.prefetch(layer, list(range(E)))
             assert not cache.table_dirty and cache.table_host[layer].tolist() == want.tolist()
+
+
+def test_the_naive_cache_copies_every_use_and_keeps_nothing():
+    cache = make_cache(2, "naive")
+    assert not cache.holds_every_expert
+    for e in (1, 1, 4, 1):
+        use(cache, 0, e)
+    cache.prefetch(1, [2, 3])
+    assert cache.stats.misses == 4 and cache.stats.hits == 0 and cache.stats.prefetch_issued == 0
+    assert cache.stats.bytes_h2d == 4 * B and cache.resident(1) == ()
+
+
+def test_what_the_hybrid_reads_goes_through_methods():
+    cache = make_cache(2)
+    assert cache.link_free_time() == 0.0 and cache.lands_at(0, 3) is None
+    cache.plan_link(1e-9, 0.5)
+    use(cache, 0, 3)
+    assert cache.lands_at(0, 3) == 0.0  # CPU copies are done when acquire returns
+    cache.count_cpu_misses(2, 1)
+    assert (cache.stats.misses, cache.stats.misses_cpu, cache.stats.misses_both) == (3, 2, 1)
+    assert make_cache(E).holds_every_expert and not make_cache(E - 1).holds_every_expert

@@ -325,22 +325,35 @@ def test_a_store_of_an_unsupported_family_is_refused(tiny_store, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU: the eager layer for families the CUDA-graph decode does not implement
+# GPU: every family through the CUDA-graph decode of its own layer
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("vid", ["qwen3_moe-top3-dense-layer", "gpt_oss-top3-window5", "qwen2_moe-shared-top3"])
-def test_cuda_runs_other_families_on_the_eager_layer_and_says_so(tmp_path, vid):
+@pytest.mark.parametrize("expert_bits", [16, 4])
+@pytest.mark.parametrize("vid", [v.id for v in VARIANTS])
+def test_cuda_graphs_run_every_family(tmp_path, vid, expert_bits):
+    """16-bit: transformers' tokens; 4-bit experts (the grouped kernel where the format takes
+    them): the eager layer's tokens on the same weights. Every cache size's graphs too."""
     v = BY_ID[vid]
     model = save(v, build(v), tmp_path / "ck")
-    convert_checkpoint(tmp_path / "ck", tmp_path / "st", 16, 16, "cuda")
-    engine = load_engine(tmp_path / "st", device="cuda", dtype="float32", cache_experts=2, prefetch=1)
-    assert engine.model.graphs is None and "eager layer" in engine.note
-    engine.eos_ids = set()
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st", expert_bits, 16, "cuda")
     ids = list(range(3, 15))
-    got = list(engine.generate_ids(ids, SamplingSettings(temperature=0, max_new_tokens=NEW_TOKENS)))
-    assert got == reference_greedy(model, ids, NEW_TOKENS)
+    greedy = SamplingSettings(temperature=0, max_new_tokens=NEW_TOKENS)
+    runs = {}
+    for graphs in (False, True):
+        engine = load_engine(tmp_path / "st", device="cuda", dtype="float32", cache_experts=1, prefetch=1,
+                             cuda_graphs=graphs)
+        assert (engine.model.graphs is not None) == graphs and "eager" not in engine.note
+        engine.eos_ids = set()
+        runs[graphs] = []
+        for k in (1, 2, engine.config.num_experts):
+            engine.set_cache_experts(k)
+            engine.cached_ids = []
+            runs[graphs].append(list(engine.generate_ids(ids, greedy)))
+    assert runs[True] == runs[False]
+    if expert_bits == 16:
+        assert runs[True] == [reference_greedy(model, ids, NEW_TOKENS)] * 3
 
 
 # ---------------------------------------------------------------------------------------------
