@@ -154,15 +154,16 @@ def plot_report(r: LocalityReport, path: str | Path, title: str = "") -> None:
 
 
 def measure_locality(store: str, text_file: str | None = None, max_tokens: int | None = None,
-                     device: str = "cpu") -> LocalityReport:
-    """Record the routing of a store's model on text (engine.routing.record_trace) and report."""
+                     device: str = "cpu", progress=None) -> LocalityReport:
+    """Record the routing of a store's model on text (engine.routing.record_trace) and report.
+    progress(fraction, message) as the windows of text go through the model."""
     from engine.generate import load_engine
     from engine.routing import record_trace
 
     text_path(text_file)  # before the slow part
     engine = load_engine(store, device=device, cuda_graphs=False)
     ids = load_text_ids(engine.tokenizer, text_file, max_tokens)
-    report = report_from_trace(record_trace(engine, ids, note=""))
+    report = report_from_trace(record_trace(engine, ids, note="", progress=progress))
     engine.close()
     return report
 
@@ -173,7 +174,9 @@ def cli_locality(store: str, text_file: str | None, json_out: bool, plot: str | 
     path = text_path(text_file)
     if plot:
         pyplot()  # before the slow part
-    report = measure_locality(store, str(path), max_tokens)
+    from engine.progress import ProgressLine
+
+    report = measure_locality(store, str(path), max_tokens, progress=ProgressLine())
     if plot:
         plot_report(report, plot, title=f"Expert locality, {store}, {report.tokens} tokens")
     if json_out:

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from engine.errors import UserError
+from engine.progress import ProgressLine
 
 FORMAT, VERSION = "moeferry-routing-trace", 1
 
@@ -512,12 +513,12 @@ def load_text_ids(tokenizer, text_file: str | None, max_tokens: int | None = Non
 
 
 def record_trace(engine, ids: torch.Tensor, note: str, window: int = TRACE_WINDOW,
-                 depth: int = TRACE_DEPTH) -> RoutingTrace:
+                 depth: int = TRACE_DEPTH, progress=None) -> RoutingTrace:
     """Run the engine's model over token ids [N] in windows of `window` tokens (each a fresh
     context, as one prompt) and record its routing: the experts and weights its routers chose,
     and the guesses its prefetcher would make 1..depth layers ahead (the best
     max(top_k, TRACE_GUESSES) of layer l+d's router on the residual stream that enters layer
-    l's experts) for every token."""
+    l's experts) for every token. progress(fraction, message) after each window."""
     model, cfg = engine.model, engine.config
     depth = min(depth, cfg.num_moe_layers - 1)
     recorder = TraceRecorder(max(depth, 1), min(cfg.num_experts, max(cfg.top_k, TRACE_GUESSES)))
@@ -527,6 +528,9 @@ def record_trace(engine, ids: torch.Tensor, note: str, window: int = TRACE_WINDO
             chunk = ids[start:start + window].to(engine.device)
             model.setup_kv(len(chunk))
             model.forward(chunk, 0)
+            if progress:
+                done = min(start + window, len(ids))
+                progress(done / len(ids), f"recording the routing: {done} of {len(ids)} tokens")
     finally:
         model.routing = old
         engine.cached_ids = []  # the KV cache holds the last window now
@@ -548,7 +552,7 @@ def cli_trace(store: str, text: str, out: str, max_tokens: int | None, device: s
     ids = load_text_ids(engine.tokenizer, text, max_tokens)
     note = (f"recorded by `moeferry trace` from the store {engine.store.path.name} on the first {len(ids)} "
             f"tokens of {text}, {TRACE_WINDOW}-token windows")
-    trace = record_trace(engine, ids, note)
+    trace = record_trace(engine, ids, note, progress=ProgressLine())
     trace.save(out)
     s = trace_stats(trace)
     print(json_stats(s) if as_json else stats_markdown(s), end="" if not as_json else "\n")

@@ -94,3 +94,16 @@ def test_cli_locality_says_what_is_wrong(tiny_store, tmp_path):
     from engine.errors import UserError
     with pytest.raises(UserError, match="not a file"):
         loc.cli_locality(str(tiny_store), str(tmp_path / "missing.txt"), json_out=False, plot=None)
+
+
+def test_cli_locality_reports_progress_while_it_records(tiny_store, tmp_path, capsys):
+    """`demo locality` runs for minutes on real text: stderr shows how far it is, per window."""
+    from engine.routing import TRACE_WINDOW
+
+    text = tmp_path / "text.txt"
+    text.write_text("def read(path):\n    with open(path) as f:\n        return f.read()\n" * 80)
+    assert loc.cli_locality(str(tiny_store), str(text), json_out=True, plot=None, max_tokens=3 * TRACE_WINDOW) == 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "recording the routing" in line]
+    assert lines and lines[-1].strip().startswith("100.0%")
+    assert f"of {3 * TRACE_WINDOW} tokens" in lines[-1]
