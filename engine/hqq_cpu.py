@@ -145,6 +145,8 @@ def _compile():
             zi = (zi + n) % mz
         return zsum
 
+    # One function per code width, each with its accumulators written out: LLVM vectorizes the
+    # loop over a row's bytes only when the per-code sums are plain scalars.
     @serial
     def rows_2bit(row, xs):
         a0 = a1 = a2 = a3 = np.float32(0.0)
