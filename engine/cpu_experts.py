@@ -41,6 +41,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -98,23 +99,36 @@ class CpuExpert:
 
 @dataclass
 class HqqExpert:
-    """An expert as stored (HQQ QMatrix views of host memory), run by engine/hqq_cpu.py."""
+    """An expert as stored (HQQ QMatrix views of host memory), run by engine/hqq_cpu.py.
+    With biases (gpt_oss) it is the clamped SwiGLU of engine/model.py's clamped_swiglu_expert."""
     w1: object  # hqq_cpu.CpuQMatrix
     w3: object
     w2: object
+    biases: tuple | None = None  # (b1, b3, b2) float32 numpy, gpt_oss
+    alpha: float = 1.702
+    limit: float = 7.0
 
     def nbytes(self) -> int:
         return self.w1.nbytes() + self.w3.nbytes() + self.w2.nbytes()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from engine import hqq_cpu
-        return torch.from_numpy(hqq_cpu.swiglu_expert(x.float().numpy(), self.w1, self.w3, self.w2))
+        x = x.float().numpy()
+        if self.biases is None:
+            return torch.from_numpy(hqq_cpu.swiglu_expert(x, self.w1, self.w3, self.w2))
+        b1, b3, b2 = self.biases
+        gate = np.minimum(hqq_cpu.matmul(x, self.w1) + b1, self.limit)
+        up = np.clip(hqq_cpu.matmul(x, self.w3) + b3, -self.limit, self.limit)
+        glu = gate / (1 + np.exp(-gate * self.alpha))
+        return torch.from_numpy(hqq_cpu.matmul(((up + 1) * glu).astype(np.float32), self.w2) + b2)
 
 
-def hqq_expert(w: dict) -> HqqExpert:
-    """w: the stored expert's QMatrix views ("w1", "w3", "w2"), in host memory."""
+def hqq_expert(w: dict, alpha: float = 1.702, limit: float = 7.0) -> HqqExpert:
+    """w: the stored expert's views ("w1", "w3", "w2" QMatrix; "b1", "b3", "b2" where the
+    family has biases), in host memory; alpha and limit: the clamped SwiGLU's (gpt_oss)."""
     from engine import hqq_cpu
-    return HqqExpert(*(hqq_cpu.from_qmatrix(w[m]) for m in ("w1", "w3", "w2")))
+    biases = tuple(w[b].float().numpy() for b in ("b1", "b3", "b2")) if "b1" in w else None
+    return HqqExpert(*(hqq_cpu.from_qmatrix(w[m]) for m in ("w1", "w3", "w2")), biases, alpha, limit)
 
 
 def hqq_supported(w: dict) -> bool:

@@ -517,10 +517,13 @@ def make_cpu_experts(st: store_mod.Store, host: torch.Tensor, cache: ExpertCache
                      progress, dtype):
     """CPU copies of the experts that fit ram_budget, and the CpuExperts that runs them."""
     cfg = st.config
-    if cfg.expert_act != "silu" or st.expert_quant.get("method") == "mxfp4":
-        raise UserError(f"--cpu-experts runs SiLU experts in HQQ or 16-bit form; this {cfg.family} store's "
-                        f"experts are not, so use --cpu-experts off.")
+    from engine import cpu_experts as ce
+
     view = lambda buf: store_mod.view_expert(buf, st.expert_fields, st.expert_quant, cfg)  # noqa: E731
+    in_place = fmt in (None, "hqq") and ce.hqq_supported(view(host[0, 0]))
+    if st.expert_quant.get("method") == "mxfp4" or (cfg.expert_act != "silu" and not in_place):
+        raise UserError(f"--cpu-experts runs this {cfg.family} store's experts only when they are HQQ "
+                        f"(convert with --expert-bits 2, 3 or 4) in the hqq CPU format; use --cpu-experts off.")
     if cache.host is not None:  # the pinned copy the cache copies from: the experts' home in RAM
         host = cache.host
     copies = cpu_copies_of(cfg, host, view, cache.device, fmt, ram_budget, cache.K, progress, dtype)
@@ -551,7 +554,8 @@ def cpu_copies_of(cfg: ModelConfig, host: torch.Tensor, view, device: torch.devi
     if fmt in (None, "hqq") and ce.hqq_supported(view(host[0, 0])):  # in place: no copy, no RAM
         copies = {}
         for layer in range(cfg.num_moe_layers):
-            copies.update({(layer, e): ce.hqq_expert(view(host[layer, e])) for e in range(cfg.num_experts)})
+            copies.update({(layer, e): ce.hqq_expert(view(host[layer, e]), cfg.swiglu_alpha, cfg.swiglu_limit)
+                           for e in range(cfg.num_experts)})
         return copies
     if fmt == "hqq":
         raise UserError("--cpu-format hqq runs HQQ experts of 2, 3 or 4 bits in place and needs numba; "

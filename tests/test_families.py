@@ -430,3 +430,29 @@ def test_bench_builds_a_synthetic_model_the_engine_runs(name):
     logits = model.forward(torch.arange(5), 0)
     assert logits.shape == (1, 128) and torch.isfinite(logits).all()
     assert cache.stats.misses > 0
+
+
+@pytest.mark.parametrize("vid", ["gpt_oss-top1-window3", "qwen3_moe-top3-dense-layer"])
+def test_cpu_experts_run_the_family_in_place(tmp_path, vid):
+    """The hybrid's CPU experts on an HQQ store of another family (gpt_oss: biases and the
+    clamped SwiGLU): the dequantized model's greedy tokens with a cache of 2 and with none."""
+    v = BY_ID[vid]
+    save(v, build(v, seed=2), tmp_path / "ck")
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st", 4, 16, "cpu")
+    ref = load_dequantized_hf_model(tmp_path / "st")
+    ids = list(range(5, 5 + 11))
+    want = reference_greedy(ref, ids, 10)
+    greedy = SamplingSettings(temperature=0, max_new_tokens=10)
+    for kw in ({"cache_experts": 2}, {}):
+        engine = load_engine(tmp_path / "st", device="cpu", dtype="float32", cpu_experts="all", **kw)
+        engine.eos_ids = set()
+        assert list(engine.generate_ids(ids, greedy)) == want, kw
+        assert engine.last_stats.cpu_expert_runs > 0
+
+
+def test_cpu_experts_refuse_a_16_bit_gpt_oss_store(tmp_path):
+    v = BY_ID["gpt_oss-top1-window3"]
+    save(v, build(v, seed=2), tmp_path / "ck")
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st", 16, 16, "cpu")
+    with pytest.raises(UserError, match="--expert-bits 2, 3 or 4"):
+        load_engine(tmp_path / "st", device="cpu", dtype="float32", cpu_experts="all")
