@@ -25,7 +25,7 @@ def load_options(settings: Settings) -> LoadOptions:
     budget = settings.get(Key.VRAM_BUDGET_GB)
     return LoadOptions(store=settings.get(Key.STORE_PATH), device=settings.get(Key.DEVICE),
                        cache_experts=cache or None, vram_budget=int(budget * GiB) if budget else None,
-                       prefetch=settings.get(Key.PREFETCH))
+                       prefetch=settings.get(Key.PREFETCH), cpu_experts=settings.get(Key.CPU_EXPERTS))
 
 
 def engine_messages(system_prompt: str, messages: list[Message]) -> list[dict]:
@@ -104,8 +104,8 @@ class ChatController(QObject):
         """Called after the settings changed: reload only when what was loaded differs."""
         want = load_options(self.settings)
         current = self._loading or self.loaded
-        if current is None or (want.store, want.device, want.vram_budget) != (
-                current.store, current.device, current.vram_budget):
+        if current is None or (want.store, want.device, want.vram_budget, want.cpu_experts) != (
+                current.store, current.device, current.vram_budget, current.cpu_experts):
             self.model_state.emit("Reloading the model with the new settings", -1.0)
             self._reload_timer.start()
         # prefetch, cache size and sampling go with the next message

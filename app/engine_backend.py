@@ -20,6 +20,7 @@ class LoadOptions:
     cache_experts: int | None = None   # None: from the VRAM budget
     vram_budget: int | None = None     # bytes; None: the engine decides
     prefetch: int = 1
+    cpu_experts: str = "off"           # off | auto | all (engine/cpu_experts.py)
 
 
 @dataclass
@@ -31,7 +32,8 @@ def real_load(opts: LoadOptions, progress: Progress) -> EngineProtocol:
     from engine.generate import load_engine
 
     return load_engine(opts.store, device=opts.device, cache_experts=opts.cache_experts,
-                       vram_budget=opts.vram_budget, prefetch=opts.prefetch, progress=progress)
+                       vram_budget=opts.vram_budget, prefetch=opts.prefetch, cpu_experts=opts.cpu_experts,
+                       progress=progress)
 
 
 def real_engine_backend() -> EngineBackend:

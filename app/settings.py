@@ -35,6 +35,7 @@ class Key(str, Enum):
     PREFETCH = "prefetch"              # 0..4
     CACHE_EXPERTS = "cache_experts"    # experts per layer kept on the GPU; 0 = from the VRAM budget
     VRAM_BUDGET_GB = "vram_budget_gb"  # 0 = let the engine decide
+    CPU_EXPERTS = "cpu_experts"        # off | auto | all: missed experts computed on the CPU
     TEMPERATURE = "temperature"
     TOP_P = "top_p"
     MAX_NEW_TOKENS = "max_new_tokens"
@@ -57,6 +58,7 @@ DEFAULTS: dict[Key, Any] = {
     Key.PREFETCH: 1,
     Key.CACHE_EXPERTS: 0,
     Key.VRAM_BUDGET_GB: 0.0,
+    Key.CPU_EXPERTS: "off",
     Key.TEMPERATURE: 0.7,
     Key.TOP_P: 0.9,
     Key.MAX_NEW_TOKENS: 512,
@@ -70,7 +72,8 @@ DEFAULTS: dict[Key, Any] = {
     Key.API_KEY: "",
 }
 
-_CHOICES = {Key.DEVICE: ("auto", "cpu", "cuda"), Key.THEME: ("system", "light", "dark")}
+_CHOICES = {Key.DEVICE: ("auto", "cpu", "cuda"), Key.THEME: ("system", "light", "dark"),
+            Key.CPU_EXPERTS: ("off", "auto", "all")}
 _RANGES = {
     Key.PREFETCH: (0, 4),
     Key.CACHE_EXPERTS: (0, 64),

@@ -27,6 +27,8 @@ from app.settings import Key, Settings
 from app.widgets.local_api_panel import LocalApiPanel
 
 THEMES = [("Follow the system", "system"), ("Light", "light"), ("Dark", "dark")]
+CPU_EXPERT_CHOICES = [("Copied to the GPU", "off"), ("On the processor when faster", "auto"),
+                      ("Always on the processor", "all")]
 BIT_WIDTHS = (2, 3, 4)
 SYSTEM_SIZE = 6  # the text-size box's minimum, shown as "System" (the setting 0)
 
@@ -89,9 +91,15 @@ class SettingsPanel(QScrollArea):
         self.budget.setSuffix(" GB")
         self.budget.setSpecialValueText("Auto")
         self.budget.setToolTip("GPU memory the model may use; changing it reloads the model")
+        self.cpu_experts = QComboBox()
+        for label, value in CPU_EXPERT_CHOICES:
+            self.cpu_experts.addItem(label, value)
+        self.cpu_experts.setToolTip("Whether experts that are not on the GPU are computed by the processor "
+                                    "instead of being copied to the GPU; changing it reloads the model")
         form.addRow("Prefetch depth", self.prefetch)
         form.addRow("Experts cached per layer", self.cache)
         form.addRow("GPU memory limit", self.budget)
+        form.addRow("Experts not on the GPU", self.cpu_experts)
 
         sampling = QGroupBox("Sampling")
         form = QFormLayout(sampling)
@@ -150,17 +158,21 @@ class SettingsPanel(QScrollArea):
             signal.connect(lambda value, key=key: self.changed.emit({key: value}))
         self.theme.currentIndexChanged.connect(
             lambda _i: self.changed.emit({Key.THEME: self.theme.currentData()}))
+        self.cpu_experts.currentIndexChanged.connect(
+            lambda _i: self.changed.emit({Key.CPU_EXPERTS: self.cpu_experts.currentData()}))
         self.font_size.valueChanged.connect(
             lambda v: self.changed.emit({Key.FONT_SIZE: 0.0 if v == SYSTEM_SIZE else float(v)}))
 
     def load(self, settings: Settings, num_experts: int = 8) -> None:
         """Show `settings` without emitting changes."""
         blockers = [QSignalBlocker(w) for w, _ in self._fields.values()]
-        blockers += [QSignalBlocker(self.theme), QSignalBlocker(self.variant), QSignalBlocker(self.font_size)]
+        blockers += [QSignalBlocker(self.theme), QSignalBlocker(self.variant), QSignalBlocker(self.font_size),
+                     QSignalBlocker(self.cpu_experts)]
         self.cache.setMaximum(num_experts)
         for key, (widget, _) in self._fields.items():
             widget.setValue(settings.get(key))
         self.theme.setCurrentIndex(max(0, self.theme.findData(settings.get(Key.THEME))))
+        self.cpu_experts.setCurrentIndex(max(0, self.cpu_experts.findData(settings.get(Key.CPU_EXPERTS))))
         self.font_size.setValue(max(SYSTEM_SIZE, round(settings.get(Key.FONT_SIZE))))
         self.variant.clear()
         installed = settings.get(Key.INSTALLED)

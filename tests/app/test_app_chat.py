@@ -119,6 +119,21 @@ def test_switching_variant_reloads_in_the_worker(ready, qtbot, engine_backend, t
     assert engine_backend.engines[0].closed
 
 
+def test_cpu_experts_setting_reloads_the_model_with_it(ready, qtbot, engine_backend, launch):
+    """"Experts not on the GPU": the engine is loaded again with --cpu-experts' choice, and the
+    choice is kept across a restart."""
+    panel = ready.window.settings_panel
+    assert panel.cpu_experts.currentData() == "off" and engine_backend.loads[-1].cpu_experts == "off"
+    with qtbot.waitSignal(ready.controller.model_ready, timeout=3000, check_params_cb=lambda ok: ok):
+        panel.cpu_experts.setCurrentIndex(panel.cpu_experts.findData("auto"))
+    assert len(engine_backend.loads) == 2 and engine_backend.loads[-1].cpu_experts == "auto"
+    assert ready.settings.get(Key.CPU_EXPERTS) == "auto"
+    ready.window.close()
+    again = launch()
+    assert again.window.settings_panel.cpu_experts.currentData() == "auto"
+    assert engine_backend.loads[-1].cpu_experts == "auto"
+
+
 def test_restart_keeps_conversations_and_settings(ready, qtbot, launch, data_dir):
     send(ready, qtbot, "Remember me")
     ready.window.settings_panel.top_p.setValue(0.5)
