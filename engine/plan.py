@@ -378,29 +378,36 @@ def predict_cpu(hw: dict, m: ModelSizes, coeffs: Coefficients = DEFAULT,
             "bytes_h2d": 0.0, "bound": "cpu", "h2d_bytes_per_s": None}
 
 
-CPU_INT4_BITS = 4.25  # the CPU copies: int4 in groups of 128 with bfloat16 scale + zero
+CPU_INT4_BITS = 4.25  # the CPU copies of 16-bit stores: int4 in groups of 128, bfloat16 scale + zero
 CPU_INT4_OF_RAM = 0.9  # the int4 kernel's share of RAM read speed (issue 16: 68-78 of 80-83 GB/s)
+HQQ_CPU_OF_RAM = 0.3  # the in-place HQQ kernel's (quantized stores; docs/BENCHMARKS.md: 0.24-0.34)
 
 
 def predict_hybrid(hw: dict, m: ModelSizes, k: int, coeffs: Coefficients = DEFAULT,
                    prefetch_depth: int = 1) -> dict:
     """predict_gpu's decode speed when each layer's misses are split between the link and the
-    CPU by engine/placement.py's model (misses per layer binomial at the LRU hit rate)."""
+    CPU by engine/placement.py's model (misses per layer binomial at the LRU hit rate). The CPU
+    runs a quantized store's experts in place (it reads what the link would copy, at the HQQ
+    kernel's speed) and a 16-bit store's from int4 copies, as the engine does by default."""
     from math import comb
 
     from engine import placement
 
     base = predict_gpu(hw, m, k, coeffs, prefetch_depth)
     ram = 4.0 * (hw.get("cpu_matvec_params_per_s") or 0.5e9 * (hw.get("cpu_cores_physical") or 2))
-    costs = placement.Costs(link_gbps=base["h2d_bytes_per_s"] / 1e9, cpu_gbps=CPU_INT4_OF_RAM * ram / 1e9,
+    in_place = bits_per_param(m) < 16
+    costs = placement.Costs(link_gbps=base["h2d_bytes_per_s"] / 1e9,
+                            cpu_gbps=(HQQ_CPU_OF_RAM if in_place else CPU_INT4_OF_RAM) * ram / 1e9,
                             gpu_expert_s=0.0, cpu_overhead_s=20e-6)
-    sizes = placement.ExpertSizes(m.expert_bytes, int(m.expert_params * CPU_INT4_BITS / 8), m.expert_params)
+    cpu_bytes = m.expert_bytes if in_place else int(m.expert_params * CPU_INT4_BITS / 8)
+    sizes = placement.ExpertSizes(m.expert_bytes, cpu_bytes, m.expert_params)
     miss = 1.0 - base["hit_rate"]
     per_layer = {n: comb(m.top_k, n) * miss ** n * (1 - miss) ** (m.top_k - n) for n in range(m.top_k + 1)}
     copy_only = sum(p * n * placement.copy_s(costs, sizes) for n, p in per_layer.items())
     hybrid = sum(p * placement.predicted_miss_s(costs, sizes, n, m.top_k - n)[1] for n, p in per_layer.items())
     t = 1.0 / base["tokens_per_s"] - m.num_layers * (copy_only - hybrid)
-    return {"tokens_per_s": 1.0 / t, "cpu_bytes_per_s": costs.cpu_gbps * 1e9, "cpu_expert_bytes": sizes.cpu_bytes}
+    return {"tokens_per_s": 1.0 / t, "cpu_bytes_per_s": costs.cpu_gbps * 1e9, "cpu_expert_bytes": sizes.cpu_bytes,
+            "extra_ram_bytes": 0 if in_place else m.all_expert_bytes * CPU_INT4_BITS / bits_per_param(m)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,8 +471,9 @@ def make_plan(hw: dict, model, vram_budget_bytes: int | None = None, *,
                    f"{p['first_token_s']:.1f} s, limited by {link}.")
     hybrid = predict_hybrid(hw, m, k, coeffs, prefetch_depth) if k < m.num_experts else None
     if hybrid is not None:
-        notes.append(f"With missed experts computed on the CPU too (--cpu-experts auto, int4 copies "
-                     f"taking {gib(m.all_expert_bytes * CPU_INT4_BITS / bits_per_param(m))} more RAM): "
+        ram_note = (f"int4 copies taking {gib(hybrid['extra_ram_bytes'])} more RAM" if hybrid["extra_ram_bytes"]
+                    else "from the experts already in RAM")
+        notes.append(f"With missed experts computed on the CPU too (--cpu-experts auto, {ram_note}): "
                      f"about {hybrid['tokens_per_s']:.1f} tokens/s.")
     return Plan(device="cuda", cache_experts_per_layer=k, predicted_tokens_per_s=p["tokens_per_s"],
                 predicted_hybrid_tokens_per_s=hybrid["tokens_per_s"] if hybrid else None,

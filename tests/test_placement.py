@@ -85,18 +85,26 @@ def test_predicted_hybrid_layer_beats_copy_only():
 
 
 def test_plan_predicts_the_hybrid_from_the_probe():
+    """A quantized store's experts run in place on the CPU at the HQQ kernel's share of RAM speed
+    (plan.HQQ_CPU_OF_RAM), so the CPU helps only with fast RAM; a 16-bit store's run from int4
+    copies, which the note prices in RAM."""
     from engine import plan
 
     m = plan.ModelSizes.from_config(plan.MIXTRAL_8X7B_CONFIG, 2, 4)
     desktop = {"gpu_name": "RTX 3060", "h2d_bytes_per_s": 25e9, "gpu_mem_bandwidth_bytes_per_s": 360e9,
                "ram_total_bytes": 64 << 30}
     slow_ram, fast_ram = dict(desktop, cpu_matvec_params_per_s=1e9), dict(desktop, cpu_matvec_params_per_s=12e9)
-    p_slow, p_fast = plan.make_plan(slow_ram, m, 12 << 30), plan.make_plan(fast_ram, m, 12 << 30)
+    faster_ram = dict(desktop, cpu_matvec_params_per_s=25e9)
+    p_slow, p_fast, p_faster = (plan.make_plan(hw, m, 12 << 30) for hw in (slow_ram, fast_ram, faster_ram))
     assert p_slow.predicted_tokens_per_s == pytest.approx(p_fast.predicted_tokens_per_s)  # GPU-only
-    # 4 GB/s of RAM: the CPU never wins a miss; 43 GB/s (dual-channel DDR4): it takes many
+    # 4 GB/s of RAM: the CPU never wins a miss; 48 GB/s: a little (two misses in a layer); 100 GB/s: more
     assert p_slow.predicted_hybrid_tokens_per_s == pytest.approx(p_slow.predicted_tokens_per_s)
-    assert p_fast.predicted_hybrid_tokens_per_s > 1.1 * p_fast.predicted_tokens_per_s
-    assert "--cpu-experts auto" in p_fast.notes[-1]
+    assert p_slow.predicted_tokens_per_s < p_fast.predicted_hybrid_tokens_per_s < 1.1 * p_fast.predicted_tokens_per_s
+    assert p_faster.predicted_hybrid_tokens_per_s > 1.2 * p_faster.predicted_tokens_per_s
+    assert "--cpu-experts auto, from the experts already in RAM" in p_fast.notes[-1]
+    m16 = plan.ModelSizes.from_config(plan.MIXTRAL_8X7B_CONFIG, 16, 16)
+    p16 = plan.make_plan(dict(faster_ram, ram_total_bytes=256 << 30), m16, 24 << 30)
+    assert p16.predicted_hybrid_tokens_per_s is not None and "int4 copies taking" in p16.notes[-1]
     everything = plan.make_plan(dict(fast_ram, gpu_name="H200"), m, 80 << 30)
     assert everything.cache_experts_per_layer == 8 and everything.predicted_hybrid_tokens_per_s is None
 
