@@ -254,7 +254,7 @@ class Synthetic:
     attn_bits: int
     dtype: torch.dtype = torch.bfloat16
     shape: str = "mixtral-8x7b"  # the MODEL_SHAPES key it was built from
-    cpu_copies: dict | None = None  # the hybrid mode's int4 CPU copies, made on first use
+    cpu_copies: dict | None = None  # the hybrid mode's CPU experts (cpu_copies_of), made on first use
 
     def model(self, policy: str, k: int, prefetch: int, kernels: str, pace: int = 0) -> OffloadedMixtral:
         # the CPU (tests) dequantizes an expert once per load, as the engine does there
@@ -439,9 +439,10 @@ def cpu_experts_report(copies: dict | None, cfg) -> dict | None:
     if not copies:
         return None
     one = next(iter(copies.values()))
-    kind = "hqq" if isinstance(one, HqqExpert) else one.w13.fmt
-    return {"format": kind, "bits_per_weight": one.nbytes() * 8 / (3 * cfg.hidden_size * cfg.intermediate_size),
-            "experts": len(copies), "extra_ram_bytes": 0 if kind == "hqq" else sum(c.nbytes() for c in copies.values())}
+    in_place = isinstance(one, HqqExpert)
+    extra = sum(c.copied_bytes() if in_place else c.nbytes() for c in copies.values())
+    return {"format": "hqq" if in_place else one.w13.fmt, "experts": len(copies), "extra_ram_bytes": extra,
+            "bits_per_weight": one.nbytes() * 8 / (3 * cfg.hidden_size * cfg.intermediate_size)}
 
 
 def mode_result(mode, kern, kk, depth, first, decode, d, peak, recall, new_tokens, bw, compute, budget):

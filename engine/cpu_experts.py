@@ -2,7 +2,7 @@
 
 No compiler is needed on the user's machine. The default, "hqq", is not a copy at all: the
 kernel of engine/hqq_cpu.py (numba) reads an HQQ expert (2, 3 or 4 bits) in the host memory
-the GPU cache copies it from, so every expert can run on the CPU at no RAM cost. The other
+the GPU cache copies it from, so every expert can run on the CPU for about 2 % more RAM (its metadata in float32). The other
 formats are copies in their own layout for torch's prebuilt CPU ops (AVX2 / AVX-512), derived
 from the dequantized expert (the store's HQQ layout groups along OUTPUT rows, these kernels
 group along the INPUT dimension): for 16-bit stores, or where numba is missing. One
@@ -41,9 +41,11 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
+
+from engine import hqq_cpu
+from engine.model import clamped_swiglu
 
 COPY_FORMATS = ("int4", "int8", "dense")  # copies in their own layout
 FORMATS = ("hqq",) + COPY_FORMATS  # "hqq": the stored expert, in place
@@ -104,36 +106,36 @@ class HqqExpert:
     w1: object  # hqq_cpu.CpuQMatrix
     w3: object
     w2: object
-    biases: tuple | None = None  # (b1, b3, b2) float32 numpy, gpt_oss
-    alpha: float = 1.702
-    limit: float = 7.0
+    biases: tuple | None = None  # (b1, b3, b2) float32, gpt_oss
+    alpha: float | None = None  # its clamped SwiGLU's constants (ModelConfig.swiglu_*)
+    limit: float | None = None
 
     def nbytes(self) -> int:
         return self.w1.nbytes() + self.w3.nbytes() + self.w2.nbytes()
 
+    def copied_bytes(self) -> int:
+        """RAM this expert takes beyond the stored bytes it reads in place."""
+        return self.w1.copied_bytes() + self.w3.copied_bytes() + self.w2.copied_bytes()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from engine import hqq_cpu
         x = x.float().numpy()
         if self.biases is None:
             return torch.from_numpy(hqq_cpu.swiglu_expert(x, self.w1, self.w3, self.w2))
         b1, b3, b2 = self.biases
-        gate = np.minimum(hqq_cpu.matmul(x, self.w1) + b1, self.limit)
-        up = np.clip(hqq_cpu.matmul(x, self.w3) + b3, -self.limit, self.limit)
-        glu = gate / (1 + np.exp(-gate * self.alpha))
-        return torch.from_numpy(hqq_cpu.matmul(((up + 1) * glu).astype(np.float32), self.w2) + b2)
+        act = clamped_swiglu(torch.from_numpy(hqq_cpu.matmul(x, self.w1)) + b1,
+                             torch.from_numpy(hqq_cpu.matmul(x, self.w3)) + b3, self.alpha, self.limit)
+        return torch.from_numpy(hqq_cpu.matmul(act.numpy(), self.w2)) + b2
 
 
-def hqq_expert(w: dict, alpha: float = 1.702, limit: float = 7.0) -> HqqExpert:
+def hqq_expert(w: dict, alpha: float | None = None, limit: float | None = None) -> HqqExpert:
     """w: the stored expert's views ("w1", "w3", "w2" QMatrix; "b1", "b3", "b2" where the
     family has biases), in host memory; alpha and limit: the clamped SwiGLU's (gpt_oss)."""
-    from engine import hqq_cpu
-    biases = tuple(w[b].float().numpy() for b in ("b1", "b3", "b2")) if "b1" in w else None
+    biases = tuple(w[b].float() for b in ("b1", "b3", "b2")) if "b1" in w else None
     return HqqExpert(*(hqq_cpu.from_qmatrix(w[m]) for m in ("w1", "w3", "w2")), biases, alpha, limit)
 
 
 def hqq_supported(w: dict) -> bool:
     """Whether the stored expert (its views) can run in place ("hqq"), numba installed."""
-    from engine import hqq_cpu
     return not hqq_cpu.available() and all(hqq_cpu.supported(w.get(m)) for m in ("w1", "w3", "w2"))
 
 
@@ -265,7 +267,6 @@ class CpuWorker:
         if threads:
             self.pool.submit(torch.set_num_threads, threads).result()
         if numba:  # numba keeps its thread count per launching thread too
-            from engine import hqq_cpu
             self.pool.submit(hqq_cpu.set_threads, threads or torch.get_num_threads()).result()
         self.threads = self.pool.submit(torch.get_num_threads).result()
         self.stats = CpuRunStats()
@@ -316,11 +317,9 @@ class CpuExperts:
         if every_expert and threads:  # the experts run in the calling thread
             torch.set_num_threads(threads)
             if numba:
-                from engine import hqq_cpu
                 hqq_cpu.set_threads(threads)
         self.stats = CpuRunStats() if every_expert else self.worker.stats
         self.stage: torch.Tensor | None = None  # pinned [top_k, H]: results on their way up
-        self.link_planned = False  # the cache keeps the link's queue once told its rate
 
     def nbytes(self) -> int:
         return sum(c.nbytes() for c in self.copies.values())
@@ -358,9 +357,9 @@ class CpuExperts:
         up further than two copies."""
         from engine import placement
 
-        if not self.link_planned:  # the costs are final by the first decoded token
-            cache.plan_link(1 / (self.costs.link_gbps * 1e9), 2 * placement.copy_s(self.costs, self.sizes))
-            self.link_planned = True
+        # told every layer: the costs are final by the first decoded token, and the cache may be
+        # a new one (Engine.set_cache_experts)
+        cache.plan_link(1 / (self.costs.link_gbps * 1e9), 2 * placement.copy_s(self.costs, self.sizes))
         experts = [(e, cache.lands_at(layer, e)) for e in needed]
         able = {e for e in needed if (layer, e) in self.copies}
         run = sorted(placement.choose_by_finish(self.costs, self.sizes, time.perf_counter(), cache.link_free_time(),

@@ -262,6 +262,8 @@ def pin(host: torch.Tensor, progress=None) -> tuple[torch.Tensor, bool]:
     Pinning can fail (Windows limits page-locked memory); then copies fall back to pageable
     memory: correct, slower (7-12 GB/s instead of ~25-55), and said so by the caller.
     """
+    if host.is_pinned():  # a new cache over the same experts (Engine.set_cache_experts)
+        return host, True
     try:
         pinned = torch.empty(host.shape, dtype=torch.uint8, pin_memory=True)
     except RuntimeError:

@@ -490,12 +490,9 @@ class OffloadedMixtral:
         return self.linear(F.silu(self.linear(h, w["w1"])) * self.linear(h, w["w3"]), w["w2"])
 
     def clamped_swiglu_expert(self, w: dict, h: torch.Tensor) -> torch.Tensor:
-        """gpt_oss: gate clamped above, up clamped both sides at swiglu_limit; (up + 1) * glu."""
-        limit = self.cfg.swiglu_limit
-        gate = (self.linear(h, w["w1"]) + w["b1"]).clamp(max=limit)
-        up = (self.linear(h, w["w3"]) + w["b3"]).clamp(-limit, limit)
-        glu = gate * torch.sigmoid(gate * self.cfg.swiglu_alpha)
-        return self.linear((up + 1) * glu, w["w2"]) + w["b2"]
+        act = clamped_swiglu(self.linear(h, w["w1"]) + w["b1"], self.linear(h, w["w3"]) + w["b3"],
+                             self.cfg.swiglu_alpha, self.cfg.swiglu_limit)
+        return self.linear(act, w["w2"]) + w["b2"]
 
     def guess_ids(self, j: int, x: torch.Tensor, m: int | None = None) -> torch.Tensor:
         """Layer j's router on the residual stream x [T, H] (of an earlier layer): its m best
@@ -603,6 +600,13 @@ def sink_attention(q, k, v, mask, sinks: torch.Tensor) -> torch.Tensor:
 
 
 # -- norm and RoPE helpers ----------------------------------------------------------------------
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt_oss's expert activation from its gate and up projections (biases added): gate clamped
+    above and up both sides at limit, then (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def router_logits(layer: dict, h: torch.Tensor) -> torch.Tensor:

@@ -139,3 +139,22 @@ def test_cuda_cpu_experts_overlap_the_gpu(tmp_path, monkeypatch):
     # a layer whose experts all miss has no GPU expert to overlap (1 in 5 of the layers with a job)
     assert overlapped >= len(ends) // 2, (overlapped, len(ends))
     engine.model.hybrid.close()
+
+
+def test_cuda_a_new_cache_keeps_the_pinned_experts_and_the_link_clock(tmp_path):
+    """Engine.set_cache_experts builds a new cache: it reuses the pinned host copy (the hybrid's
+    in-place CPU experts read it: a second pin would double the RAM) and the hybrid keeps the
+    new cache's link queue on the host clock."""
+    make_checkpoint(tmp_path / "ck", seed=7, num_local_experts=6, num_hidden_layers=2, hidden_size=128,
+                    intermediate_size=256)
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st", 2, 4, "cuda")
+    engine = load_engine(tmp_path / "st", device="cuda", dtype="bfloat16", cache_experts=2, prefetch=0,
+                         cpu_experts="auto")
+    pinned = engine.model.cache.host
+    assert pinned.is_pinned()
+    greedy(engine)
+    engine.set_cache_experts(3)
+    assert engine.model.cache.host.data_ptr() == pinned.data_ptr()
+    greedy(engine)
+    assert engine.model.cache.link_s_per_byte is not None and engine.model.cache.link_free_at > 0
+    engine.model.hybrid.close()
