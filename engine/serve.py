@@ -97,8 +97,9 @@ def model_info(engine) -> ModelInfo:
 def run_job(engine, job: Job) -> None:
     """Generate one request's reply, reporting through job.emit; never raises."""
     try:
-        if job.cancel.is_set():
-            return  # the client left while it waited
+        if job.cancel.is_set():  # the client left while it waited
+            log.info("%s: cancelled before it started, 0 new", "chat" if job.request.chat else "completion")
+            return
         if engine is None:
             raise ApiError(503, "No model is loaded in MoE Ferry; load one in the app and try again.",
                            type="server_error")

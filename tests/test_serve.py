@@ -309,7 +309,7 @@ def test_a_client_leaving_before_a_whole_reply_stops_its_generation(server):
     impatient = server.client(max_retries=0, timeout=0.6)
     with pytest.raises(openai.APITimeoutError):
         impatient.completions.create(model="demo", prompt=LONG_PROMPT, temperature=0, max_tokens=900)
-    end = time.monotonic() + 5
+    end = time.monotonic() + 30  # a loaded 2-core CI box may take seconds to log it
     while len([ln for ln in server.lines if "cancelled" in ln]) == before and time.monotonic() < end:
         time.sleep(0.05)
     line = [ln for ln in server.lines if "cancelled" in ln][before:]  # this test's, not an earlier one's
