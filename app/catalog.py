@@ -1,4 +1,4 @@
-"""Model choices for the wizard: catalog entries (engine/catalog.py reads them), installed
+"""Model choices for the wizard: catalog entries (engine/setup/catalog.py reads them), installed
 stores, local folders. No Qt."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.catalog import CatalogEntry, load_catalog  # noqa: F401 - the wizard's names for them
+from moeferry.engine.setup.catalog import CatalogEntry, load_catalog  # noqa: F401 - the wizard's names for them
 
 
 def quality_words(entry: CatalogEntry) -> str:

@@ -6,15 +6,15 @@ from pathlib import Path
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
-from app.engine_backend import LoadOptions
-from app.engine_worker import EngineHost, LoadedInfo, ReplyResult
-from app.errors import ErrorInfo
-from app.history import History, title_from
-from app.history_db import Message
-from app.settings import Key, Settings
-from app.stats_format import stats_dict
-from engine.contract import SamplingSettings
-from engine.units import GiB  # the VRAM budget is in GiB, as GPU memory is sold ("12 GB")
+from moeferry.app.engine_backend import LoadOptions
+from moeferry.app.engine_worker import EngineHost, LoadedInfo, ReplyResult
+from moeferry.app.errors import ErrorInfo
+from moeferry.app.history import History, title_from
+from moeferry.app.history_db import Message
+from moeferry.app.settings import Key, Settings
+from moeferry.app.stats_format import stats_dict
+from moeferry.engine.contract import SamplingSettings
+from moeferry.engine.units import GiB  # the VRAM budget is in GiB, as GPU memory is sold ("12 GB")
 
 SAVE_STREAM_MS = 1000  # how often a streaming reply is written (marked incomplete) to the database
 RELOAD_DELAY_MS = 600  # settings that need a reload wait for the user to stop clicking

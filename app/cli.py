@@ -9,9 +9,9 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
-        from app.main import run_gui
+        from moeferry.app.main import run_gui
         return run_gui()
-    from engine.cli import main as engine_main
+    from moeferry.engine.cli import main as engine_main
     return engine_main(argv)
 
 

@@ -1,6 +1,6 @@
 """How the app loads the engine, behind one injectable object. No Qt.
 
-`engine.generate` (torch) is imported only when a model is loaded, in the worker thread; what
+`moeferry.engine.runtime.generate` (torch) is imported only when a model is loaded, in the worker thread; what
 the app exchanges with the engine (SamplingSettings, GenerationStats, ExpertTrace, the
 EngineProtocol it calls) comes from the torch-free engine/contract.py.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from engine.contract import EngineProtocol, Progress
+from moeferry.engine.contract import EngineProtocol, Progress
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class LoadOptions:
     cache_experts: int | None = None   # None: from the VRAM budget
     vram_budget: int | None = None     # bytes; None: the engine decides
     prefetch: int = 1
-    cpu_experts: str = "off"           # off | auto | all (engine/cpu_experts.py)
+    cpu_experts: str = "off"           # off | auto | all (engine/runtime/cpu_experts.py)
 
 
 @dataclass
@@ -29,7 +29,7 @@ class EngineBackend:
 
 
 def real_load(opts: LoadOptions, progress: Progress) -> EngineProtocol:
-    from engine.generate import load_engine
+    from moeferry.engine.runtime.generate import load_engine
 
     return load_engine(opts.store, device=opts.device, cache_experts=opts.cache_experts,
                        vram_budget=opts.vram_budget, prefetch=opts.prefetch, cpu_experts=opts.cpu_experts,

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
-from app.engine_backend import EngineBackend, LoadOptions
-from app.errors import Action, ErrorInfo, describe_error
-from engine.contract import EngineProtocol, ExpertTrace, GenerationStats, SamplingSettings
+from moeferry.app.engine_backend import EngineBackend, LoadOptions
+from moeferry.app.errors import Action, ErrorInfo, describe_error
+from moeferry.engine.contract import EngineProtocol, ExpertTrace, GenerationStats, SamplingSettings
 
 log = logging.getLogger(__name__)
 # Pieces are coalesced so a fast model does not flood the UI thread with one signal per token.
@@ -118,8 +118,8 @@ class EngineWorker(QObject):
 
     @Slot(object)
     def serve_job(self, job) -> None:
-        """One local API request (engine.serve.Job), between the chat's requests."""
-        from engine.serve import run_job
+        """One local API request (moeferry.engine.api.serve.Job), between the chat's requests."""
+        from moeferry.engine.api.serve import run_job
 
         self.api_busy.emit(True)
         try:

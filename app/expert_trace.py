@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
-from engine.contract import ExpertTrace
+from moeferry.engine.contract import ExpertTrace
 
 
 # Cell states of the per-layer token timeline.

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from app.setup_backend import PlanSummary
-from app.stats_format import fmt_bytes, speed_words
-from engine.units import GB, GiB, fmt_memory
+from moeferry.app.setup_backend import PlanSummary
+from moeferry.app.stats_format import fmt_bytes, speed_words
+from moeferry.engine.units import GB, GiB, fmt_memory
 
 # Mixtral's 2-bit experts with 8-bit metadata are about 17 GB; they sit in host RAM.
 EXPERTS_RAM_BYTES = 18 * GB
@@ -21,7 +21,7 @@ class HardwareVerdict:
 
 
 def describe_hardware(hw: dict, plan: PlanSummary | None = None, expert_bits: int = 2) -> HardwareVerdict:
-    """`hw` is engine.hardware.probe()'s report (its keys; a key may be missing or None)."""
+    """`hw` is moeferry.engine.setup.hardware.probe()'s report (its keys; a key may be missing or None)."""
     name = hw.get("gpu_name")
     vram = hw.get("vram_total_bytes")
     gen, width = hw.get("pcie_gen"), hw.get("pcie_width")

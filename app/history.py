@@ -12,8 +12,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from app import history_db as db
-from app.history_db import Conversation, Message
+from moeferry.app import history_db as db
+from moeferry.app.history_db import Conversation, Message
 
 log = logging.getLogger(__name__)
 _STOP = object()

@@ -14,7 +14,7 @@ import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.paths import move_aside
+from moeferry.app.paths import move_aside
 
 DB_FILE = "conversations.sqlite3"
 

@@ -11,10 +11,10 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable
 
-from app.setup_backend import SetupBackend
-from app.stats_format import fmt_bytes
-from engine.contract import Progress
-from engine.download import FetchProgress
+from moeferry.app.setup_backend import SetupBackend
+from moeferry.app.stats_format import fmt_bytes
+from moeferry.engine.contract import Progress
+from moeferry.engine.setup.download import FetchProgress
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def deletable_download(target: Path, downloads_root: Path, keep: list[Path]) -> 
     root = Path(os.path.realpath(downloads_root))
     if real == root or not real.is_relative_to(root):
         return f"{target} is not inside the app's downloads folder {downloads_root}"
-    from engine.hf_cache import hf_cache_dir  # the app starts without the engine
+    from moeferry.engine.setup.hf_cache import hf_cache_dir  # the app starts without the engine
 
     cache = Path(os.path.realpath(hf_cache_dir()))
     if real.is_relative_to(cache) or cache.is_relative_to(real):
@@ -276,13 +276,13 @@ def run_install(req: InstallRequest, backend: SetupBackend, report: Callable[[In
         report(InstallProgress("verify", None, "Checking every file against the manifest"))
         bad = backend.verify(dest)
         if bad:
-            from engine.errors import UserError
+            from moeferry.engine.errors import UserError
 
             raise UserError(f"The model at {dest} failed verification ({'; '.join(bad[:3])}); download it again.", 1)
     if req.delete_download and req.source == "catalog" and req.needs_convert:
         report(InstallProgress("done", None, "Deleting the downloaded copy"))
         if downloads_root is None:
-            from app.paths import downloads_dir
+            from moeferry.app.paths import downloads_dir
 
             downloads_root = downloads_dir()
         cleanup = delete_download(req, dest, downloads_root)

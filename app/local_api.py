@@ -1,10 +1,10 @@
-"""The app's local OpenAI-compatible API: engine/serve.py's server, sharing the chat's model.
+"""The app's local OpenAI-compatible API: engine/api/serve.py's server, sharing the chat's model.
 
 The server listens on 127.0.0.1 only (other machines cannot reach it; the CLI is the way to
 serve a network). Its queue thread hands each request to the chat's engine thread
 (EngineHost.run_api_job), so the chat window and API clients take turns on the one loaded
 model in the order they asked. While no model is loaded (or it is reloading), requests get a
-503 error object. engine.serve (and aiohttp) is imported only when the switch is on.
+503 error object. moeferry.engine.api.serve (and aiohttp) is imported only when the switch is on.
 Everything here runs on the UI thread except what the server's own threads do.
 """
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 from PySide6.QtCore import QObject, Signal
 
-from app.engine_worker import EngineHost, LoadedInfo
-from app.settings import Key, Settings
+from moeferry.app.engine_worker import EngineHost, LoadedInfo
+from moeferry.app.settings import Key, Settings
 
 log = logging.getLogger(__name__)
 HOST = "127.0.0.1"
@@ -34,7 +34,7 @@ class LocalApi(QObject):
     def __init__(self, host: EngineHost, parent: QObject | None = None):
         super().__init__(parent)
         self.host = host
-        self.model = None                  # engine.serve.ModelInfo of the loaded model, or None
+        self.model = None                  # moeferry.engine.api.serve.ModelInfo of the loaded model, or None
         self.listening: tuple[int, str] | None = None  # (port, key) the server runs with
         self._server = None
         self._scheduler = None
@@ -44,7 +44,7 @@ class LocalApi(QObject):
         if info is None or not info.max_context:
             self.model = None
             return
-        from engine.serve import ModelInfo
+        from moeferry.engine.api.serve import ModelInfo
 
         path = Path(info.options.store)
         try:
@@ -63,8 +63,8 @@ class LocalApi(QObject):
             self.state_changed.emit("Off.", False)
             self.status_text.emit("")
             return
-        from engine.errors import UserError
-        from engine.serve import ApiServer, Scheduler, make_app
+        from moeferry.engine.api.serve import ApiServer, Scheduler, make_app
+        from moeferry.engine.errors import UserError
 
         port, key = want
         scheduler = Scheduler(self.host.run_api_job, QUEUE_SIZE)

@@ -17,17 +17,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from app.paths import DATA_DIR_ENV, data_dir, resources_dir
+from moeferry.app.paths import DATA_DIR_ENV, data_dir, resources_dir
 
 if TYPE_CHECKING:
     from PySide6.QtWidgets import QApplication
 
-    from app.chat_controller import ChatController
-    from app.engine_backend import EngineBackend
-    from app.history import History
-    from app.main_window import MainWindow
-    from app.settings import Settings
-    from app.setup_backend import SetupBackend
+    from moeferry.app.chat_controller import ChatController
+    from moeferry.app.engine_backend import EngineBackend
+    from moeferry.app.history import History
+    from moeferry.app.main_window import MainWindow
+    from moeferry.app.settings import Settings
+    from moeferry.app.setup_backend import SetupBackend
 
 
 @dataclass
@@ -40,13 +40,13 @@ class AppParts:
 
 def start(app: QApplication, folder: Path, engine: EngineBackend, setup: SetupBackend) -> AppParts:
     """Open the data folder, build the window, and either load the model or show the set-up wizard."""
-    from app.chat_controller import ChatController
-    from app.engine_worker import EngineHost
-    from app.history import History
-    from app.history_db import DB_FILE
-    from app.main_window import MainWindow
-    from app.settings import Key, load_settings
-    from app.theme import apply_theme, follow_system
+    from moeferry.app.chat_controller import ChatController
+    from moeferry.app.engine_worker import EngineHost
+    from moeferry.app.history import History
+    from moeferry.app.history_db import DB_FILE
+    from moeferry.app.main_window import MainWindow
+    from moeferry.app.settings import Key, load_settings
+    from moeferry.app.theme import apply_theme, follow_system
 
     settings = load_settings(folder)
     history = History(folder / DB_FILE)
@@ -149,8 +149,8 @@ def run_gui(argv: list[str] | None = None) -> int:
         start_failed(folder_error, None)
         return 1
     try:
-        from app.engine_backend import real_engine_backend
-        from app.setup_backend import real_setup_backend
+        from moeferry.app.engine_backend import real_engine_backend
+        from moeferry.app.setup_backend import real_setup_backend
         parts: Any = start(app, folder, real_engine_backend(), real_setup_backend())
     except Exception as exc:  # noqa: BLE001 - a desktop user sees no stderr: log it and say so
         start_failed(exc, log_path)

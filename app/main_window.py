@@ -22,22 +22,22 @@ from PySide6.QtWidgets import (
     QTabWidget,
 )
 
-from app.chat_controller import ChatController
-from app.errors import Action, ErrorInfo
-from app.history import export_markdown
-from app.install import InstallRequest
-from app.local_api import LocalApi
-from app.paths import models_dir
-from app.settings import Key
-from app.setup_backend import SetupBackend
-from app.task_runner import TaskRunner
-from app.theme import apply_theme
-from app.widgets.chat_panel import ChatPanel
-from app.widgets.conversation_list import ConversationList
-from app.widgets.error_dialog import ErrorDialog
-from app.widgets.expert_map import ExpertMap
-from app.widgets.settings_panel import SettingsPanel
-from app.widgets.status_strip import StatusStrip
+from moeferry.app.chat_controller import ChatController
+from moeferry.app.errors import Action, ErrorInfo
+from moeferry.app.history import export_markdown
+from moeferry.app.install import InstallRequest
+from moeferry.app.local_api import LocalApi
+from moeferry.app.paths import models_dir
+from moeferry.app.settings import Key
+from moeferry.app.setup_backend import SetupBackend
+from moeferry.app.task_runner import TaskRunner
+from moeferry.app.theme import apply_theme
+from moeferry.app.widgets.chat_panel import ChatPanel
+from moeferry.app.widgets.conversation_list import ConversationList
+from moeferry.app.widgets.error_dialog import ErrorDialog
+from moeferry.app.widgets.expert_map import ExpertMap
+from moeferry.app.widgets.settings_panel import SettingsPanel
+from moeferry.app.widgets.status_strip import StatusStrip
 
 log = logging.getLogger(__name__)
 CHAT_MIN_W = 380      # the chat column never gets narrower than this
@@ -294,7 +294,7 @@ class MainWindow(QMainWindow):
     # Model set-up and errors
     def open_wizard(self, request: InstallRequest | None = None, resume_pending: bool = True):
         """The set-up wizard; `resume_pending` continues a stopped install (at start-up), the menu starts over."""
-        from app.wizard.wizard import SetupWizard
+        from moeferry.app.wizard.wizard import SetupWizard
 
         if self.wizard is not None and self.wizard.isVisible():
             self.wizard.raise_()

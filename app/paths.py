@@ -7,8 +7,8 @@ import os
 import time
 from pathlib import Path
 
-from engine import paths as engine_paths
-from engine.paths import DATA_DIR_ENV, models_dir, resources_dir  # noqa: F401 - the app's names for them
+from moeferry.engine import paths as engine_paths
+from moeferry.engine.paths import DATA_DIR_ENV, models_dir, resources_dir  # noqa: F401 - the app's names for them
 
 
 def data_dir() -> Path:

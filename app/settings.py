@@ -18,7 +18,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from app.paths import move_aside, portable_store_path
+from moeferry.app.paths import move_aside, portable_store_path
 
 log = logging.getLogger(__name__)
 SETTINGS_FILE = "settings.json"
@@ -44,7 +44,7 @@ class Key(str, Enum):
     FONT_SIZE = "font_size"            # text size in points; 0 = the system's
     LAST_CONVERSATION = "last_conversation"
     WINDOW_GEOMETRY = "window_geometry"  # hex of QWidget.saveGeometry()
-    API_ENABLED = "api_enabled"        # serve the loaded model on 127.0.0.1 (engine/serve.py)
+    API_ENABLED = "api_enabled"        # serve the loaded model on 127.0.0.1 (engine/api/serve.py)
     API_PORT = "api_port"
     API_KEY = "api_key"                # "" = no key asked for
 
@@ -196,7 +196,7 @@ def _valid_request(value: Any) -> bool:
     """A pending install must be an InstallRequest's fields with their types (extra keys are ignored)."""
     from dataclasses import MISSING, fields
 
-    from app.install import InstallRequest
+    from moeferry.app.install import InstallRequest
 
     if not isinstance(value, dict):
         return False

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from engine.catalog import CatalogEntry, load_catalog
-from engine.paths import demo_store_path
+from moeferry.engine.paths import demo_store_path
+from moeferry.engine.setup.catalog import CatalogEntry, load_catalog
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class SetupBackend:
 
 
 def real_probe() -> dict:
-    from engine.hardware import probe
+    from moeferry.engine.setup.hardware import probe
 
     return probe(measure_bandwidth=True)
 
@@ -48,7 +48,7 @@ def real_probe() -> dict:
 def real_plan(hw: dict, model: CatalogEntry | Path | None, vram_budget: int | None,
               cache_experts: int | None = None) -> PlanSummary | None:
     """The planner's cache size and speed for a catalog entry or an installed store; None if unknown."""
-    from engine.plan import ModelSizes, make_plan
+    from moeferry.engine.setup.plan import ModelSizes, make_plan
 
     try:
         if isinstance(model, CatalogEntry) and model.raw and ("sizes" in model.raw or "config" in model.raw):
@@ -64,21 +64,21 @@ def real_plan(hw: dict, model: CatalogEntry | Path | None, vram_budget: int | No
 
 
 def real_recommend(hw: dict, catalog: list[CatalogEntry]) -> str | None:
-    """`moeferry probe`'s recommendation (engine.hardware.recommend_model) for these entries."""
-    from engine.hardware import catalog_plans
+    """`moeferry probe`'s recommendation (moeferry.engine.setup.hardware.recommend_model) for these entries."""
+    from moeferry.engine.setup.hardware import catalog_plans
 
     rows = catalog_plans(hw, entries=[e.raw for e in catalog if e.raw])
     return next((r["id"] for r in rows if r["recommended"]), None)
 
 
 def real_fetch(repo_id: str, dest: Path, **kwargs) -> Path:
-    from engine.download import fetch_repo
+    from moeferry.engine.setup.download import fetch_repo
 
     return fetch_repo(repo_id, dest, **kwargs)
 
 
 def real_find_in_hf_cache(repo_id: str) -> Path | None:
-    from engine.hf_cache import find_in_hf_cache
+    from moeferry.engine.setup.hf_cache import find_in_hf_cache
 
     return find_in_hf_cache(repo_id)
 
@@ -86,10 +86,10 @@ def real_find_in_hf_cache(repo_id: str) -> Path | None:
 def real_convert(src: Path, dest: Path, expert_bits: int, attn_bits: int, tokenizer=None, progress=None,
                  cancel=None) -> Any:
     """A Hugging Face checkpoint is quantized; the paper's pre-quantized checkpoint is imported as is."""
-    from engine.convert import convert_checkpoint, detect_format
+    from moeferry.engine.storage.convert import convert_checkpoint, detect_format
 
     if detect_format(src) == "paper":
-        from engine.paper_format import import_paper_checkpoint
+        from moeferry.engine.storage.paper_format import import_paper_checkpoint
 
         return import_paper_checkpoint(src, dest, tokenizer=tokenizer, progress=progress, cancel=cancel)
     return convert_checkpoint(src, dest, expert_bits, attn_bits, device="auto", tokenizer=tokenizer,
@@ -97,7 +97,7 @@ def real_convert(src: Path, dest: Path, expert_bits: int, attn_bits: int, tokeni
 
 
 def real_verify(path: Path) -> list[str]:
-    from engine.store import verify_store
+    from moeferry.engine.storage.store import verify_store
 
     return verify_store(path)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from engine import units
-from engine.contract import GenerationStats
-from engine.units import GiB
+from moeferry.engine import units
+from moeferry.engine.contract import GenerationStats
+from moeferry.engine.units import GiB
 
 
 def fmt_bytes(n: float | None) -> str:

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
-from app.errors import describe_error
+from moeferry.app.errors import describe_error
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor, QFont, QGuiApplication, QPalette
 from PySide6.QtWidgets import QApplication
 
-from app.paths import resources_dir
+from moeferry.app.paths import resources_dir
 
 _LIGHT = {
     "Window": "#f4f5f7", "WindowText": "#1d2330", "Base": "#ffffff", "AlternateBase": "#eef0f4",

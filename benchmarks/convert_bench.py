@@ -5,7 +5,7 @@
 A random-weight checkpoint of Mixtral-8x7B's shapes, cut to `layers` layers, is written in
 Hugging Face's layout (bf16 safetensors shards with an index, per-expert keys, config.json,
 a small tokenizer), one shard at a time so host memory stays bounded by one shard. Then
-`engine.convert.convert_checkpoint` runs on it in a fresh process, so that the peak RSS it
+`moeferry.engine.storage.convert.convert_checkpoint` runs on it in a fresh process, so that the peak RSS it
 reports (ru_maxrss) is the conversion's and not the generator's. The shards are flushed and
 dropped from the page cache first (Linux), so the conversion reads them from disk as it
 would read a downloaded checkpoint.
@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.errors import UserError
+from moeferry.engine.errors import UserError
 
 CHECKPOINT_MARKER = ".moeferry-bench-checkpoint.json"
 SHARD_BYTES = 3 << 30
@@ -205,8 +205,8 @@ def measure_conversion(src: str, dest: str, expert_bits: int, attn_bits: int, de
     import torch
     from hqq.core.quantize import Quantizer  # noqa: F401 - slow import kept out of the timing
 
-    from engine.convert import convert_checkpoint
-    from engine.generate import resolve_device
+    from moeferry.engine.runtime.generate import resolve_device
+    from moeferry.engine.storage.convert import convert_checkpoint
 
     dev = resolve_device(device)
     if dev.type == "cuda":
@@ -283,8 +283,8 @@ def bench_convert(layers: int, workdir: Path, expert_bits: int = 2, attn_bits: i
         raise UserError("--layers must be 1 or more.")
     import torch
 
-    from engine.generate import resolve_device
-    from engine.store import verify_store
+    from moeferry.engine.runtime.generate import resolve_device
+    from moeferry.engine.storage.store import verify_store
 
     dev = resolve_device(device)  # fail before writing gigabytes
     workdir = Path(workdir).expanduser()
@@ -344,7 +344,7 @@ def bench_convert(layers: int, workdir: Path, expert_bits: int = 2, attn_bits: i
 
 
 def summary(r: dict) -> str:
-    from engine.units import fmt_bytes
+    from moeferry.engine.units import fmt_bytes
 
     gb = lambda n: "n/a" if n is None else fmt_bytes(n)  # noqa: E731
     t32 = r["extrapolated_32_layers_s"]

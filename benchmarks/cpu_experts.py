@@ -5,7 +5,7 @@
 
 For each thread count: the RAM read bandwidth (a large float32 sum), then one batch-1
 product with a 14336x4096 (w1/w3) and a 4096x14336 (w2) matrix in each CPU format of
-engine/cpu_experts.py (hqq2/3/4: the stored HQQ expert run in place by engine/hqq_cpu.py;
+engine/runtime/cpu_experts.py (hqq2/3/4: the stored HQQ expert run in place by engine/kernels/hqq_cpu.py;
 "hqq2-expert" times a whole 2-bit expert, gate + up + down, in one call), plus two references: a bf16 matmul and a pure-torch 2-bit attempt
 (unpack the codes to int8, then the int8 kernel). Each timed call uses the next of enough
 copies of the matrix that together they exceed --rotate-gib, so the L3 cannot serve them.
@@ -21,8 +21,9 @@ import time
 
 import torch
 
-from engine import hqq_cpu, quant
-from engine.cpu_experts import CpuMatrix
+from moeferry.engine.kernels import hqq_cpu
+from moeferry.engine.runtime.cpu_experts import CpuMatrix
+from moeferry.engine.storage import quant
 
 SHAPES = ((14336, 4096), (4096, 14336))  # (outputs N, inputs K)
 

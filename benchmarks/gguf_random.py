@@ -4,7 +4,7 @@
     python benchmarks/gguf_random.py --fit 11GiB OUT.gguf     # the -ncmoe that leaves <= 11 GiB on the GPU
                                                               # (also with --model: of the file it writes)
 
-The shape is engine/bench_shapes.py's (the same ModelConfig the engine's synthetic model has),
+The shape is engine/measure/bench_shapes.py's (the same ModelConfig the engine's synthetic model has),
 written as llama.cpp's architecture of that family (mixtral as "llama", qwen3_moe "qwen3moe",
 olmoe "olmoe", gpt_oss "gpt-oss", qwen2_moe "qwen2moe"), with the tensor names, shapes and
 hyperparameter keys its loader (src/models/<arch>.cpp) asks for. No quantizer runs: each block
@@ -34,8 +34,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.bench_shapes import MODEL_SHAPES, shape_config  # noqa: E402
-from engine.model import ModelConfig  # noqa: E402
+from moeferry.engine.measure.bench_shapes import MODEL_SHAPES, shape_config  # noqa: E402
+from moeferry.engine.runtime.model import ModelConfig  # noqa: E402
 
 
 def import_gguf():

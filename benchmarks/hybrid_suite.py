@@ -18,10 +18,10 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.routing_suite import run_all  # noqa: E402
-from engine import bench  # noqa: E402
+from moeferry.engine.measure import bench  # noqa: E402
 
 LADDER = ("lru", "full", "hybrid")
 RUNS = {

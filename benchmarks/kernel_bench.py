@@ -1,4 +1,4 @@
-"""Correctness check and timing of the fused kernels (engine/kernels.py), per shape and width.
+"""Correctness check and timing of the fused kernels (engine/kernels/hqq_gpu.py), per shape and width.
 
     python -m benchmarks.kernel_bench [--quick] [--check-only] [--gemlite] [--json FILE]
 
@@ -9,7 +9,7 @@ run, and the inputs rotate over several matrices anyway) and prints us and GB/s,
 counts every byte the product must move (planes, scale/zero, meta, x, y).
 `--warm I/N` only makes the calls numbered I mod N (compiling their kernels into Triton's
 cache): N such processes started together compile everything in parallel before the real run.
-`random_qmatrix` is also what tests/test_kernels.py uses.
+`random_qmatrix` is also what tests/engine/kernels/test_hqq_gpu.py uses.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from engine import kernels as K
-from engine.quant import ATTN_SPECS, EXPERT_SPECS as QUANT_SPECS, QMatrix, dequantize, meta_groups, pack_codes
+from moeferry.engine.kernels import hqq_gpu as K
+from moeferry.engine.storage.quant import ATTN_SPECS, EXPERT_SPECS as QUANT_SPECS, QMatrix, dequantize, meta_groups, pack_codes
 
 # Mixtral-8x7B matrices: expert w1/w3 (and w2, the down projection), attention q/o and k/v.
 SHAPES = {"w1 14336x4096": (14336, 4096), "w2 4096x14336": (4096, 14336),
@@ -339,7 +339,8 @@ def moe_timing(log=print, sweep: bool = False) -> list[dict]:
     (2 launches) against the same 6 matrices as single GEMVs (the per-expert path's kernels)."""
     from triton.testing import do_bench
 
-    from engine import bench, store
+    from moeferry.engine.measure import bench
+    from moeferry.engine.storage import store
     out = []
     for bits in (2, 3, 4):
         cfg = bench.ModelConfig(**{**bench.MIXTRAL, "num_layers": 1})

@@ -2,7 +2,7 @@
 
     python -m benchmarks.kernel_sass [--bits 2] [--shape 14336x4096] [--float32-loop] [--fp16-meta]
 
-Compiles engine.kernels' `_gemv_kernel` for sm_90 with the launch constants `gemv` would use
+Compiles moeferry.engine.kernels.hqq_gpu' `_gemv_kernel` for sm_90 with the launch constants `gemv` would use
 for that matrix and bf16 activations (Triton's bundled ptxas), reads the SASS with Triton's cuobjdump and prints the
 loop body's length, its opcode histogram and the registers per thread. The numbers in
 docs/KERNELS.md ("SASS of the loop body") come from here. Needs Triton (no CUDA device).
@@ -21,7 +21,7 @@ import tempfile
 import torch
 
 from benchmarks.kernel_bench import SPECS, random_qmatrix
-from engine import kernels as K
+from moeferry.engine.kernels import hqq_gpu as K
 
 _TYPES = {torch.uint8: "*u8", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32",
           torch.int32: "*i32"}

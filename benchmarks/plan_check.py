@@ -1,13 +1,13 @@
 """Does the plan predict what `moeferry bench` measures? Compare, refit, tabulate.
 
-For each `moeferry bench --json` report, the plan (engine/plan.py `make_plan`) is asked for
+For each `moeferry bench --json` report, the plan (engine/setup/plan.py `make_plan`) is asked for
 the same model (the report's expert and resident byte counts), the same VRAM budget and
 cache size, on the report's machine: its measured pinned host->device rate and its GPU's
 memory bandwidth. Its prediction is set beside the measured decode speed of one mode
 (default: full algorithm, fused kernels).
 
 Two predictions per row: the plan as the app would make it (the routing assumption of
-engine/plan.py `hit_rate`: uniform, k/E, or the replayed trace's own LRU hit ratio when the
+engine/setup/plan.py `hit_rate`: uniform, k/E, or the replayed trace's own LRU hit ratio when the
 report replayed one), and the same cost model at the hit rate the run measured, which tests
 the cost model alone; `refit` fits the coefficients with the measured hit rates. A report
 whose copies were paced (`--h2d-gbps`) is planned at the paced rate.
@@ -24,9 +24,9 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine import plan
-from engine.errors import UserError
-from engine.units import fmt_bytes
+from moeferry.engine.errors import UserError
+from moeferry.engine.setup import plan
+from moeferry.engine.units import fmt_bytes
 
 TOLERANCE = 0.30
 # Peak memory bandwidth by GPU name (the benchmark report names the GPU but does not measure
@@ -79,9 +79,9 @@ def report_hardware(report: dict) -> dict:
 
 
 def report_sizes(report: dict) -> plan.ModelSizes:
-    """The report's model shape (engine/bench_shapes.py MODEL_SHAPES; reports written before
+    """The report's model shape (engine/measure/bench_shapes.py MODEL_SHAPES; reports written before
     they named one are Mixtral-8x7B's) at its layer count, with the byte counts the run really had."""
-    from engine.bench_shapes import MODEL_SHAPES
+    from moeferry.engine.measure.bench_shapes import MODEL_SHAPES
 
     shape = report.get("model") or "mixtral-8x7b"
     if shape not in MODEL_SHAPES:

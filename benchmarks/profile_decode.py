@@ -16,9 +16,10 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from engine import bench, decode_kernels as dk, kernels
-from engine.expert_cache import ExpertCache
-from engine.model import OffloadedMixtral
+from moeferry.engine.kernels import decode as dk, hqq_gpu
+from moeferry.engine.measure import bench
+from moeferry.engine.runtime.expert_cache import ExpertCache
+from moeferry.engine.runtime.model import OffloadedMixtral
 
 
 def graph_us(fn, reps: int = 50) -> float:
@@ -64,7 +65,7 @@ def profile(layers: int, expert_bits: int, log=print) -> dict:
         "add_rms_norm": lambda: dk.add_rms_norm(st.x, st.out, L0["attn_norm"], 1e-5, st.hn),
         "q GEMV 4096x4096": lambda: m.linear(st.hn, L0["q_proj"]),
         "k GEMV 1024x4096": lambda: m.linear(st.hn, L0["k_proj"]),
-        "k and v GEMVs, one launch (gemv_pair)": lambda: kernels.gemv_pair(st.hn, L0["k_proj"], L0["v_proj"],
+        "k and v GEMVs, one launch (gemv_pair)": lambda: hqq_gpu.gemv_pair(st.hn, L0["k_proj"], L0["v_proj"],
                                                                            ops.k_new, ops.v_new),
         "rope_attention (pos 100)": lambda: dk.rope_attention(q, k, v, st.cos, st.sin, g.pos, m.kv.k[0], m.kv.v[0],
                                                               None, ops.attn),

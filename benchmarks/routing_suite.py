@@ -6,7 +6,7 @@ bench` under stated routing, on the GPU machine.
 2-bit experts: uniform routing at none, 8, 12 and 16 GiB (lru, full; naive too at 12GiB), the
 demo's held-out trace mapped onto 32 layers at 12GiB, the model's own routing at 12GiB (only to
 show its degeneracy), and 12GiB with copies paced to 25 GB/s on 8 CPU threads. 3-bit experts:
-uniform at 12GiB. Fused kernels only. Writes every report (engine.bench.measure's JSON plus a
+uniform at 12GiB. Fused kernels only. Writes every report (moeferry.engine.measure.bench.measure's JSON plus a
 "name") as one JSON list, prints the markdown tables and the issue's acceptance checks
 (uniform at 12GiB: lru hit ratio within 0.03 of k/E, guess recall within 0.05 of 0.85).
 """
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine import bench  # noqa: E402
+from moeferry.engine.measure import bench  # noqa: E402
 
 TRACE = f"trace:{ROOT / 'benchmarks' / 'traces' / 'demo-heldout.safetensors'}"
 LRU_FULL = ("lru", "full")

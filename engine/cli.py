@@ -1,4 +1,4 @@
-"""`moeferry` command line: every subcommand (`python -m engine.cli SUBCOMMAND` runs the same).
+"""`moeferry` command line: every subcommand (`python -m moeferry.engine.cli SUBCOMMAND` runs the same).
 The console script is app/cli.py, which opens the desktop app when given no command; this
 module never imports the app.
 
@@ -13,8 +13,8 @@ import json
 import os
 import sys
 
-from engine.errors import UserError
-from engine.progress import ProgressLine
+from moeferry.engine.errors import UserError
+from moeferry.engine.progress import ProgressLine
 
 
 def package_version() -> str:
@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="auto")
     s.add_argument("--json", action="store_true", help="print the trace's statistics as JSON")
 
-    # bench and demo parse their own options (engine/bench.py, engine/demo.py)
+    # bench and demo parse their own options (engine/measure/bench.py, engine/setup/demo.py)
     sub.add_parser("bench", help="the offloading benchmark (synthetic full-size Mixtral)", add_help=False)
     sub.add_parser("demo", help="the embedded demo model: its path, a self-test, the locality study",
                    add_help=False)
@@ -158,10 +158,10 @@ def run(args) -> int:
         print("moeferry: give a command (`moeferry` alone opens the desktop app).", file=sys.stderr)
         return 2
     if args.command == "probe":
-        from engine.hardware import cli_probe
+        from moeferry.engine.setup.hardware import cli_probe
         return cli_probe(args.json)
     if args.command == "fetch":
-        from engine.download import cli_fetch
+        from moeferry.engine.setup.download import cli_fetch
         return cli_fetch(args.repo_id, args.dest, args.revision, args.endpoint)
     if args.command == "convert":
         return cmd_convert(args)
@@ -170,25 +170,25 @@ def run(args) -> int:
     if args.command == "generate":
         return cmd_generate(args)
     if args.command == "serve":
-        from engine.serve import cli_serve
+        from moeferry.engine.api.serve import cli_serve
         return cli_serve(args)
     if args.command == "trace":
-        from engine.routing import cli_trace
+        from moeferry.engine.measure.routing import cli_trace
         return cli_trace(args.store, args.text, args.out, args.max_tokens, args.device, args.json)
     if args.command == "bench":
-        from engine.bench import cli_bench
+        from moeferry.engine.measure.bench import cli_bench
         return cli_bench(args.rest)
     if args.command == "demo":
-        from engine.demo import cli_demo
+        from moeferry.engine.setup.demo import cli_demo
         return cli_demo(args.rest)
     raise UserError(f"Unknown command {args.command}.")
 
 
 def cmd_convert(args) -> int:
-    from engine.convert import convert_checkpoint, detect_format
+    from moeferry.engine.storage.convert import convert_checkpoint, detect_format
     kind = detect_format(args.src)
     if kind == "paper":
-        from engine.paper_format import import_paper_checkpoint
+        from moeferry.engine.storage.paper_format import import_paper_checkpoint
         dest = import_paper_checkpoint(args.src, args.dest, expert_bits=args.expert_bits,
                                        attn_bits=args.attn_bits, tokenizer=args.tokenizer,
                                        progress=ProgressLine())
@@ -203,7 +203,7 @@ def cmd_convert(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from engine.store import verify_store
+    from moeferry.engine.storage.store import verify_store
     bad = verify_store(args.store)
     for line in bad:
         print(f"BAD {line}", file=sys.stderr)
@@ -226,7 +226,7 @@ def check_text(text: str, flag: str) -> None:
 
 def cmd_generate(args) -> int:
     """Exit 0, or 130 when Ctrl-C stopped the reply (what came so far is printed)."""
-    from engine.generate import SamplingSettings, check_sampling, load_engine
+    from moeferry.engine.runtime.generate import SamplingSettings, check_sampling, load_engine
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be 1 or more.")
     sampling = SamplingSettings(args.temperature, args.top_p, args.max_new_tokens, args.seed,

@@ -2,10 +2,10 @@
 
 Importable without torch: the app builds SamplingSettings and reads GenerationStats and
 ExpertTrace before (and without) loading the engine. The download progress type is
-engine.download.FetchProgress (torch-free too); long operations (load_engine, convert,
+moeferry.engine.setup.download.FetchProgress (torch-free too); long operations (load_engine, convert,
 the paper import) report progress(fraction, message) (`Progress`).
 
-EngineProtocol is what the app's worker thread uses of engine.generate.Engine; the app's tests
+EngineProtocol is what the app's worker thread uses of moeferry.engine.runtime.generate.Engine; the app's tests
 fake it (tests/app/fakes.py) and tests/app/test_engine_contract.py runs the fake and the real
 engine on the demo store through the same checks.
 """

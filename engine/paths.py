@@ -31,7 +31,7 @@ def models_dir(root: Path | None = None) -> Path:
 
 def resources_dir() -> Path:
     """resources/ inside the installed package (or the source tree)."""
-    import resources
+    from moeferry import resources
 
     return Path(resources.__file__).resolve().parent
 

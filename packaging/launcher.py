@@ -1,7 +1,7 @@
 """Entry point of the frozen app (PyInstaller): `moeferry` with no arguments opens the GUI,
 `moeferry probe`, `moeferry generate ...` etc. work as from the pip-installed console script.
 
-It only prepares the process for being frozen, then hands over to app.cli.main():
+It only prepares the process for being frozen, then hands over to moeferry.app.cli.main():
 - a windowed Windows build (moeferry.exe) has no sys.stdout/sys.stderr; when it is given a
   command it writes to the console it was started from, if any, else nowhere. moeferry-cli.exe
   is the console build of the same program for the command line.
@@ -55,7 +55,7 @@ def main() -> int:
         multiprocessing.freeze_support()
         _give_windowed_app_streams()
         _hide_triton_without_compiler()
-    from app.cli import main as cli_main
+    from moeferry.app.cli import main as cli_main
 
     return cli_main()
 

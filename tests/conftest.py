@@ -77,10 +77,10 @@ def reference_greedy(model, ids: list[int], n: int) -> list[int]:
 
 
 def run_cli(*args: str, timeout: int = 300):
-    """Run `python -m engine.cli ARGS` in a fresh process; return CompletedProcess."""
+    """Run `python -m moeferry.engine.cli ARGS` in a fresh process; return CompletedProcess."""
     import subprocess
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "moeferry.engine.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=str(ROOT))
 
 
@@ -93,7 +93,7 @@ def tiny_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_store(tiny_checkpoint, tmp_path_factory):
-    from engine.convert import convert_checkpoint
+    from moeferry.engine.storage.convert import convert_checkpoint
     dest = tmp_path_factory.mktemp("stores") / "st16"
     convert_checkpoint(tiny_checkpoint[0], dest, 16, 16, "cpu")
     return dest

@@ -1,6 +1,6 @@
 """A local stand-in for the Hugging Face hub, for download tests (127.0.0.1, ephemeral port).
 
-It speaks the parts of the hub API that engine/download.py uses, with the real paths and
+It speaks the parts of the hub API that engine/setup/download.py uses, with the real paths and
 JSON field names:
 
     GET /api/models/{repo}[/revision/{rev}]           model info: sha, siblings (with sizes

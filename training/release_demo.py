@@ -5,7 +5,7 @@
 1. converts CKPT into resources/demo (experts 4-bit, attention 8-bit; replaces the old one);
 2. held-out perplexity at 16-, 4-, 3- and 2-bit experts (attention 16-bit), and of the shipped
    store: each bit-width is converted with the engine's quantizer into WORK, loaded back with
-   engine.store.load_dequantized_hf_model (the weights the engine computes with) and scored on
+   moeferry.engine.storage.store.load_dequantized_hf_model (the weights the engine computes with) and scored on
    the held-out plain text (training/data/tokens.npz `heldout_text`) in 512-token windows,
    each with a fresh context: ppl = exp(mean NLL);
 3. sample answers of the shipped store from the engine itself (greedy, CPU);
@@ -29,10 +29,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine import locality  # noqa: E402
-from engine.convert import convert_checkpoint  # noqa: E402
-from engine.demo import demo_store_path  # noqa: E402
-from engine.store import load_dequantized_hf_model  # noqa: E402
+from moeferry.engine.measure import locality  # noqa: E402
+from moeferry.engine.setup.demo import demo_store_path  # noqa: E402
+from moeferry.engine.storage.convert import convert_checkpoint  # noqa: E402
+from moeferry.engine.storage.store import load_dequantized_hf_model  # noqa: E402
 
 SHIPPED_BITS = (4, 8)  # experts, attention
 PROMPTS = [
@@ -81,7 +81,7 @@ def ensure_store(ckpt: Path, dest: Path, expert_bits: int, attn_bits: int) -> Pa
 
 
 def sample_answers(store: Path, max_new_tokens: int = 60) -> list[dict]:
-    from engine.generate import SamplingSettings, load_engine
+    from moeferry.engine.runtime.generate import SamplingSettings, load_engine
     engine = load_engine(store, device="cpu")
     out = []
     for p in PROMPTS:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QHBoxLayout, QLineEdit, QPushButton, QVBoxLayout, QWidget
 
-from app.widgets.chat_view import ChatView
-from app.widgets.elided_label import ElidedLabel
-from app.widgets.message_input import MessageInput
-from app.widgets.notice_bar import NoticeBar
+from moeferry.app.widgets.chat_view import ChatView
+from moeferry.app.widgets.elided_label import ElidedLabel
+from moeferry.app.widgets.message_input import MessageInput
+from moeferry.app.widgets.notice_bar import NoticeBar
 
 
 class ChatPanel(QWidget):

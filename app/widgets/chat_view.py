@@ -11,9 +11,9 @@ from PySide6.QtCore import Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import QDesktopServices, QGuiApplication, QPalette, QTextBlockFormat, QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import QTextBrowser, QWidget
 
-from app.history_db import Conversation, Message
-from app.theme import colors
-from app.widgets.code_blocks import find_code_blocks, style_code_block
+from moeferry.app.history_db import Conversation, Message
+from moeferry.app.theme import colors
+from moeferry.app.widgets.code_blocks import find_code_blocks, style_code_block
 
 RENDER_INTERVAL_MS = 80  # a long reply is re-rendered at most this often while it streams
 LINK_SCHEME = "moeferry"

@@ -55,7 +55,7 @@ def find_code_blocks(doc: QTextDocument, start: int, end: int) -> list[CodeBlock
 
 
 def highlight_spans(code: str, language: str) -> list[tuple[int, int, str]]:
-    """(offset, length, color name of app.theme.colors) of the tokens worth coloring; [] for an
+    """(offset, length, color name of moeferry.app.theme.colors) of the tokens worth coloring; [] for an
     unknown language."""
     try:
         from pygments import lex

@@ -15,7 +15,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.history_db import Conversation
+from moeferry.app.history_db import Conversation
 
 ID_ROLE = Qt.ItemDataRole.UserRole
 

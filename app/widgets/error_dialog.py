@@ -6,7 +6,7 @@ from typing import Callable
 
 from PySide6.QtWidgets import QMessageBox, QWidget
 
-from app.errors import ACTION_LABELS, Action, ErrorInfo
+from moeferry.app.errors import ACTION_LABELS, Action, ErrorInfo
 
 
 class ErrorDialog(QMessageBox):

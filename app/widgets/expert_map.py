@@ -13,7 +13,7 @@ from PySide6.QtCore import QRectF, QSize, Qt, Signal
 from PySide6.QtGui import QColor, QFont, QFontMetrics, QMouseEvent, QPainter, QPaintEvent, QPalette, QPen
 from PySide6.QtWidgets import QSizePolicy, QToolTip, QWidget
 
-from app.expert_trace import Cell, TraceSummary, summarize_trace
+from moeferry.app.expert_trace import Cell, TraceSummary, summarize_trace
 
 MARGIN = 10
 LABEL_W = 34

@@ -23,8 +23,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.local_api import base_url
-from app.settings import Key, Settings
+from moeferry.app.local_api import base_url
+from moeferry.app.settings import Key, Settings
 
 
 def curl_example(port: int, model_id: str, key: str) -> str:

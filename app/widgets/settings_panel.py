@@ -23,8 +23,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.settings import Key, Settings
-from app.widgets.local_api_panel import LocalApiPanel
+from moeferry.app.settings import Key, Settings
+from moeferry.app.widgets.local_api_panel import LocalApiPanel
 
 THEMES = [("Follow the system", "system"), ("Light", "light"), ("Dark", "dark")]
 CPU_EXPERT_CHOICES = [("Copied to the GPU", "off"), ("On the processor when faster", "auto"),

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from PySide6.QtWidgets import QLabel, QProgressBar, QStatusBar, QWidget
 
-from app.stats_format import stats_items
-from app.widgets.elided_label import ElidedLabel
+from moeferry.app.stats_format import stats_items
+from moeferry.app.widgets.elided_label import ElidedLabel
 
 MODEL_MIN_W = 140  # room kept for the model state before any number is shown
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QFormLayout, QHBoxLayout, QLabel, QSlider, QSpinBox, QVBoxLayout, QWidget, QWizardPage
 
-from app.stats_format import speed_words
-from engine.units import GiB
+from moeferry.app.stats_format import speed_words
+from moeferry.engine.units import GiB
 
 STEP_GB = 0.5
 

@@ -7,10 +7,10 @@ from pathlib import Path
 from PySide6.QtGui import QPalette
 from PySide6.QtWidgets import QLabel, QProgressBar, QPushButton, QVBoxLayout, QWizardPage
 
-from app.hardware_words import describe_hardware
-from app.task_runner import TaskRunner
-from app.theme import colors
-from app.wizard.wizard import completion_flag
+from moeferry.app.hardware_words import describe_hardware
+from moeferry.app.task_runner import TaskRunner
+from moeferry.app.theme import colors
+from moeferry.app.wizard.wizard import completion_flag
 
 LEVEL_COLORS = {"good": "good", "workable": "warning", "poor": "error", "none": "warning"}  # names in theme.colors
 

@@ -8,12 +8,12 @@ from pathlib import Path
 from PySide6.QtGui import QPalette
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QProgressBar, QPushButton, QVBoxLayout, QWizardPage
 
-from app.install import InstallProgress, InstallRequest, install_steps, run_install, step_title
-from app.stats_format import fmt_bytes
-from app.task_runner import TaskRunner
-from app.theme import colors
-from app.wizard.wizard import Page, completion_flag
-from engine.units import fmt_duration
+from moeferry.app.install import InstallProgress, InstallRequest, install_steps, run_install, step_title
+from moeferry.app.stats_format import fmt_bytes
+from moeferry.app.task_runner import TaskRunner
+from moeferry.app.theme import colors
+from moeferry.app.wizard.wizard import Page, completion_flag
+from moeferry.engine.units import fmt_duration
 
 
 def progress_words(p: InstallProgress) -> str:

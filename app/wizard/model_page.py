@@ -21,11 +21,11 @@ from PySide6.QtWidgets import (
     QWizardPage,
 )
 
-from app.catalog import QUALITY_TIP, CatalogEntry, folder_kind, quality_words
-from app.install import InstallRequest
-from app.paths import downloads_dir, models_dir
-from app.stats_format import fmt_bytes, speed_words
-from app.wizard.wizard import completion_flag
+from moeferry.app.catalog import QUALITY_TIP, CatalogEntry, folder_kind, quality_words
+from moeferry.app.install import InstallRequest
+from moeferry.app.paths import downloads_dir, models_dir
+from moeferry.app.stats_format import fmt_bytes, speed_words
+from moeferry.app.wizard.wizard import completion_flag
 
 
 @dataclass

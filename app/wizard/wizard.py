@@ -19,12 +19,12 @@ from PySide6.QtCore import Signal
 from PySide6.QtGui import QIcon
 from PySide6.QtWidgets import QLineEdit, QWidget, QWizard, QWizardPage
 
-from app.catalog import CatalogEntry, read_store_info
-from app.hardware_words import HardwareVerdict
-from app.install import InstallRequest
-from app.paths import resources_dir
-from app.settings import Key, Settings
-from app.setup_backend import PlanSummary, SetupBackend
+from moeferry.app.catalog import CatalogEntry, read_store_info
+from moeferry.app.hardware_words import HardwareVerdict
+from moeferry.app.install import InstallRequest
+from moeferry.app.paths import resources_dir
+from moeferry.app.settings import Key, Settings
+from moeferry.app.setup_backend import PlanSummary, SetupBackend
 
 
 def completion_flag(page: QWizardPage, name: str) -> Callable[[bool], None]:
@@ -53,12 +53,12 @@ class SetupWizard(QWizard):
     def __init__(self, backend: SetupBackend, settings: Settings, parent: QWidget | None = None,
                  start_request: InstallRequest | None = None, resume_pending: bool = True):
         super().__init__(parent)
-        from app.wizard.cache_page import CachePage
-        from app.wizard.done_page import DonePage
-        from app.wizard.hardware_page import HardwarePage
-        from app.wizard.install_page import InstallPage
-        from app.wizard.model_page import ModelPage
-        from app.wizard.welcome_page import WelcomePage
+        from moeferry.app.wizard.cache_page import CachePage
+        from moeferry.app.wizard.done_page import DonePage
+        from moeferry.app.wizard.hardware_page import HardwarePage
+        from moeferry.app.wizard.install_page import InstallPage
+        from moeferry.app.wizard.model_page import ModelPage
+        from moeferry.app.wizard.welcome_page import WelcomePage
 
         self.backend = backend
         self.settings = settings

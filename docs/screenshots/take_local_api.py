@@ -35,10 +35,10 @@ def main() -> int:
     os.environ["MOEFERRY_DATA_DIR"] = str(folder)
     from PySide6.QtWidgets import QApplication
 
-    from app.engine_backend import real_engine_backend
-    from app.main import start
-    from app.setup_backend import real_setup_backend
-    from engine.demo import demo_store_path
+    from moeferry.app.engine_backend import real_engine_backend
+    from moeferry.app.main import start
+    from moeferry.app.setup_backend import real_setup_backend
+    from moeferry.engine.setup.demo import demo_store_path
 
     demo = str(demo_store_path())
     (folder / "settings.json").write_text(json.dumps({

@@ -9,7 +9,7 @@ goes on to the model page and a chat with the demo model running on the CPU),
 the download reports scripted progress, and the chat's engine streams a scripted reply with a
 Mixtral-shaped expert trace (32 layers, 8 experts, top-2, LRU cache of 3 per layer) and stats
 in the range of the paper's RTX 3060 numbers. Everything else is the real app: windows,
-wizard, planner (engine/plan.py) and catalog (resources/catalog.json).
+wizard, planner (engine/setup/plan.py) and catalog (resources/catalog.json).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def scripted_engine_backend(device: str = "cuda"):
 
 
 def screenshot_setup_backend(tmp: Path, gate: threading.Event):
-    from app.setup_backend import real_setup_backend
+    from moeferry.app.setup_backend import real_setup_backend
     from tests.app.fakes import make_store
 
     backend = real_setup_backend()
@@ -142,8 +142,8 @@ def take(theme: str, no_gpu_only: bool = False) -> None:
     from PySide6.QtCore import QRect
     from PySide6.QtWidgets import QApplication, QWizard
 
-    from app.main import start
-    from app.wizard.wizard import Page
+    from moeferry.app.main import start
+    from moeferry.app.wizard.wizard import Page
 
     app = QApplication.instance() or QApplication([sys.argv[0]])
     app.setApplicationName("MoE Ferry")
@@ -158,7 +158,7 @@ def take(theme: str, no_gpu_only: bool = False) -> None:
     gate = threading.Event()
     setup = screenshot_setup_backend(tmp, gate)
     if no_gpu_only:
-        from app.setup_backend import real_probe
+        from moeferry.app.setup_backend import real_probe
 
         setup.probe = real_probe  # this machine, as it is
     parts = start(app, data, scripted_engine_backend("cpu" if no_gpu_only else "cuda"), setup)
@@ -228,8 +228,8 @@ def take_no_gpu(app, parts, theme: str) -> None:
     """The model page of a machine without a GPU, then the demo model's chat on the CPU."""
     from PySide6.QtWidgets import QWizard
 
-    from app.setup_backend import real_fetch
-    from app.wizard.wizard import Page
+    from moeferry.app.setup_backend import real_fetch
+    from moeferry.app.wizard.wizard import Page
 
     wizard = parts.window.wizard
     wizard.next()

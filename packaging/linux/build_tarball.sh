@@ -80,7 +80,7 @@ cp -a "$APP" "$STAGE/moeferry"
 cp "$ROOT/packaging/linux/moeferry.desktop" "$STAGE/share/applications/moeferry.desktop"
 cp "$ROOT/packaging/linux/io.github.moeferry.MoeFerry.metainfo.xml" "$STAGE/share/metainfo/"
 cp "$ROOT/resources/icons/moeferry.svg" "$STAGE/share/icons/hicolor/scalable/apps/moeferry.svg"
-cp "$APP/_internal/resources/icons/moeferry-256.png" "$STAGE/share/icons/hicolor/256x256/apps/moeferry.png"
+cp "$APP/_internal/moeferry/resources/icons/moeferry-256.png" "$STAGE/share/icons/hicolor/256x256/apps/moeferry.png"
 install -m 755 "$ROOT/packaging/linux/install.sh" "$STAGE/install.sh"
 install -m 755 "$ROOT/packaging/linux/uninstall.sh" "$STAGE/uninstall.sh"
 cat > "$STAGE/README.txt" <<EOF

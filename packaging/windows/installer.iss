@@ -17,7 +17,7 @@
 #define AppCliName "moeferry-cli.exe"
 #define DataFolderName "moeferry"
 #ifndef AppVersion
-  ; build.ps1 passes the version read from pyproject.toml; tests/test_packaging.py keeps this
+  ; build.ps1 passes the version read from pyproject.toml; tests/packaging/test_packaging.py keeps this
   ; fallback equal to it.
   #define AppVersion "0.1.0"
 #endif
@@ -56,7 +56,7 @@ ArchitecturesAllowed=x64compatible
 ArchitecturesInstallIn64BitMode=x64compatible
 MinVersion=10.0
 OutputBaseFilename=moeferry-{#AppVersion}-windows-x64-setup
-SetupIconFile={#SourceDir}\_internal\resources\icons\moeferry.ico
+SetupIconFile={#SourceDir}\_internal\moeferry\resources\icons\moeferry.ico
 UninstallDisplayIcon={app}\{#AppExeName}
 UninstallDisplayName={#AppName} {#AppVersion}
 WizardStyle=modern

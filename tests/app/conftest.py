@@ -48,7 +48,7 @@ def store(tmp_path):
 @pytest.fixture
 def launch(qapp, qtbot, data_dir, engine_backend, setup_backend):
     """Start the app on `data_dir` (call again after closing to 'restart'); windows close at teardown."""
-    from app.main import start
+    from moeferry.app.main import start
 
     started = []
 

@@ -1,6 +1,6 @@
 """Fakes for the app's injected backends: an engine that streams words, a setup backend on tmp dirs.
 
-FakeEngine implements engine.contract.EngineProtocol with the engine's own types (TokenPiece,
+FakeEngine implements moeferry.engine.contract.EngineProtocol with the engine's own types (TokenPiece,
 GenerationStats, ExpertTrace) and nothing more the app could come to rely on;
 tests/app/test_engine_contract.py runs it and the real engine through the same checks.
 """
@@ -15,11 +15,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.engine_backend import EngineBackend, LoadOptions
-from app.setup_backend import PlanSummary, SetupBackend
-from engine.catalog import CatalogEntry
-from engine.contract import ExpertTrace, GenerationStats, SamplingSettings, TokenPiece
-from engine.download import FetchProgress
+from moeferry.app.engine_backend import EngineBackend, LoadOptions
+from moeferry.app.setup_backend import PlanSummary, SetupBackend
+from moeferry.engine.contract import ExpertTrace, GenerationStats, SamplingSettings, TokenPiece
+from moeferry.engine.setup.catalog import CatalogEntry
+from moeferry.engine.setup.download import FetchProgress
 
 
 @dataclass
@@ -200,7 +200,7 @@ def fake_setup_backend(tmp: Path, hw: dict | None = None, fetch=None, convert=No
             progress(i / 4, f"layer {i} of 4")
         make_store(Path(dest), expert_bits)
 
-    def recommend(hw_, entries):  # the real one (engine.hardware.recommend_model) reads catalog sizes
+    def recommend(hw_, entries):  # the real one (moeferry.engine.setup.hardware.recommend_model) reads catalog sizes
         return entries[0].id if hw_.get("gpu_name") and entries else "demo"
 
     demo = make_store(tmp / "demo-store", source="demo")

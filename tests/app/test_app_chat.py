@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.errors import Action
-from app.settings import Key
+from moeferry.app.errors import Action
+from moeferry.app.settings import Key
 
 
 def send(parts, qtbot, text="Hello there"):
@@ -160,8 +160,8 @@ def test_a_reply_cut_by_a_crash_is_kept_and_marked(ready, qtbot, launch, engine_
     ready.controller._save_stream()  # what the periodic timer does
     assert ready.history.flush()
     # "crash": the process dies without closing; a new process opens the same folder
-    from app.history import History
-    from app.history_db import DB_FILE
+    from moeferry.app.history import History
+    from moeferry.app.history_db import DB_FILE
 
     reopened = History(ready.history.path.parent / DB_FILE)
     kept = next(m for c in reopened.conversations() for m in c.messages if m.id == msg.id)
@@ -256,7 +256,7 @@ def test_run_gui_opens_and_closes(qapp, data_dir, monkeypatch):
     """The console script's entry: first run shows the wizard over the window; closing returns 0."""
     from PySide6.QtCore import QTimer
 
-    from app.main import run_gui
+    from moeferry.app.main import run_gui
 
     seen = []
 
@@ -275,13 +275,13 @@ def test_run_gui_opens_and_closes(qapp, data_dir, monkeypatch):
 def test_run_gui_explains_an_unwritable_data_folder(qapp, monkeypatch):
     from PySide6.QtWidgets import QMessageBox
 
-    import app.main
+    from moeferry.app import main as app_main
 
     def denied():
         raise PermissionError(13, "Permission denied", "/nope/moeferry")
 
     shown = []
-    monkeypatch.setattr(app.main, "data_dir", denied)
+    monkeypatch.setattr(app_main, "data_dir", denied)
     monkeypatch.setattr(QMessageBox, "critical", lambda parent, title, text: shown.append(text))
-    assert app.main.run_gui(["moeferry"]) == 1
+    assert app_main.run_gui(["moeferry"]) == 1
     assert shown and "/nope/moeferry" in shown[0] and "MOEFERRY_DATA_DIR" in shown[0]

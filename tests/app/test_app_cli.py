@@ -7,16 +7,16 @@ import sys
 
 import pytest
 
-from app import cli
-from engine.paths import demo_store_path
+from moeferry.app import cli
+from moeferry.engine.paths import demo_store_path
 from tests.conftest import ROOT, run_cli
 
 
 def test_no_arguments_open_the_app(monkeypatch):
-    import app.main
+    from moeferry.app import main as app_main
 
     opened = []
-    monkeypatch.setattr(app.main, "run_gui", lambda: opened.append(True) or 0)
+    monkeypatch.setattr(app_main, "run_gui", lambda: opened.append(True) or 0)
     monkeypatch.setattr(sys, "argv", ["moeferry"])
     assert cli.main() == 0 and opened
 
@@ -34,7 +34,7 @@ def test_bad_usage_is_the_engines_exit_code(capsys):
 
 def test_the_console_script_is_this_module():
     scripts = re.search(r"^\[project\.scripts\]\n((?:.+\n)+)", (ROOT / "pyproject.toml").read_text(), re.M)
-    assert scripts.group(1).strip() == 'moeferry = "app.cli:main"'
+    assert scripts.group(1).strip() == 'moeferry = "moeferry.app.cli:main"'
 
 
 def test_the_engine_cli_without_a_command_says_what_to_do():

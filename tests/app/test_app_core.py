@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import threading
 
-from app.errors import Action, describe_error
-from app.expert_trace import Cell, summarize_trace
-from app.hardware_words import describe_hardware
-from app.install import InstallRequest, download_progress, run_install
-from app.setup_backend import PlanSummary
-from app.stats_format import stats_items
-from engine.contract import ExpertTrace, GenerationStats
-from engine.units import fmt_duration
+from moeferry.app.errors import Action, describe_error
+from moeferry.app.expert_trace import Cell, summarize_trace
+from moeferry.app.hardware_words import describe_hardware
+from moeferry.app.install import InstallRequest, download_progress, run_install
+from moeferry.app.setup_backend import PlanSummary
+from moeferry.app.stats_format import stats_items
+from moeferry.engine.contract import ExpertTrace, GenerationStats
+from moeferry.engine.units import fmt_duration
 from tests.app.fakes import NO_GPU, RTX_3060, fake_setup_backend
 
 
 def test_errors_become_one_sentence_and_an_action():
-    from engine.errors import UserError
+    from moeferry.engine.errors import UserError
 
     class OutOfMemoryError(RuntimeError):
         pass
@@ -68,7 +68,7 @@ def test_hardware_words():
 
 
 def test_the_demo_model_is_offered_when_shipped():
-    from app.setup_backend import real_demo_path
+    from moeferry.app.setup_backend import real_demo_path
 
     demo = real_demo_path()
     if demo is not None:
@@ -76,7 +76,7 @@ def test_the_demo_model_is_offered_when_shipped():
 
 
 def test_download_progress_from_the_engines_fetch_progress():
-    from engine.download import FetchProgress
+    from moeferry.engine.setup.download import FetchProgress
 
     p = download_progress(FetchProgress("a.safetensors", 5, 10, 500, 1000, 50.0, 10.0, 0, 2))
     assert (p.fraction, p.bytes_done, p.bytes_total, p.rate, p.eta_s) == (0.5, 500, 1000, 50.0, 10.0)
@@ -101,7 +101,7 @@ def test_run_install_download_then_convert(tmp_path):
 
 
 def test_install_steps_are_the_steps_run_install_takes(tmp_path):
-    from app.install import install_steps
+    from moeferry.app.install import install_steps
 
     def steps_run(req) -> list[str]:
         steps = []

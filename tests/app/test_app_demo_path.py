@@ -11,10 +11,10 @@ import json
 
 from PySide6.QtWidgets import QWizard
 
-from app.paths import resources_dir
-from app.settings import Key, load_settings
-from app.setup_backend import real_demo_path
-from app.wizard.wizard import Page
+from moeferry.app.paths import resources_dir
+from moeferry.app.settings import Key, load_settings
+from moeferry.app.setup_backend import real_demo_path
+from moeferry.app.wizard.wizard import Page
 from tests.app.fakes import NO_GPU, fake_setup_backend, write_settings
 from tests.app.test_app_wizard import next_page
 

@@ -11,10 +11,10 @@ from PySide6.QtCore import QPoint, QPointF, Qt
 from PySide6.QtGui import QColor, QDesktopServices, QGuiApplication, QPalette, QWheelEvent
 from PySide6.QtWidgets import QApplication
 
-from app.settings import Key
-from app.setup_backend import PlanSummary
-from app.theme import colors, contrast_ratio, palette_colors
-from app.wizard.wizard import Page
+from moeferry.app.settings import Key
+from moeferry.app.setup_backend import PlanSummary
+from moeferry.app.theme import colors, contrast_ratio, palette_colors
+from moeferry.app.wizard.wizard import Page
 from tests.app.fakes import NO_GPU, FakeEngineBackend, fake_setup_backend, write_settings
 from tests.app.wizard_steps import next_page, open_install_page
 
@@ -40,7 +40,7 @@ def text_contrast(widget) -> float:
 # Point 8: a failed download no longer traps the wizard ----------------------------------------
 
 def test_a_failed_download_is_forgotten_and_another_model_can_be_chosen(launch, qtbot, tmp_path, data_dir):
-    from engine.errors import UserError
+    from moeferry.engine.errors import UserError
 
     def fetch(*a, **k):
         raise UserError("Cannot reach the hub at https://huggingface.co (ConnectError): check your network "
@@ -322,7 +322,7 @@ def test_expert_map_and_status_bar_say_the_same_hit_rate(ready, qtbot, engine_ba
 
 
 def test_orange_in_the_expert_map_means_only_copied_in(ready, qtbot):
-    from app.widgets.expert_map import MISS
+    from moeferry.app.widgets.expert_map import MISS
 
     send(ready, qtbot)
     emap = ready.window.expert_map
@@ -401,8 +401,8 @@ def test_a_renamed_chat_shows_its_new_title_and_empty_chats_do_not_pile_up(ready
 
 
 def test_the_real_download_error_is_said_in_app_words(tmp_path, hub_online):
-    from app.errors import describe_error
-    from engine.download import fetch_repo
+    from moeferry.app.errors import describe_error
+    from moeferry.engine.setup.download import fetch_repo
 
     with pytest.raises(Exception) as caught:  # a closed local port: no network is used
         fetch_repo("org/model", tmp_path / "dl", endpoint="http://127.0.0.1:9", max_retries=0, backoff_s=0)

@@ -14,9 +14,9 @@ import sys
 
 import pytest
 
-from app import history_db
-from app.history import History
-from app.settings import DEFAULTS, Key, load_settings
+from moeferry.app import history_db
+from moeferry.app.history import History
+from moeferry.app.settings import DEFAULTS, Key, load_settings
 from tests.app.conftest import ROOT
 
 # settings.json lines as a damaged or hand-edited file holds them (JSON that Python reads)
@@ -85,7 +85,7 @@ def test_the_app_starts_and_says_which_settings_were_reset(launch, data_dir):
     for key in ("max_new_tokens", "temperature", "top_p", "pending_install", "installed"):
         assert key in text
     assert parts.window.wizard is None, "no pending install left to resume"
-    from app.chat_controller import sampling_from
+    from moeferry.app.chat_controller import sampling_from
 
     sampling = sampling_from(parts.settings)  # what a reply is generated with: finite again
     assert math.isfinite(sampling.temperature) and math.isfinite(sampling.top_p)
@@ -130,7 +130,7 @@ def test_the_app_starts_with_a_damaged_history_row(launch, data_dir):
 def test_no_display_is_one_sentence_not_an_abort(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")}
     env.update(PYTHONPATH=str(ROOT), MOEFERRY_DATA_DIR=str(tmp_path))
-    r = subprocess.run([sys.executable, "-m", "app.cli"], capture_output=True, text=True, cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "moeferry.app.cli"], capture_output=True, text=True, cwd=ROOT,
                        env=env, timeout=120)
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert r.stderr.strip() == ("moeferry: no display found; the desktop app needs one; the command "
@@ -138,7 +138,7 @@ def test_no_display_is_one_sentence_not_an_abort(tmp_path):
 
 
 def test_has_display_reads_the_environment():
-    from app.main import has_display
+    from moeferry.app.main import has_display
 
     assert not has_display({}, "linux")
     assert has_display({"DISPLAY": ":0"}, "linux") and has_display({"WAYLAND_DISPLAY": "wayland-0"}, "linux")
@@ -148,7 +148,7 @@ def test_has_display_reads_the_environment():
 
 
 def run_gui_then_drop_its_log_handlers(main_module) -> int:
-    """app.main.run_gui's exit code; the log handlers it added are closed afterwards, so the
+    """moeferry.app.main.run_gui's exit code; the log handlers it added are closed afterwards, so the
     next test's data folder gets its own log."""
     before = list(logging.getLogger().handlers)
     try:
@@ -163,15 +163,15 @@ def run_gui_then_drop_its_log_handlers(main_module) -> int:
 def test_a_failed_start_is_logged_and_shown_with_the_log_path(qapp, data_dir, monkeypatch):
     from PySide6.QtWidgets import QMessageBox
 
-    import app.main
+    from moeferry.app import main as app_main
 
     def boom(*a, **k):
         raise RuntimeError("the model list is unreadable")
 
     shown = []
-    monkeypatch.setattr(app.main, "start", boom)
+    monkeypatch.setattr(app_main, "start", boom)
     monkeypatch.setattr(QMessageBox, "critical", lambda parent, title, text: shown.append(text))
-    assert run_gui_then_drop_its_log_handlers(app.main) == 1
+    assert run_gui_then_drop_its_log_handlers(app_main) == 1
     log_file = data_dir / "moeferry.log"
     assert shown and str(log_file) in shown[0] and "the model list is unreadable" in shown[0]
     text = log_file.read_text()
@@ -179,10 +179,10 @@ def test_a_failed_start_is_logged_and_shown_with_the_log_path(qapp, data_dir, mo
 
 
 def test_a_broken_qt_is_one_sentence_and_a_log_entry(data_dir, monkeypatch, capsys):
-    import app.main
+    from moeferry.app import main as app_main
 
     monkeypatch.setitem(sys.modules, "PySide6.QtWidgets", None)  # `import` now raises ImportError
-    assert run_gui_then_drop_its_log_handlers(app.main) == 1
+    assert run_gui_then_drop_its_log_handlers(app_main) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("moeferry: the desktop app cannot load Qt") and "\n" not in err
     assert str(data_dir / "moeferry.log") in err
@@ -197,7 +197,7 @@ def test_a_broken_qt_is_one_sentence_and_a_log_entry(data_dir, monkeypatch, caps
 def test_a_store_manifest_of_the_wrong_shape_is_described_not_raised(tmp_path, manifest):
     """The wizard describes a chosen store from its manifest before any check runs: sections of
     the wrong type read as absent (the store's own checks refuse it when it is opened)."""
-    from app.catalog import read_store_info
+    from moeferry.app.catalog import read_store_info
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     info = read_store_info(tmp_path)
     assert info is not None and info.expert_bits is None and info.attn_bits is None

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from PySide6.QtWidgets import QWizard
 
-from app.catalog import CatalogEntry
-from app.install import InstallRequest, deletable_download, delete_download, run_install
-from app.settings import Key
-from app.wizard.wizard import Page
+from moeferry.app.catalog import CatalogEntry
+from moeferry.app.install import InstallRequest, deletable_download, delete_download, run_install
+from moeferry.app.settings import Key
+from moeferry.app.wizard.wizard import Page
 from tests.app.fakes import fake_setup_backend, make_store
 from tests.app.test_app_wizard import next_page
 
@@ -59,9 +59,9 @@ def test_download_kept_when_unticked(tmp_path):
 
 
 def test_download_kept_when_verification_fails(tmp_path):
-    from engine.errors import UserError
+    from moeferry.engine.errors import UserError
 
-    def convert(*_, **__):  # as engine.convert does when the new store's hashes do not match
+    def convert(*_, **__):  # as moeferry.engine.storage.convert does when the new store's hashes do not match
         raise UserError("The converted store failed verification (experts.safetensors: wrong sha256); "
                         "check the disk and run again.")
 

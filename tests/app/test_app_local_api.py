@@ -14,9 +14,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from app.engine_backend import EngineBackend, real_load
-from app.settings import Key, load_settings
-from engine.demo import demo_store_path
+from moeferry.app.engine_backend import EngineBackend, real_load
+from moeferry.app.settings import Key, load_settings
+from moeferry.engine.setup.demo import demo_store_path
 from tests.app.fakes import write_settings
 
 QUESTION = "What is a list in Python?"

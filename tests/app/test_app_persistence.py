@@ -7,9 +7,9 @@ import sqlite3
 
 import pytest
 
-from app import history_db
-from app.history import History, export_markdown, title_from
-from app.settings import DEFAULTS, Key, coerce, load_settings
+from moeferry.app import history_db
+from moeferry.app.history import History, export_markdown, title_from
+from moeferry.app.settings import DEFAULTS, Key, coerce, load_settings
 
 
 def test_settings_round_trip_and_coercion(tmp_path):
@@ -104,7 +104,7 @@ def test_app_shows_recovery_notices(launch, data_dir):
 
 
 def test_export_and_titles():
-    from app.history_db import Conversation, Message
+    from moeferry.app.history_db import Conversation, Message
 
     conv = Conversation("1", "T", 0, 0, "sys", [Message("a", "user", "q", 0),
                                               Message("b", "assistant", "partial", 0, complete=False)])

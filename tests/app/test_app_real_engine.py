@@ -11,13 +11,13 @@ import json
 import pytest
 from PySide6.QtWidgets import QWizard
 
-pytest.importorskip("engine.generate")
+pytest.importorskip("moeferry.engine.runtime.generate")
 
-from app.catalog import CatalogEntry  # noqa: E402
-from app.engine_backend import real_engine_backend  # noqa: E402
-from app.settings import Key  # noqa: E402
-from app.setup_backend import real_setup_backend  # noqa: E402
-from app.wizard.wizard import Page  # noqa: E402
+from moeferry.app.catalog import CatalogEntry  # noqa: E402
+from moeferry.app.engine_backend import real_engine_backend  # noqa: E402
+from moeferry.app.settings import Key  # noqa: E402
+from moeferry.app.setup_backend import real_setup_backend  # noqa: E402
+from moeferry.app.wizard.wizard import Page  # noqa: E402
 from tests.app.fakes import NO_GPU  # noqa: E402
 from tests.conftest import make_checkpoint  # noqa: E402
 from tests.hub_server import FakeRepo, HubServer  # noqa: E402
@@ -87,7 +87,7 @@ def test_wizard_downloads_converts_and_the_chat_streams_from_the_real_engine(lau
 def test_real_store_verification_finds_a_damaged_file(ready, qtbot, tmp_path, tiny_store):
     import shutil
 
-    from app.errors import Action
+    from moeferry.app.errors import Action
 
     store = tmp_path / "copy"
     shutil.copytree(tiny_store, store)
@@ -103,8 +103,8 @@ def test_real_store_verification_finds_a_damaged_file(ready, qtbot, tmp_path, ti
 
 
 def test_real_probe_reads_as_plain_words():
-    from app.hardware_words import describe_hardware
-    from engine.hardware import probe
+    from moeferry.app.hardware_words import describe_hardware
+    from moeferry.engine.setup.hardware import probe
 
     verdict = describe_hardware(probe(measure_bandwidth=False))
     assert verdict.headline.endswith(".") and verdict.details

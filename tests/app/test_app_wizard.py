@@ -8,9 +8,9 @@ from pathlib import Path
 
 from PySide6.QtWidgets import QWizard
 
-from app.settings import Key
-from app.wizard.wizard import Page
-from engine.download import FetchProgress
+from moeferry.app.settings import Key
+from moeferry.app.wizard.wizard import Page
+from moeferry.engine.setup.download import FetchProgress
 from tests.app.fakes import NO_GPU, fake_setup_backend
 from tests.app.wizard_steps import next_page, open_install_page
 
@@ -161,7 +161,7 @@ def test_cancel_then_resume_after_restart(launch, qtbot, tmp_path, data_dir):
 
 
 def test_install_failure_is_one_sentence_with_retry(launch, qtbot, tmp_path):
-    from engine.errors import UserError
+    from moeferry.engine.errors import UserError
 
     def fetch(*a, **k):
         raise UserError("The hub refused the download (404); check the repository name.", 2)

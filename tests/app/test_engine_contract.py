@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
-from app.engine_backend import EngineBackend, LoadOptions, real_load
-from app.engine_worker import EngineWorker, GenerateRequest, LoadedInfo, ReplyResult
-from engine.contract import EngineProtocol, ExpertTrace, GenerationStats, SamplingSettings, TokenPiece
+from moeferry.app.engine_backend import EngineBackend, LoadOptions, real_load
+from moeferry.app.engine_worker import EngineWorker, GenerateRequest, LoadedInfo, ReplyResult
+from moeferry.engine.contract import EngineProtocol, ExpertTrace, GenerationStats, SamplingSettings, TokenPiece
 from tests.app.fakes import FakeEngineBackend
 
 MESSAGES = [{"role": "user", "content": "What is a list in Python?"}]

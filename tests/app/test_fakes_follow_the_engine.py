@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from app.catalog import read_store_info
-from engine.convert import source_info
+from moeferry.app.catalog import read_store_info
+from moeferry.engine.storage.convert import source_info
 from tests.app.fakes import make_store
 
 

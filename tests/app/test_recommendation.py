@@ -1,4 +1,4 @@
-"""`moeferry probe` and the wizard recommend the same model (engine.hardware.recommend_model)."""
+"""`moeferry probe` and the wizard recommend the same model (moeferry.engine.setup.hardware.recommend_model)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ from dataclasses import replace
 
 import pytest
 
-from app.setup_backend import real_setup_backend
-from app.wizard.hardware_page import survey
-from app.wizard.model_page import catalog_option
-from engine import hardware
-from engine.units import GiB
+from moeferry.app.setup_backend import real_setup_backend
+from moeferry.app.wizard.hardware_page import survey
+from moeferry.app.wizard.model_page import catalog_option
+from moeferry.engine.setup import hardware
+from moeferry.engine.units import GiB
 
 
 def machine(vram_gib: float | None, disk_gib: float = 500, ram_gib: float = 64) -> dict:

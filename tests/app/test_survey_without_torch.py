@@ -20,8 +20,8 @@ snap.mkdir(parents=True)
 header = json.dumps({"w": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}}).encode()
 (snap / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
 
-from app.setup_backend import real_setup_backend
-from app.wizard.hardware_page import survey
+from moeferry.app.setup_backend import real_setup_backend
+from moeferry.app.wizard.hardware_page import survey
 
 hw = {"gpu_name": "Fake GPU", "torch_cuda_available": True, "vram_total_bytes": 16 << 30,
       "vram_free_bytes": 15 << 30, "h2d_bytes_per_s": 24e9, "ram_total_bytes": 64 << 30,
@@ -30,7 +30,7 @@ backend = replace(real_setup_backend(), probe=lambda: dict(hw))
 found = survey(backend)
 assert found["recommended"] and found["demo"] is not None
 assert any(p is not None for p in found["plans"].values())
-from engine.hf_cache import find_in_hf_cache
+from moeferry.engine.setup.hf_cache import find_in_hf_cache
 assert find_in_hf_cache("org/m") == snap
 assert backend.plan(hw, found["demo"], None) is not None  # an installed store's plan
 assert "torch" not in sys.modules, "the survey imported torch"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.wizard.wizard import Page
+from moeferry.app.wizard.wizard import Page
 
 
 def next_page(wizard, qtbot, expect: Page, timeout=5000):

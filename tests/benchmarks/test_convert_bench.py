@@ -8,8 +8,8 @@ import shutil
 import pytest
 
 from benchmarks import convert_bench as CB
-from engine.errors import UserError
-from engine.store import verify_store
+from moeferry.engine.errors import UserError
+from moeferry.engine.storage.store import verify_store
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.slow  # each conversion runs in a fresh process (torch + hqq imports)
@@ -61,7 +61,7 @@ def test_checkpoint_is_in_hugging_face_layout(tiny_run):
         assert all(t.dtype.is_floating_point and t.dtype.itemsize == 2 for t in tensors.values())
         assert sum(t.numel() * 2 for t in tensors.values()) <= 200_000 or len(tensors) == 1
     # tokenizers, not transformers: importing huggingface_hub here while conftest sets
-    # HF_HUB_OFFLINE would freeze it offline for tests/test_download.py
+    # HF_HUB_OFFLINE would freeze it offline for tests/engine/setup/test_download.py
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(src / "tokenizer.json"))
     assert tok.get_vocab_size() == 96 and tok.token_to_id("</s>") == 2

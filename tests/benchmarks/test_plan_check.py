@@ -9,15 +9,15 @@ from dataclasses import replace
 import pytest
 
 from benchmarks import plan_check as C
-from engine import plan as P
-from engine.units import GiB
+from moeferry.engine.setup import plan as P
+from moeferry.engine.units import GiB
 
 EXPERT_2BIT = 66_748_416
 
 
 def report(k: int = 3, full: float = 5.0, budget: int | None = 12 * GiB, pinned: float = 55.0,
            layers: int = 32, hit: float | None = None, lru: float | None = None) -> dict:
-    """A report shaped like engine.bench.measure's return value."""
+    """A report shaped like moeferry.engine.measure.bench.measure's return value."""
     hit = k / 8 if hit is None else hit
 
     def result(mode, kernels, tps, kk=k, prefetch=0, h=hit):
@@ -146,8 +146,8 @@ def test_cli(tmp_path, capsys):
 
 
 def test_the_shape_comes_from_the_report():
-    from engine.bench_shapes import MODEL_SHAPES
-    from engine.errors import UserError
+    from moeferry.engine.errors import UserError
+    from moeferry.engine.measure.bench_shapes import MODEL_SHAPES
 
     mixtral = C.report_sizes(report())  # a report from before they named their model: Mixtral
     assert (mixtral.num_experts, mixtral.top_k) == (8, 2)

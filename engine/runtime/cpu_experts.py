@@ -1,0 +1,415 @@
+"""Experts computed on the CPU from host memory, with torch's own weight-only kernels.
+
+No compiler is needed on the user's machine. The default, "hqq", is not a copy at all: the
+kernel of engine/kernels/hqq_cpu.py (numba) reads an HQQ expert (2, 3 or 4 bits) in the host memory
+the GPU cache copies it from, so every expert can run on the CPU for about 2 % more RAM (its metadata in float32). The other
+formats are copies in their own layout for torch's prebuilt CPU ops (AVX2 / AVX-512), derived
+from the dequantized expert (the store's HQQ layout groups along OUTPUT rows, these kernels
+group along the INPUT dimension): for 16-bit stores, or where numba is missing. One
+CpuMatrix W [N, K] (N outputs, K inputs) is one of:
+
+  "int4"  torch.ops.aten._weight_int4pack_mm_for_cpu: codes q in [0, 16), groups of g input
+          columns (g = 128 where K allows, else 64 or 32), scale and zero per (group, row):
+              W[n, k] = (q[n, k] - 8) * s[k // g, n] + z[k // g, n]
+          `packed` = _convert_weight_to_int4pack_for_cpu(q int32 [N, K]) (uint8 [N, K / 2]),
+          `meta` = scales_and_zeros [K / g, N, 2] in bfloat16.
+          HQQ's (q - zh) * s is the same form with z = (8 - zh) * s.
+  "int8"  torch.ops.aten._weight_int8pack_mm: W[n, k] = q[n, k] * s[n], q int8 [N, K]
+          symmetric per output row, `meta` = s [N] in bfloat16.
+  "dense" the weight itself (the GPU copy's dequantized values: exact), `packed` [N, K] in
+          the model's compute dtype.
+int4 and int8 take bfloat16 activations: that is their fast path (measured on 2 cores, one
+14336x4096 matrix: int4 1.1 ms with bfloat16, 57 ms with float32 or float16 activations).
+
+An expert is two matrices: w13 = [w1; w3] ([2I, H], one product gives gate and up) and
+w2 [H, I]; out = w2 (silu(w1 x) * w3 x). forward() takes and returns float32; inside, x is
+rounded to the matrix's activation dtype (bfloat16 for int4/int8, as on the GPU).
+torch has no 2- or 3-bit CPU kernel, and a pure-torch one (unpack, then matmul) writes the
+unpacked weights back to RAM: about 100x slower than int4 (benchmarks/cpu_experts.py); hence
+the numba kernel for the store's own bytes.
+
+CpuWorker keeps one thread ready (torch's intra-op pool warm): torch ops release the GIL,
+so the main thread keeps queuing GPU work and copies while the CPU computes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moeferry.engine.kernels import hqq_cpu
+from moeferry.engine.runtime.model import clamped_swiglu
+
+COPY_FORMATS = ("int4", "int8", "dense")  # copies in their own layout
+FORMATS = ("hqq",) + COPY_FORMATS  # "hqq": the stored expert, in place
+GROUPS = (128, 64, 32)  # int4 groups used, largest (fewest bytes) first; the kernel also takes 256
+CLIPS = (1.0, 0.96, 0.92, 0.88, 0.84)  # int4 range shrink factors tried per group
+SWITCH_INTERVAL_S = 1e-4  # the GIL's switch interval while a CPU worker runs
+
+
+@dataclass
+class CpuMatrix:
+    fmt: str
+    rows: int  # N (outputs)
+    cols: int  # K (inputs)
+    packed: torch.Tensor
+    meta: torch.Tensor | None = None
+    group_size: int = 0
+
+    def nbytes(self) -> int:
+        meta = 0 if self.meta is None else self.meta.numel() * self.meta.element_size()
+        return self.packed.numel() * self.packed.element_size() + meta
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype inside the kernel."""
+        return self.packed.dtype if self.fmt == "dense" else torch.bfloat16
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] -> float32 [T, N]."""
+        x = x.to(self.dtype)
+        if self.fmt == "int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.meta)
+        elif self.fmt == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(x, self.packed, self.meta)
+        else:
+            y = F.linear(x, self.packed)
+        return y.float()
+
+
+
+@dataclass
+class CpuExpert:
+    w13: CpuMatrix
+    w2: CpuMatrix
+
+    def nbytes(self) -> int:
+        return self.w13.nbytes() + self.w2.nbytes()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x float32 [T, H] -> float32 [T, H]."""
+        gate, up = self.w13.matmul(x).chunk(2, dim=-1)
+        return self.w2.matmul(F.silu(gate) * up)
+
+
+@dataclass
+class HqqExpert:
+    """An expert as stored (HQQ QMatrix views of host memory), run by engine/kernels/hqq_cpu.py.
+    With biases (gpt_oss) it is the clamped SwiGLU of engine/runtime/model.py's clamped_swiglu_expert."""
+    w1: object  # hqq_cpu.CpuQMatrix
+    w3: object
+    w2: object
+    biases: tuple | None = None  # (b1, b3, b2) float32, gpt_oss
+    alpha: float | None = None  # its clamped SwiGLU's constants (ModelConfig.swiglu_*)
+    limit: float | None = None
+
+    def nbytes(self) -> int:
+        return self.w1.nbytes() + self.w3.nbytes() + self.w2.nbytes()
+
+    def copied_bytes(self) -> int:
+        """RAM this expert takes beyond the stored bytes it reads in place."""
+        return self.w1.copied_bytes() + self.w3.copied_bytes() + self.w2.copied_bytes()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float().numpy()
+        if self.biases is None:
+            return torch.from_numpy(hqq_cpu.swiglu_expert(x, self.w1, self.w3, self.w2))
+        b1, b3, b2 = self.biases
+        act = clamped_swiglu(torch.from_numpy(hqq_cpu.matmul(x, self.w1)) + b1,
+                             torch.from_numpy(hqq_cpu.matmul(x, self.w3)) + b3, self.alpha, self.limit)
+        return torch.from_numpy(hqq_cpu.matmul(act.numpy(), self.w2)) + b2
+
+
+def hqq_expert(w: dict, alpha: float | None = None, limit: float | None = None) -> HqqExpert:
+    """w: the stored expert's views ("w1", "w3", "w2" QMatrix; "b1", "b3", "b2" where the
+    family has biases), in host memory; alpha and limit: the clamped SwiGLU's (gpt_oss)."""
+    biases = tuple(w[b].float() for b in ("b1", "b3", "b2")) if "b1" in w else None
+    return HqqExpert(*(hqq_cpu.from_qmatrix(w[m]) for m in ("w1", "w3", "w2")), biases, alpha, limit)
+
+
+def hqq_supported(w: dict) -> bool:
+    """Whether the stored expert (its views) can run in place ("hqq"), numba installed."""
+    return not hqq_cpu.available() and all(hqq_cpu.supported(w.get(m)) for m in ("w1", "w3", "w2"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Making CPU copies
+
+
+def int4_group(cols: int) -> int:
+    g = next((g for g in GROUPS if cols % g == 0), None)
+    if g is None:
+        raise ValueError(f"an int4 CPU copy needs the input size {cols} to be a multiple of 32")
+    return g
+
+
+def int4_codes(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (q int32 [N, K] in [0, 16), s [N, K / g], z [N, K / g]) with
+    W ~ (q - 8) * s + z per group of g input columns (asymmetric); s and z are float32
+    holding bfloat16 values.
+
+    Per group the range [lo, hi] is shrunk about its centre by each factor of CLIPS and the
+    one with the least squared error is kept (clipping a few outliers beats a wide grid).
+    Rows go in blocks of 4 MB: the search keeps no full-size temporaries (a Mixtral matrix is
+    235 MB in float32).
+    """
+    N, K = w.shape
+    g = group_size
+    wg = w.detach().float().reshape(N, K // g, g)
+    rows = max(1, (1 << 20) // K)  # 4 MB of float32 per block
+    s, a = (torch.cat(part) for part in zip(*(_best_range(wg[r:r + rows]) for r in range(0, N, rows))))
+    # scale and zero as the kernel reads them (bfloat16), then the codes that fit those
+    s, z = s.bfloat16().float(), (a + 8 * s).bfloat16().float()  # (q - 8) * s + z == q * s + a
+    q = ((wg - z) / s + 8).round().clamp(0, 15)
+    return q.reshape(N, K).to(torch.int32), s.reshape(N, K // g), z.reshape(N, K // g)
+
+
+def _best_range(wg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """wg [n, groups, g] -> (scale, low end) [n, groups, 1] of the CLIPS factor with least error."""
+    lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+    mid, half = (hi + lo) / 2, (hi - lo) / 2
+    best = None
+    for c in CLIPS:
+        a = mid - half * c
+        s = (2 * half * c / 15).clamp(min=1e-10)
+        err = ((((wg - a) / s).round().clamp(0, 15) * s + a - wg) ** 2).sum(-1, keepdim=True)
+        if best is None:
+            best = (err, s, a)
+        else:
+            take = err < best[0]
+            best = tuple(torch.where(take, new, old) for new, old in zip((err, s, a), best))
+    return best[1], best[2]
+
+
+def quantize_int4(w: torch.Tensor, group_size: int | None = None) -> CpuMatrix:
+    N, K = w.shape
+    g = group_size or int4_group(K)
+    q, s, z = int4_codes(w, g)
+    q = q.to(torch.uint8).cpu().to(torch.int32)  # a quarter of the bytes when q is on a GPU
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    meta = torch.stack([s.T, z.T], dim=-1).bfloat16().cpu().contiguous()  # [K / g, N, 2]
+    return CpuMatrix("int4", N, K, packed, meta, g)
+
+
+def quantize_int8(w: torch.Tensor) -> CpuMatrix:
+    wf = w.detach().float()
+    s = (wf.abs().amax(dim=1) / 127).clamp(min=1e-10)
+    q = (wf / s[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return CpuMatrix("int8", *w.shape, q.cpu().contiguous(), s.bfloat16().cpu())
+
+
+def make_matrix(w: torch.Tensor, fmt: str) -> CpuMatrix:
+    if fmt == "int4":
+        return quantize_int4(w)
+    if fmt == "int8":
+        return quantize_int8(w)
+    if fmt == "dense":
+        return CpuMatrix("dense", *w.shape, w.detach().cpu().contiguous())
+    raise ValueError(f"unknown CPU expert format {fmt!r}; use one of {', '.join(COPY_FORMATS)}")
+
+
+def make_expert(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, fmt: str) -> CpuExpert:
+    """The CPU copy of one expert from its float weights (w1, w3 [I, H], w2 [H, I]) on any
+    device (quantized there); the copy is in host memory."""
+    return CpuExpert(make_matrix(torch.cat([w1, w3]), fmt), make_matrix(w2, fmt))
+
+
+def supported(fmt: str, hidden: int, intermediate: int) -> bool:
+    """Whether `fmt` can hold experts of this shape (int4 needs inputs in multiples of 32)."""
+    return fmt != "int4" or (hidden % 32 == 0 and intermediate % 32 == 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker
+
+
+@dataclass
+class CpuRunStats:
+    experts: int = 0
+    bytes_read: int = 0
+    seconds: float = 0.0  # the CPU computing
+    waited_s: float = 0.0  # the main thread waiting for the CPU after queuing the device's work
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def run_jobs(jobs: list[tuple[CpuExpert, torch.Tensor]], stats: CpuRunStats, lock=None) -> list[torch.Tensor]:
+    """expert(x) for each (expert, x [T, H]), float32 [T, H] each; counts bytes and time."""
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = [e.forward(x) for e, x in jobs]
+    dt = time.perf_counter() - t0
+    with lock or contextlib.nullcontext():
+        stats.experts += len(jobs)
+        stats.bytes_read += sum(e.nbytes() for e, _ in jobs)
+        stats.seconds += dt
+    return out
+
+
+class CpuWorker:
+    """One persistent thread running CPU experts, so no call pays a thread start.
+
+    `threads` sets that thread's intra-op pool only (torch keeps the count per thread; the
+    main thread's is left as it is). run() returns a Future; stats are updated under a lock.
+    """
+
+    def __init__(self, threads: int | None = None, numba: bool = False):
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeferry-cpu-experts")
+        if threads:
+            self.pool.submit(torch.set_num_threads, threads).result()
+        if numba:  # numba keeps its thread count per launching thread too
+            self.pool.submit(hqq_cpu.set_threads, threads or torch.get_num_threads()).result()
+        self.threads = self.pool.submit(torch.get_num_threads).result()
+        self.stats = CpuRunStats()
+        self.lock = threading.Lock()
+        self.pool.submit(torch.ones(256, 256).sum).result()  # the pool's threads start now
+        # A thread waiting for the GIL gets it only when the holder blocks or after the switch
+        # interval (5 ms by default): as long as a whole layer. The main thread mostly queues
+        # GPU work, so a short interval lets the worker start and hand back at once.
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+
+    def run(self, jobs: list[tuple[CpuExpert, torch.Tensor]]) -> Future:
+        """Compute expert(x) for each (expert, x float32 [T, H]); Future of the outputs, in order."""
+        return self.pool.submit(self._run, jobs)
+
+    def _run(self, jobs):
+        return run_jobs(jobs, self.stats, self.lock)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine's side: which experts of a step run here, and adding their results
+
+
+class CpuExperts:
+    """The CPU copies of some experts, the worker, and the per-layer choice of what runs here.
+
+    mode "all": every miss that has a CPU copy runs on the CPU, and is copied into the cache
+    meanwhile for its next use (the layer never waits for the link; the cache still learns);
+    "auto": placement's cost model splits the misses between the link and the CPU.
+    every_expert: no device cache at all (a machine without a GPU): every routed expert runs
+    on the CPU, in the calling thread.
+    """
+
+    def __init__(self, copies: dict[tuple[int, int], CpuExpert], mode: str, costs=None,
+                 gpu_bytes: int = 0, params: int = 0, every_expert: bool = False,
+                 threads: int | None = None):
+        from moeferry.engine.runtime import placement
+
+        if mode not in ("auto", "all"):
+            raise ValueError(f"unknown CPU expert mode {mode!r}")
+        self.copies, self.mode, self.costs, self.every_expert = copies, mode, costs, every_expert
+        cpu_bytes = max((c.nbytes() for c in copies.values()), default=0)
+        self.sizes = placement.ExpertSizes(gpu_bytes, cpu_bytes, params)
+        numba = any(isinstance(c, HqqExpert) for c in copies.values())
+        self.worker = None if every_expert else CpuWorker(threads, numba)
+        if every_expert and threads:  # the experts run in the calling thread
+            torch.set_num_threads(threads)
+            if numba:
+                hqq_cpu.set_threads(threads)
+        self.stats = CpuRunStats() if every_expert else self.worker.stats
+        self.stage: torch.Tensor | None = None  # pinned [top_k, H]: results on their way up
+
+    def nbytes(self) -> int:
+        return sum(c.nbytes() for c in self.copies.values())
+
+    def choose(self, layer: int, needed: list[int], ids_host: list[list[int]], cache):
+        """-> (rows, both): rows = expert -> [(token, top-k position)] for the experts of this
+        step that run on the CPU; both = those of them also copied into the cache for later."""
+        from moeferry.engine.runtime import placement
+
+        if not self.every_expert and cache.policy != "lru":
+            return {}, []
+        uses = {e: [(t, row.index(e)) for t, row in enumerate(ids_host) if e in row] for e in needed}
+        if self.every_expert:
+            return uses, []
+        resident = set(cache.resident(layer))
+        misses = [e for e in needed if e not in resident]
+        able = {e for e in misses if (layer, e) in self.copies}
+        if self.mode == "auto" and len(ids_host) == 1 and cache.cuda and self.costs is not None:
+            return self.choose_in_time(layer, needed, uses, cache)  # decode: where each finishes first
+        if self.mode == "all" or not able:  # all: computed here, copied for later off the critical path
+            run = sorted(able)
+            both = run if self.mode == "all" else []
+        else:
+            plan = placement.choose_misses(self.costs, self.sizes, misses, len(needed) - len(misses),
+                                           able, {e: len(uses[e]) for e in misses})
+            run, both = sorted(plan.cpu), list(plan.both)
+        cache.count_cpu_misses(len(run), len(both))
+        return {e: uses[e] for e in run}, both
+
+    def choose_in_time(self, layer: int, needed: list[int], uses: dict, cache):
+        """choose() for one decoded token on a GPU: the cache keeps the link's queue on the host
+        clock (when each copy lands), so an expert whose copy would land later than the CPU
+        could compute it runs on the CPU, a miss or a prefetched expert still in flight alike
+        (the copy goes on and serves a later token). Prefetch pauses while the link is backed
+        up further than two copies."""
+        from moeferry.engine.runtime import placement
+
+        # told every layer: the costs are final by the first decoded token, and the cache may be
+        # a new one (Engine.set_cache_experts)
+        cache.plan_link(1 / (self.costs.link_gbps * 1e9), 2 * placement.copy_s(self.costs, self.sizes))
+        experts = [(e, cache.lands_at(layer, e)) for e in needed]
+        able = {e for e in needed if (layer, e) in self.copies}
+        run = sorted(placement.choose_by_finish(self.costs, self.sizes, time.perf_counter(), cache.link_free_time(),
+                                                experts, able))
+        cache.count_cpu_misses(len(run), 0)
+        return {e: uses[e] for e in run}, []
+
+    def start(self, layer: int, rows: dict, h: torch.Tensor, weights: torch.Tensor, out: torch.Tensor):
+        """Send h down and queue rows' experts (see choose); returns finish(), which waits for
+        them and adds each output times its routing weight to out as the device path does:
+        out += (y.to(out.dtype) * weight).to(out.dtype)."""
+        experts = sorted(rows)
+        h_host = h.detach().to("cpu", torch.float32)  # the host synced on routing: h is final
+        jobs = [(self.copies[layer, e], h_host[[t for t, _ in rows[e]]]) for e in experts]
+        if self.worker is None:
+            result = run_jobs(jobs, self.stats)
+        else:
+            future = self.worker.run(jobs)
+
+        def finish() -> None:
+            t0 = time.perf_counter()
+            ys = result if self.worker is None else future.result()
+            self.stats.waited_s += time.perf_counter() - t0  # the CPU was this layer's critical path
+            decode = h.shape[0] == 1
+            up = self._up(ys, out) if decode else [y.to(out.device, out.dtype) for y in ys]
+            for e, y in zip(experts, up):
+                if decode:
+                    k = rows[e][0][1]
+                    out.add_((y * weights[:, k:k + 1]).to(out.dtype))
+                else:
+                    t = torch.tensor([t for t, _ in rows[e]], device=out.device)
+                    k = torch.tensor([k for _, k in rows[e]], device=out.device)
+                    out.index_add_(0, t, (y * weights[t, k, None]).to(out.dtype))
+
+        return finish
+
+    def _up(self, ys: list[torch.Tensor], out: torch.Tensor) -> list[torch.Tensor]:
+        """Decode results [1, H] each -> on out's device, through one pinned staging buffer
+        (one copy, not waiting for the device). The buffer is rewritten only after the next
+        layer's routing sync, by which time this copy has run."""
+        if out.device.type == "cpu":
+            return [y.to(out.dtype) for y in ys]
+        n = len(ys)
+        if self.stage is None or self.stage.shape[0] < n or self.stage.dtype != out.dtype:
+            self.stage = torch.empty((max(n, 8), out.shape[-1]), dtype=out.dtype, pin_memory=True)
+        for j, y in enumerate(ys):
+            self.stage[j].copy_(y[0])
+        up = self.stage[:n].to(out.device, non_blocking=True)
+        return [up[j:j + 1] for j in range(n)]
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()

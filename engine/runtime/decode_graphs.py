@@ -1,0 +1,263 @@
+"""Batch-1 decode with CUDA graphs of the model's own layer (OffloadedMixtral.layer).
+
+Eager decode launches ~60 small kernels per layer and the host must stay ahead of the GPU
+between the per-layer routing syncs; at a few microseconds per launch that alone caps decode
+near 100 tokens/s. GraphedDecode runs the same layer function on one fixed set of buffers
+(a model.Step) and hands it a `run` that captures each device segment of the layer once and
+replays it afterwards; the host part between the segments (routing sync, cache, prefetch,
+the CPU hybrid) is the layer's own and runs as in the eager forward. The segments run on
+decode_kernels.FusedOps (fused kernels where the layer allows them) wherever the fused GEMVs
+run, else on the eager operations. The routed experts run in one of three ways, fastest first:
+  * every expert resident (the cache holds all of them): nothing is ever copied, so the MoE
+    layers have no host part and the whole token - all layers and the head - is ONE graph,
+    with no host sync until the logits;
+  * the grouped expert kernel (hqq_gpu.moe_decode, where the cache's expert format allows it):
+    one graph per layer runs all routed experts (reading each one's slot from the cache's
+    device table) after the host's routing sync has made sure they are in place;
+  * otherwise one graph per (layer, cache slot, top-k position) and expert.
+A forced routing (`model.routing`, engine/measure/routing.py) is written over the router's on the
+device before dispatch reads it; the one graph copies it from `forced`, which the host fills
+before each replay. With the CPU+GPU hybrid some of a layer's experts run on the CPU: the
+grouped launch then runs only the others (a graph per count) and the CPU's sum is added to
+`out` eagerly before the next graph reads it.
+
+Graphs read the token position from a device tensor, so they replay at any position (layers
+with an eager attention are keyed on the span it reads). Each graph is captured the first
+time it is needed, right after running its function eagerly for that token (which also
+compiles the Triton kernels). A new KV cache or expert cache drops all graphs, and so does a
+new prefetch depth unless every expert is resident. With capture=False nothing is captured
+and every segment runs as it comes (the CPU tests run the fused path so, under the Triton
+interpreter).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from moeferry.engine.kernels import hqq_gpu
+from moeferry.engine.kernels.decode import FusedOps, add_rms_norm, rope_attention, route_topk
+from moeferry.engine.runtime.model import EagerOps, rope_cos_sin
+
+
+class GraphedDecode:
+    def __init__(self, model, capture: bool = True):
+        self.m, self.capture = model, capture
+        cfg, dev = model.cfg, model.device
+        positions = torch.arange(cfg.max_position_embeddings, device=dev)
+        cos, sin = rope_cos_sin(model.inv_freq, positions, model.dtype, model.rope_scale)  # [P, 1, D]
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.s = model.new_step(torch.zeros(1, dtype=torch.long, device=dev), cos, sin, pos=self.pos)
+        self.logits = torch.zeros(1, cfg.vocab_size, dtype=torch.float32, device=dev)
+        moe = max(1, cfg.num_moe_layers)  # a forced routing's choice for the one graph
+        self.forced = (torch.zeros(moe, cfg.top_k, dtype=torch.float32, device=dev),
+                       torch.zeros(moe, cfg.top_k, dtype=torch.long, device=dev))
+        if capture:
+            self.pool = torch.cuda.graph_pool_handle()
+            self.capture_stream = torch.cuda.Stream(dev)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph | None] = {}  # capture=False: the keys run
+        self.key = None
+        # the fused operations wherever the fused GEMVs run; whether the expert cache allows the
+        # grouped expert kernel is decided per cache in check_keys
+        self.fast = (model.kernels != "reference" and hqq_gpu.fused_available(dev)
+                     and self.works(self.probe_decode_kernels, "fused decode kernels"))
+        self.ops = FusedOps(model) if self.fast else EagerOps(model)
+
+    @property
+    def grouped(self) -> bool:
+        return self.ops.grouped
+
+    # -- one decode step --------------------------------------------------------------------------
+
+    def step(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        m, s = self.m, self.s
+        self.check_keys()
+        s.tokens.copy_(tokens.view(1))
+        self.pos.fill_(start)
+        s.span = attention_span(start, m.kv.capacity)
+        if m.routing is not None:
+            m.routing.begin(1)
+        if self.one_graph:
+            m.cache.sync_tables()  # once: a fully resident cache never changes
+            forced = self.is_forced()
+            if forced:
+                for buf, table in zip(self.forced, m.routing.token_table()):
+                    buf.copy_(table)
+            self.run(("token", forced), lambda: self.token_segment(forced))
+            m.cache.count_hits(m.cfg.num_moe_layers * m.cfg.top_k)
+            if m.trace is not None:
+                m.trace.append([(tuple(ids), m.cache.resident(i))
+                                for i, ids in enumerate(s.ids[:m.cfg.num_moe_layers, 0].tolist())])
+            return self.logits.clone()
+        step = [] if m.trace is not None else None
+        for i in range(m.cfg.num_layers):
+            m.layer(i, s, self.ops, self.run, step)
+        if step is not None:
+            m.trace.append(step)
+        self.run(("head",), self.head_segment)
+        return self.logits.clone()
+
+    def token_segment(self, forced: bool) -> None:
+        """Every layer and the head, for a cache that holds every expert (no host part)."""
+        self.s.forced = self.forced if forced else None
+        for i in range(self.m.cfg.num_layers):
+            self.m.layer(i, self.s, self.ops)
+        self.head_segment()
+
+    def head_segment(self) -> None:
+        self.m.head(self.s, self.ops, out=self.logits)
+
+    def is_forced(self) -> bool:
+        return self.m.routing is not None and self.m.routing.forces
+
+    def check_keys(self) -> None:
+        """Drop every graph when a buffer it bakes in changed (the expert cache's slots, the KV
+        cache, the prefetch depth). A fresh memory pool goes with them: a pool whose graphs
+        were all freed must not be captured into again."""
+        m = self.m
+        # with every expert resident there are no guesses: a new depth keeps the graphs
+        depth = 0 if m.cache.holds_every_expert else m.prefetch_depth
+        key = (m.kv.serial, m.cache.serial, depth)
+        if key != self.key:
+            if self.key is None or key[1] != self.key[1]:  # a new expert cache
+                self.ops.grouped = self.fast and self.can_group()
+                self.one_graph = self.ops.grouped and m.cache.holds_every_expert
+                self.s.resident = self.one_graph
+            self.graphs = {}
+            if self.capture:
+                self.pool = torch.cuda.graph_pool_handle()
+            self.key = key
+
+    def prepare(self, max_position: int, progress=None) -> None:
+        """Capture every graph decode can need up to max_position, before any generation: the
+        keys OffloadedMixtral.layer hands to run().
+
+        Must run before a prefill: the eager warm-up writes position 0 of the KV cache.
+        """
+        m, s, ops, cache = self.m, self.s, self.ops, self.m.cache
+        self.check_keys()
+        self.pos.zero_()
+        jobs: dict[tuple, object] = {}
+        if self.one_graph:
+            forced = self.is_forced()
+            jobs[("token", forced)] = lambda: self.token_segment(forced)
+        else:
+            spans = sorted({attention_span(p, m.kv.capacity) for p in range(0, max_position, 256)}
+                           | {attention_span(max_position - 1, m.kv.capacity)})
+            for span in spans:
+                for i, layer in enumerate(m.layers):
+                    s.span = span
+                    jobs.setdefault(("attention", i, ops.span(layer, s)),
+                                    lambda i=i, layer=layer, span=span: self.attention_job(i, layer, span))
+            for i, layer in enumerate(m.layers):
+                if "mlp" in layer:
+                    jobs[("mlp", i)] = lambda layer=layer: s.out.copy_(m.expert(layer["mlp"], s.h))
+                    continue
+                mi = layer["moe_index"]
+                if ops.grouped:
+                    jobs[("moe", i)] = lambda mi=mi: ops.experts(mi, s, s.ids[mi])
+                    if m.hybrid is not None:  # the GPU part of a layer that also runs CPU experts
+                        for n in range(1, m.cfg.top_k):
+                            jobs[("moe", i, n)] = lambda mi=mi, n=n: ops.experts(mi, s, s.ids[mi], n)
+                else:
+                    for slot in range(cache.slots_per_layer):
+                        w = cache.slot_weights(mi, slot)
+                        for k in range(m.cfg.top_k):
+                            jobs[("expert", i, slot, k)] = lambda w=w, k=k, mi=mi: m.add_expert(w, s, s.ids[mi], -1, k)
+                if "shared" in layer:
+                    jobs[("shared", i)] = lambda layer=layer: m.shared_expert(layer, s)
+            jobs[("head",)] = self.head_segment
+        for n, (key, fn) in enumerate(jobs.items()):
+            self.run(key, fn)
+            if progress and n % 32 == 0:
+                progress(n / len(jobs), "preparing CUDA graphs")
+
+    def attention_job(self, i: int, layer: dict, span: int) -> None:
+        self.s.span = span
+        self.m.attention_block(i, layer, self.s, self.ops)
+
+    def run(self, key: tuple, fn) -> None:
+        """One device segment of the layer: replayed if captured, else run and captured."""
+        g = self.graphs.get(key)
+        if g is not None:
+            g.replay()
+            return
+        if not self.capture:
+            self.graphs[key] = None
+            fn()
+            return
+        # Captured by hand: torch.cuda.graph() would also synchronize, collect garbage and empty
+        # the allocator's cache for each of the hundreds of small graphs.
+        g = torch.cuda.CUDAGraph()
+        main = torch.cuda.current_stream()
+        self.capture_stream.wait_stream(main)
+        with torch.cuda.stream(self.capture_stream):
+            # This token's result, eagerly, on the capture stream: Triton compiles and per-stream
+            # workspaces (cuBLAS, split-K scratch) are made here, outside the graph's memory pool.
+            fn()
+            g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                fn()  # recorded, not executed
+            finally:
+                g.capture_end()
+        main.wait_stream(self.capture_stream)
+        self.graphs[key] = g
+
+    # -- whether the fast paths work on this machine ----------------------------------------------
+
+    def works(self, probe, what: str) -> bool:
+        """Run probe() once, on scratch buffers. Under kernels="auto" a failure (Triton cannot
+        build a kernel on this machine, say) means the slower path and a warning; under
+        kernels="fused" it is raised."""
+        if self.m.kernels == "fused":
+            probe()
+            return True
+        try:
+            probe()
+            if self.m.device.type == "cuda":
+                torch.cuda.synchronize(self.m.device)
+            return True
+        except Exception as e:  # noqa: BLE001 - any failure of the optional fast path
+            warnings.warn(f"{what} unavailable ({type(e).__name__}: {e}); using the slower path", stacklevel=2)
+            return False
+
+    def probe_decode_kernels(self) -> None:
+        """Each fused kernel of the attention segment once, on scratch outputs."""
+        m, s, cfg, dev = self.m, self.s, self.m.cfg, self.m.device
+        layer = m.layers[0]
+        add_rms_norm(torch.zeros_like(s.x), s.x, layer["attn_norm"], cfg.rms_norm_eps, torch.empty_like(s.x))
+        if m.moe_layers:
+            route_topk(s.x, m.moe_layers[0]["router"], cfg.top_k, torch.empty_like(s.weights[0]),
+                       torch.empty_like(s.guesses[0]), m.moe_layers[0].get("router_bias"))
+        if cfg.head_dim & (cfg.head_dim - 1) == 0:
+            q = torch.zeros(cfg.num_heads, cfg.head_dim, dtype=m.dtype, device=dev)
+            kv = torch.zeros(cfg.num_kv_heads, cfg.head_dim, dtype=m.dtype, device=dev)
+            cache = torch.zeros(1, cfg.num_kv_heads, cfg.head_dim, dtype=m.dtype, device=dev)
+            rope_attention(q, kv, kv, s.cos, s.sin, torch.zeros_like(self.pos), cache, cache.clone(),
+                           cfg.sliding_window, torch.empty(1, cfg.num_heads * cfg.head_dim, dtype=m.dtype, device=dev))
+        if hqq_gpu.pair_supported(layer["k_proj"], layer["v_proj"]):
+            out = torch.empty(1, cfg.num_kv_heads * cfg.head_dim, dtype=m.dtype, device=dev)
+            hqq_gpu.gemv_pair(s.x, layer["k_proj"], layer["v_proj"], out, torch.empty_like(out))
+
+    def can_group(self) -> bool:
+        """Whether hqq_gpu.moe_decode can run this model's experts from this cache."""
+        m, cache = self.m, self.m.cache
+        if (not m.moe_layers or cache.decode is not None or cache.slots_per_layer < m.cfg.top_k
+                or m.cfg.expert_act != "silu" or not hqq_gpu.moe_supported(cache.slot_weights(0, 0))):
+            return False
+        # slot 0 for every expert: a valid address whatever the slots hold
+        s = self.s
+        return self.works(lambda: hqq_gpu.moe_decode(
+            s.h, cache.slot_weights(0, 0), cache.slot_bytes, torch.arange(m.cfg.top_k, device=m.device),
+            s.weights[0], torch.zeros(m.cfg.num_experts, dtype=torch.int32, device=m.device),
+            torch.empty_like(s.out)), "grouped expert kernels")
+
+
+def attention_span(start: int, capacity: int) -> int:
+    """Positions an eager attention reads at `start`: a power of two >= start+1 (min 256), so a
+    graph serves many positions and the masked tail stays small."""
+    span = 256
+    while span < start + 1:
+        span *= 2
+    return min(span, capacity)

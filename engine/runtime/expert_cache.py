@@ -1,0 +1,293 @@
+"""Per-layer LRU cache of experts on the compute device, filled from host memory.
+
+Each layer owns K slots; a slot holds one packed expert (one contiguous byte range, so one
+copy moves it). On CUDA the host copy is pinned and copies run on their own stream:
+- before a copy overwrites a slot, the copy stream waits for the compute stream's
+  `free` event recorded after the slot's last use;
+- before compute uses a slot, the compute stream waits for the copy's `ready` event.
+The host never waits for a copy. On the CPU "device" is host memory and copies are memcpy.
+Pacing (the benchmark's stand-in for a slower link): with pace_cycles > 0 every copy is
+followed on the copy stream by a GPU spin of that many cycles before its `ready` event, so
+later copies and every use of the slot wait as they would behind a slower link.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    prefetch_issued: int = 0
+    prefetch_used: int = 0
+    bytes_h2d: int = 0
+    misses_cpu: int = 0  # misses computed on the CPU (engine/runtime/cpu_experts.py), counted in misses
+    misses_both: int = 0  # of those, also copied in for later use
+
+
+SERIALS = itertools.count()
+
+
+class ExpertCache:
+    policy = "lru"  # the benchmark's baselines (engine/measure/bench.py) are other policies
+
+    def __init__(self, host: torch.Tensor, slots_per_layer: int, device: torch.device, make_views,
+                 progress=None, decode=None, pace_cycles: int = 0):
+        """host: uint8 [layers, experts, stride]; make_views(byte range) -> expert weights."""
+        self.pace_cycles = pace_cycles  # GPU cycles spun after each copy (see pace_cycles())
+        # decode(weights) -> compute-ready weights, applied once per load (the CPU dequantizes
+        # an expert when it arrives instead of at every product); None = use the views as they are
+        self.decode = decode
+        self.decoded: list[list] = [[None] * slots_per_layer for _ in range(host.shape[0])]
+        self.serial = next(SERIALS)  # never reused, unlike id(): CUDA graphs key on it
+        L, E, B = host.shape
+        if not 1 <= slots_per_layer <= E:
+            raise ValueError(f"slots_per_layer must be in 1..{E}")
+        self.L, self.E, self.B, self.K = L, E, B, slots_per_layer
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.host, self.pinned = host, False
+        self.slots = torch.empty((L, self.K, B), dtype=torch.uint8, device=device)
+        self.views = [[make_views(self.slots[l, s]) for s in range(self.K)] for l in range(L)]
+        self.lru: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(L)]  # expert -> slot
+        # The slot of each expert, on the device for kernels that pick their expert there
+        # (kernels.moe_decode); a host mirror takes the updates, sync_table() sends a layer's row.
+        # Entries of experts not resident are stale and never read.
+        self.table_host = torch.zeros((L, E), dtype=torch.int32, pin_memory=self.cuda)
+        self.table = torch.zeros((L, E), dtype=torch.int32, device=device)
+        self.table_dirty: set[int] = set()
+        self.unused_prefetch: list[set[int]] = [set() for _ in range(L)]
+        self.stats = CacheStats()
+        # The link's queue on the host clock, for the CPU+GPU hybrid (engine/runtime/cpu_experts.py):
+        # when each slot's copy should land and when the link is free again. Kept only once
+        # link_s_per_byte is set (the hybrid sets it from its measured or paced link rate).
+        self.link_s_per_byte: float | None = None
+        self.link_free_at = 0.0
+        self.ready_at = [[0.0] * self.K for _ in range(L)]
+        self.prefetch_horizon_s = 0.0  # with the above: no prefetch while the link is busier than this
+        if self.cuda:
+            self.copy_stream = torch.cuda.Stream(device)
+            self.ready = [[torch.cuda.Event() for _ in range(self.K)] for _ in range(L)]
+            self.free = [[torch.cuda.Event() for _ in range(self.K)] for _ in range(L)]
+        self._fill(progress)
+
+    def _fill(self, progress) -> None:
+        """Everything fits: load once, never copy again. Else pin the host copy (CUDA)."""
+        if self.K == self.E:
+            for layer in range(self.L):
+                self.slots[layer].copy_(self.host[layer])
+                self.lru[layer].update((e, e) for e in range(self.E))
+                self.table_host[layer] = torch.arange(self.E, dtype=torch.int32)
+                self.table_dirty.add(layer)
+                for e in range(self.E):
+                    self._decode(layer, e)
+                if progress:
+                    progress((layer + 1) / self.L, "loading experts onto the device")
+            self.host = None
+        elif self.cuda:
+            self.host, self.pinned = pin(self.host, progress)
+
+    # -- what the model, the graph runner and the prefetcher call ----------------------------------
+
+    @property
+    def holds_every_expert(self) -> bool:
+        """Every expert resident for good: nothing is ever copied (nor worth guessing)."""
+        return self.K == self.E
+
+    @property
+    def slots_per_layer(self) -> int:
+        return self.K
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one packed expert: slot s of a layer lies s * slot_bytes after slot 0."""
+        return self.B
+
+    def slot_weights(self, layer: int, slot: int):
+        """The weights in a slot, whichever expert it holds (CUDA graphs bake them in): the
+        packed views until a decoding cache (the CPU's) has loaded the slot."""
+        decoded = self.decoded[layer][slot] if self.decode is not None else None
+        return self.views[layer][slot] if decoded is None else decoded
+
+    def device_table(self, layer: int) -> torch.Tensor:
+        """The layer's expert -> slot table on the device [experts] int32 (kernels.moe_decode)."""
+        return self.table[layer]
+
+    def sync_tables(self) -> None:
+        for layer in list(self.table_dirty):
+            self.sync_table(layer)
+
+    def count_hits(self, n: int) -> None:
+        """n uses served from the device that did not go through acquire (the one-graph token)."""
+        self.stats.hits += n
+
+    # -- what the CPU+GPU hybrid (engine/runtime/cpu_experts.py) reads and sets --------------------------
+
+    def plan_link(self, s_per_byte: float, prefetch_horizon_s: float) -> None:
+        """Keep the link's queue on the host clock at this rate; no prefetch while it reaches
+        further than prefetch_horizon_s."""
+        self.link_s_per_byte, self.prefetch_horizon_s = s_per_byte, prefetch_horizon_s
+
+    def lands_at(self, layer: int, expert: int) -> float | None:
+        """When a resident expert's copy lands (host clock, 0 if long done); None if not resident."""
+        slot = self.lru[layer].get(expert)
+        return None if slot is None else self.ready_at[layer][slot]
+
+    def link_free_time(self) -> float:
+        """When the link has done every copy queued so far (host clock)."""
+        return self.link_free_at
+
+    def count_cpu_misses(self, cpu: int, both: int) -> None:
+        """Misses computed on the CPU (both: of those, also copied in for later)."""
+        self.stats.misses += cpu
+        self.stats.misses_cpu += cpu
+        self.stats.misses_both += both
+
+    def resident(self, layer: int) -> tuple[int, ...]:
+        return tuple(sorted(self.lru[layer]))
+
+    def acquire(self, layer: int, expert: int, keep=()):
+        """Weights of `expert` on the device, copying it in if it misses; then use, then release().
+
+        keep: experts needed in the same step, which a miss does not evict while others can go.
+        """
+        lru = self.lru[layer]
+        if expert in lru:
+            self.stats.hits += 1
+            lru.move_to_end(expert)
+            if expert in self.unused_prefetch[layer]:
+                self.unused_prefetch[layer].discard(expert)
+                self.stats.prefetch_used += 1
+            slot = lru[expert]
+        else:
+            self.stats.misses += 1
+            slot = self._load(layer, expert, keep)
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(self.ready[layer][slot])
+        return self._weights(layer, slot), slot
+
+    def sync_table(self, layer: int) -> None:
+        """Send layer's expert -> slot row to the device, in the compute stream's order, if the
+        host changed it. The previous send of the row has run: the host syncs on routing in
+        between (and a fully resident cache never changes)."""
+        if layer in self.table_dirty:
+            self.table[layer].copy_(self.table_host[layer], non_blocking=self.cuda)
+            self.table_dirty.discard(layer)
+
+    def release(self, layer: int, slot: int) -> None:
+        if self.cuda:
+            self.free[layer][slot].record(torch.cuda.current_stream(self.device))
+
+    def prefetch(self, layer: int, experts: list[int]) -> None:
+        """Start copying predicted experts (best guess first); never more than K per layer."""
+        if self.link_backed_up():
+            return
+        experts = experts[:self.K]
+        lru = self.lru[layer]
+        for e in reversed(experts):  # best guess last = most recently used
+            if e in lru:
+                lru.move_to_end(e)
+        for e in experts:
+            if e not in lru:
+                self._load(layer, e, keep=experts)
+                self.unused_prefetch[layer].add(e)
+                self.stats.prefetch_issued += 1
+
+    def link_backed_up(self) -> bool:
+        """The link's queue reaches further than prefetch_horizon_s (the hybrid's CPU then takes
+        the misses a guess would have copied: a copy queued now would land too late to help)."""
+        return bool(self.link_s_per_byte and self.prefetch_horizon_s
+                    and self.link_free_at - time.perf_counter() > self.prefetch_horizon_s)
+
+    def admit(self, layer: int, expert: int) -> None:
+        """Copy `expert` in for later use, not for this step (the hybrid's "both": computed on
+        the CPU now, cached for the next time). Counted as a copy, not as a prefetch."""
+        if expert not in self.lru[layer]:
+            self._load(layer, expert, keep=(expert,))
+
+    # -- inside ---------------------------------------------------------------------------------
+
+    def _load(self, layer: int, expert: int, keep, slot: int | None = None) -> int:
+        lru = self.lru[layer]
+        if slot is None:  # else the caller's choice (the benchmark's naive cache)
+            slot = len(lru) if len(lru) < self.K else self._evict(layer, keep)
+        lru[expert] = slot
+        self.table_host[layer, expert] = slot
+        self.table_dirty.add(layer)
+        src, dst = self.host[layer, expert], self.slots[layer, slot]
+        if self.cuda:
+            with torch.cuda.stream(self.copy_stream):
+                self.copy_stream.wait_event(self.free[layer][slot])
+                dst.copy_(src, non_blocking=self.pinned)
+                if self.pace_cycles:
+                    torch.cuda._sleep(self.pace_cycles)
+                self.ready[layer][slot].record(self.copy_stream)
+            if self.link_s_per_byte:
+                start = max(time.perf_counter(), self.link_free_at)
+                self.link_free_at = self.ready_at[layer][slot] = start + self.B * self.link_s_per_byte
+        else:
+            dst.copy_(src)
+            self._decode(layer, slot)
+        self.stats.bytes_h2d += self.B
+        return slot
+
+    def _evict(self, layer: int, keep) -> int:
+        """Drop the least recently used expert not in keep (else the oldest); its slot."""
+        lru = self.lru[layer]
+        victim = next((e for e in lru if e not in keep), next(iter(lru)))
+        self.unused_prefetch[layer].discard(victim)
+        return lru.pop(victim)
+
+    def _decode(self, layer: int, slot: int) -> None:
+        if self.decode is not None:
+            self.decoded[layer][slot] = self.decode(self.views[layer][slot])
+
+    def _weights(self, layer: int, slot: int):
+        return self.decoded[layer][slot] if self.decode is not None else self.views[layer][slot]
+
+    def device_bytes(self) -> int:
+        return self.slots.numel()
+
+
+def pin(host: torch.Tensor, progress=None) -> tuple[torch.Tensor, bool]:
+    """Copy experts into page-locked memory so copies can overlap compute.
+
+    Pinning can fail (Windows limits page-locked memory); then copies fall back to pageable
+    memory: correct, slower (7-12 GB/s instead of ~25-55), and said so by the caller.
+    """
+    if host.is_pinned():  # a new cache over the same experts (Engine.set_cache_experts)
+        return host, True
+    try:
+        pinned = torch.empty(host.shape, dtype=torch.uint8, pin_memory=True)
+    except RuntimeError:
+        return host, False
+    for layer in range(host.shape[0]):
+        pinned[layer].copy_(host[layer])
+        if progress:
+            progress((layer + 1) / host.shape[0], "loading experts into pinned memory")
+    return pinned, True
+
+
+def sleep_cycles_per_s(device) -> float:
+    """How many torch.cuda._sleep cycles the GPU spins per second (timed with CUDA events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)  # warm up
+    cycles = 50_000_000
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / (start.elapsed_time(end) / 1e3)
+
+
+def pace_cycles(nbytes: int, target_bytes_per_s: float, link_bytes_per_s: float, cycles_per_s: float) -> int:
+    """Spin after a copy of nbytes so that it takes nbytes / target instead of nbytes / link."""
+    extra = nbytes / target_bytes_per_s - nbytes / link_bytes_per_s
+    return max(0, int(extra * cycles_per_s))

@@ -1,0 +1,625 @@
+"""Loading a store and generating text: sampling -> prefill -> decode -> stream -> load.
+
+`load_engine` picks the device, dtype and expert-cache size (from a VRAM budget), and
+`Engine.stream` yields text pieces as tokens are decoded; a threading.Event cancels it from
+any thread. Stats for every generation land in `Engine.last_stats`, the routing of every
+decoded token in `Engine.last_trace` (the GUI's expert map).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from moeferry.engine.contract import ExpertTrace, GenerationStats, SamplingSettings, TokenPiece  # noqa: F401 - re-exported
+from moeferry.engine.errors import UserError
+from moeferry.engine.runtime import vram
+from moeferry.engine.runtime.expert_cache import ExpertCache
+from moeferry.engine.runtime.model import ModelConfig, OffloadedMixtral
+from moeferry.engine.storage import quant, store as store_mod
+from moeferry.engine.units import GB, KB, MB, TB, GiB, KiB, MiB, TiB, fmt_bytes
+
+
+def detokenize(tokenizer, ids: Iterable[int]) -> Iterator[tuple[int, str]]:
+    """(token, the text it adds) for each token, decoding only the last few tokens each time.
+
+    Decoding the whole reply per token costs O(n^2); instead two windows that start at the same
+    token are decoded (the text already shown, and it plus the new tokens), so whatever a
+    tokenizer does at the start of a decode (a dropped leading space) cancels out. A token
+    that ends in an unfinished multi-byte character yields nothing until the rest arrives.
+    """
+    new: list[int] = []
+    start = shown = 0  # window start; tokens [start, shown) are the text already given out
+    for tok in ids:
+        new.append(tok)
+        before = tokenizer.decode(new[start:shown], skip_special_tokens=True)
+        text = tokenizer.decode(new[start:], skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            continue
+        yield tok, text[len(before):]
+        start, shown = shown, len(new)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling
+
+
+def store_sampling_defaults(path: Path) -> dict:
+    """The repetition controls a store's generation_config.json sets (transformers' key names)."""
+    import json
+    gc = path / "generation_config.json"
+    cfg = json.loads(gc.read_text()) if gc.is_file() else {}
+    return {"repeat_penalty": float(cfg.get("repetition_penalty") or 1.0),
+            "no_repeat_ngram": int(cfg.get("no_repeat_ngram_size") or 0)}
+
+
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 100.0
+# ExpertCache's CacheStats field -> GenerationStats field (the contract module loads without torch)
+CACHE_STAT_NAMES = {"hits": "cache_hits", "misses": "cache_misses", "prefetch_issued": "prefetch_issued",
+                    "prefetch_used": "prefetch_used", "bytes_h2d": "bytes_h2d", "misses_cpu": "misses_cpu",
+                    "misses_both": "misses_both"}
+
+
+def check_sampling(s: SamplingSettings) -> None:
+    """NaN, infinities and temperatures too small to divide by are refused (0 means greedy)."""
+    if not (s.temperature == 0 or MIN_TEMPERATURE <= s.temperature <= MAX_TEMPERATURE):
+        raise UserError(f"--temperature must be 0 (greedy) or a number from {MIN_TEMPERATURE:g} to "
+                        f"{MAX_TEMPERATURE:g}, not {s.temperature}.")
+    if not 0 < s.top_p <= 1:
+        raise UserError(f"--top-p must be a number above 0 and at most 1, not {s.top_p}.")
+    if s.repeat_penalty is not None and not 0 < s.repeat_penalty < float("inf"):
+        raise UserError("--repeat-penalty must be above 0 (1.0 = off; 1.1 is a usual value).")
+    if s.repeat_last_n < -1:
+        raise UserError("--repeat-last-n must be -1 (the whole context), 0 (off) or more.")
+    if s.no_repeat_ngram is not None and s.no_repeat_ngram < 0:
+        raise UserError("--no-repeat-ngram must be 0 (off) or more.")
+
+
+class Repetition:
+    """The repetition controls' tables for the tokens so far, updated one token at a time: the
+    counts of the last repeat_last_n tokens, and for every (n-1)-token prefix the tokens that
+    followed it (rebuilding them for every new token costs a pass over the whole context)."""
+
+    def __init__(self, s: SamplingSettings, context: Sequence[int] = ()):
+        self.penalty, self.n, self.last_n = s.repeat_penalty or 1.0, s.no_repeat_ngram or 0, s.repeat_last_n
+        self.tokens: list[int] = []
+        self.window: Counter[int] = Counter()  # token -> times in the penalty's window
+        self.followers: dict[tuple[int, ...], set[int]] = {}  # (n-1)-gram -> tokens seen after it
+        for tok in context:
+            self.add(tok)
+
+    def add(self, tok: int) -> None:
+        self.tokens.append(tok)
+        if self.penalty != 1.0 and self.last_n != 0:
+            self.window[tok] += 1
+            if 0 < self.last_n < len(self.tokens):
+                old = self.tokens[-self.last_n - 1]
+                self.window[old] -= 1
+                if not self.window[old]:
+                    del self.window[old]
+        if self.n >= 1 and len(self.tokens) >= self.n:
+            gram = self.tokens[len(self.tokens) - self.n:]
+            self.followers.setdefault(tuple(gram[:-1]), set()).add(gram[-1])
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [vocab] with the controls applied (a copy; the same tensor when none applies)."""
+        ngrams = self.n >= 1 and len(self.tokens) >= self.n
+        if self.penalty == 1.0 and not ngrams:
+            return logits
+        logits = logits.clone()
+        if self.penalty != 1.0 and self.window:
+            idx = torch.tensor(sorted(self.window), device=logits.device)
+            seen = logits[idx]
+            logits[idx] = torch.where(seen > 0, seen / self.penalty, seen * self.penalty)
+        if ngrams:
+            banned = self.followers.get(tuple(self.tokens[len(self.tokens) - self.n + 1:]))
+            if banned:
+                logits[torch.tensor(sorted(banned), device=logits.device)] = float("-inf")
+        return logits
+
+
+def penalize(logits: torch.Tensor, s: SamplingSettings, context: list[int]) -> torch.Tensor:
+    """logits [vocab] with the repetition controls applied to the context's tokens (a copy)."""
+    return Repetition(s, context).apply(logits)
+
+
+def sample(logits: torch.Tensor, s: SamplingSettings, gen: torch.Generator | None,
+           context: Sequence[int] | Repetition = ()) -> int:
+    """logits [vocab] float32 -> token id. temperature 0 = greedy. context: the tokens so far, or
+    their Repetition tables (kept by the caller, one add() per token)."""
+    logits = (context if isinstance(context, Repetition) else Repetition(s, context)).apply(logits)
+    if s.temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float().cpu() / s.temperature, dim=-1)
+    if s.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        drop = torch.cumsum(sorted_p, dim=-1) - sorted_p > s.top_p  # keep the first past top_p
+        sorted_p[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine
+
+
+class Engine:
+    def __init__(self, store: store_mod.Store, model: OffloadedMixtral, tokenizer, device, dtype,
+                 budget: int | None, max_context: int, note: str = ""):
+        self.store, self.model, self.tokenizer = store, model, tokenizer
+        self.config: ModelConfig = store.config
+        self.device, self.dtype, self.vram_budget, self.max_context = device, dtype, budget, max_context
+        self.note = note  # e.g. "pinned memory unavailable: copies are slower"
+        self.last_stats = GenerationStats()
+        self.last_trace = ExpertTrace(self.config.num_moe_layers, self.config.num_experts)
+        self.cached_ids: list[int] = []  # tokens whose keys/values are in the KV cache
+        self.lock = threading.Lock()
+        self.eos_ids = eos_ids(store.path, tokenizer)
+        self.sampling_defaults = store_sampling_defaults(store.path)
+
+    # -- settings applied from the next message --------------------------------------------------
+
+    def set_prefetch(self, depth: int) -> None:
+        if depth < 0:
+            raise UserError("Prefetch depth must be 0 (off) or more.")
+        self.model.prefetch_depth = depth
+
+    def set_cache_experts(self, k: int) -> None:
+        with self.lock:
+            check_cache_size(k, self.config)
+            check_budget(self.vram_budget, engine_device_bytes(self), k)
+            host = self.model.cache.host if self.model.cache.host is not None else store_mod.experts_array(self.store)
+            self.model.cache = None
+            self.model.cache = make_cache(self.store, host, k, self.device, self.dtype)
+
+    # -- text in, text out -----------------------------------------------------------------------
+
+    def encode(self, prompt, chat: bool) -> list[int]:
+        if isinstance(prompt, list) or chat:
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise UserError("This model has no chat template; run without --chat.")
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+        # verbose=False: _generate says in one sentence when a prompt is over the context
+        return self.tokenizer(prompt, verbose=False)["input_ids"]
+
+    def stream(self, prompt, sampling: SamplingSettings, cancel: threading.Event | None = None,
+               chat: bool | None = None) -> Iterator[TokenPiece]:
+        """Yield text pieces as tokens are decoded. prompt: text or chat messages."""
+        ids = self.encode(prompt, chat if chat is not None else isinstance(prompt, list))
+        for tok, piece in detokenize(self.tokenizer, self.generate_ids(ids, sampling, cancel)):
+            yield TokenPiece(tok, piece)
+
+    def generate_ids(self, prompt_ids: list[int], sampling: SamplingSettings,
+                     cancel: threading.Event | None = None) -> Iterator[int]:
+        with self.lock:
+            yield from self._generate(prompt_ids, sampling, cancel)
+
+    def _generate(self, prompt_ids, s: SamplingSettings, cancel) -> Iterator[int]:
+        if not prompt_ids:
+            raise UserError("The prompt is empty; give some text.")
+        room = self.max_context - len(prompt_ids)
+        if room < 1:
+            raise UserError(f"The prompt has {len(prompt_ids)} tokens, more than this model's context of "
+                            f"{self.max_context}; shorten it or start a new conversation.")
+        max_new = min(s.max_new_tokens, room)
+        check_sampling(s)
+        s = replace(s, **{k: v for k, v in self.sampling_defaults.items() if getattr(s, k) is None})
+        model, cache = self.model, self.model.cache
+        model.setup_kv(min(self.max_context, len(prompt_ids) + max_new))
+        gen = torch.Generator().manual_seed(s.seed) if s.seed is not None else None
+        before = asdict(cache.stats)
+        cpu_before = asdict(model.hybrid.stats) if model.hybrid is not None else None
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        reuse = common_prefix(self.cached_ids, prompt_ids)
+        self.cached_ids = []  # the KV cache is being overwritten
+        stats = GenerationStats(prompt_tokens=len(prompt_ids), reused_prompt_tokens=reuse,
+                                vram_budget_bytes=self.vram_budget)
+        trace = ExpertTrace(self.config.num_moe_layers, self.config.num_experts)
+        t0 = time.perf_counter()
+        tokens = torch.tensor(prompt_ids[reuse:], device=self.device)
+        model.trace = None
+        logits = model.forward(tokens, start=reuse)
+        repetition = Repetition(s, prompt_ids)
+        tok = sample(logits[-1], s, gen, repetition)
+        stats.prefill_s = stats.first_token_s = time.perf_counter() - t0
+        done = list(prompt_ids)
+        model.trace = []
+        t1 = time.perf_counter()
+        try:
+            for n in range(max_new):
+                stats.new_tokens = n + 1
+                yield tok
+                if tok in self.eos_ids or n + 1 == max_new or (cancel is not None and cancel.is_set()):
+                    break
+                logits = model.forward(torch.tensor([tok], device=self.device), start=len(done))
+                done.append(tok)
+                repetition.add(tok)
+                tok = sample(logits[-1], s, gen, repetition)
+        finally:
+            self.cached_ids = done  # keys/values of these positions are valid for reuse
+            stats.decode_s = time.perf_counter() - t1
+            if stats.new_tokens > 1:
+                stats.tokens_per_s = (stats.new_tokens - 1) / max(stats.decode_s, 1e-9)
+            after = asdict(cache.stats)
+            for ours, theirs in CACHE_STAT_NAMES.items():
+                setattr(stats, theirs, after[ours] - before[ours])
+            stats.misses_copied = stats.cache_misses - stats.misses_cpu
+            if model.hybrid is not None:
+                now = asdict(model.hybrid.stats)
+                cpu = type(model.hybrid.stats)(**{k: now[k] - cpu_before[k] for k in now})
+                stats.cpu_expert_runs, stats.cpu_s, stats.cpu_wait_s = cpu.experts, cpu.seconds, cpu.waited_s
+                stats.cpu_gb_per_s = cpu.gb_per_s
+            total = stats.prefill_s + stats.decode_s
+            stats.h2d_gb_per_s = stats.bytes_h2d / total / 1e9 if total > 0 else 0.0
+            stats.peak_vram_bytes = peak_device_bytes(self)
+            for step in model.trace or []:
+                trace.selected.append([sel for sel, _ in step])
+                trace.resident_before.append([res for _, res in step])
+            model.trace = None
+            self.last_stats, self.last_trace = stats, trace
+
+    def close(self) -> None:
+        if self.model is not None and self.model.hybrid is not None:
+            self.model.hybrid.close()  # the CPU experts' worker thread
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return min(n, len(b) - 1)  # always recompute the last prompt token: its logits are needed
+
+
+def eos_ids(path: Path, tokenizer) -> set[int]:
+    ids = set()
+    gc = path / "generation_config.json"
+    if gc.is_file():
+        import json
+        v = json.loads(gc.read_text()).get("eos_token_id")
+        ids.update(v if isinstance(v, list) else [v] if v is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def peak_device_bytes(engine: Engine) -> int:
+    """The GPU's peak allocation of the last generation; 0 on the CPU (no VRAM is used)."""
+    if engine.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(engine.device)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizing the expert cache from the VRAM budget
+
+
+def parse_size(text: str | None) -> int | None:
+    """'12GiB', '16GB', '800MiB', '123456', 'none' -> bytes (None = no budget)."""
+    if text is None or str(text).lower() in ("none", ""):
+        return None
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*", str(text).lower())
+    if not m:
+        raise UserError(f"Cannot read the size {text!r}; write it like 12GiB, 16GB or 800MiB.")
+    unit = (m.group(2) or "b").rstrip("b") or ""
+    mult = {"": 1, "k": KB, "m": MB, "g": GB, "t": TB, "ki": KiB, "mi": MiB, "gi": GiB, "ti": TiB}[unit]
+    return int(float(m.group(1)) * mult)
+
+
+def device_bytes(cfg: ModelConfig, dense_bytes: int, expert_bytes: int, context: int, dtype,
+                 device: torch.device, kernels: str = "auto") -> vram.DeviceBytes:
+    """What the model holds on the device besides its expert cache (engine/runtime/vram.py's sizing,
+    the planner's too)."""
+    on_gpu = device.type == "cuda"
+    return vram.DeviceBytes(
+        dense=dense_bytes,
+        kv_cache=vram.kv_cache_bytes(cfg.num_layers, context, cfg.num_kv_heads, cfg.head_dim, dtype.itemsize),
+        workspace=vram.workspace_bytes(cfg.hidden_size * cfg.intermediate_size, dtype.itemsize, kernels, on_gpu),
+        per_slot=cfg.num_moe_layers * expert_bytes, num_experts=cfg.num_experts)
+
+
+def engine_device_bytes(engine: "Engine") -> vram.DeviceBytes:
+    m = engine.model
+    return device_bytes(engine.config, m.dense_bytes, engine.store.expert_bytes, engine.max_context, m.dtype,
+                        m.device, m.kernels)
+
+
+def check_cache_size(k: int, cfg: ModelConfig) -> None:
+    if not 1 <= k <= cfg.num_experts:
+        raise UserError(f"--cache-experts must be between 1 and {cfg.num_experts} (the experts per layer "
+                        f"of this model); got {k}.")
+
+
+def check_budget(budget: int | None, sizing: vram.DeviceBytes, k: int) -> None:
+    if budget is None:
+        return
+    need = sizing.needed(k)
+    if need > budget:
+        raise UserError(f"A VRAM budget of {fmt_bytes(budget)} cannot hold this model with {k} cached "
+                        f"expert(s) per layer ({fmt_bytes(need)} needed; at least {fmt_bytes(sizing.needed(1))} "
+                        f"with 1); raise --vram-budget or lower --cache-experts.")
+
+
+def make_cache(store: store_mod.Store, host: torch.Tensor, k: int, device, dtype, progress=None) -> ExpertCache:
+    cfg = store.config
+
+    def views(buf):  # views into the slot's bytes: no copy, no allocation per token
+        return store_mod.view_expert(buf, store.expert_fields, store.expert_quant, cfg)
+
+    def dequantized(weights):  # the CPU has no fused kernels: dequantize once per load
+        return {m: compute_ready(w, dtype) for m, w in weights.items()}
+
+    return ExpertCache(host, k, device, views, progress, decode=dequantized if device.type == "cpu" else None)
+
+
+def compute_ready(w, dtype):
+    """A weight as the CPU computes with it: dequantized (the same values the reference path
+    would produce at every product) in the compute dtype."""
+    return store_mod.as_float(w, dtype)
+
+
+def move_dense(dense: dict, device, dtype) -> tuple[dict, int]:
+    out, nbytes = {}, 0
+    for name, w in dense.items():
+        if isinstance(w, quant.QMatrix) and device.type == "cpu":
+            out[name] = compute_ready(w, dtype)
+            nbytes += out[name].numel() * out[name].element_size()
+        elif isinstance(w, quant.QMatrix):
+            t = {k: v.to(device) for k, v in w.tensors().items()}
+            out[name] = quant.QMatrix.from_tensors(w.info(), t)
+            nbytes += w.nbytes()
+        else:
+            out[name] = w.to(device=device, dtype=dtype)
+            nbytes += out[name].numel() * out[name].element_size()
+    return out, nbytes
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for, but PyTorch sees no CUDA GPU; use --device cpu "
+                        "or install a CUDA build of PyTorch.")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise UserError(f"Unknown device {device!r}; use auto, cpu or cuda.")
+    return torch.device(device)
+
+
+def check_kernels(kernels: str, dev: torch.device) -> None:
+    from moeferry.engine.kernels.hqq_gpu import KERNEL_CHOICES, fused_available
+    if kernels not in KERNEL_CHOICES:
+        raise UserError(f"Unknown kernels {kernels!r}; use auto, reference or fused.")
+    if kernels == "fused" and dev.type != "cuda":
+        raise UserError("--kernels fused runs only on an NVIDIA GPU (Triton kernels); on the CPU "
+                        "use --kernels auto, which computes with dequantized weights.")
+    if kernels == "fused" and not fused_available(dev):
+        raise UserError("--kernels fused needs Triton, which this installation lacks; use "
+                        "--kernels auto or install triton.")
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = None,
+                cache_experts: int | None = None, vram_budget: int | str | None = None,
+                prefetch: int = 1, kernels: str = "auto", max_context: int | None = None,
+                progress=None, cuda_graphs: bool = True, cpu_experts: str = "off",
+                cpu_format: str | None = None, cpu_threads: int | None = None,
+                ram_budget: int | str | None = None) -> Engine:
+    """Open a store and put it on the device. progress(fraction, message).
+
+    cpu_experts "off" | "all" | "auto" (engine/runtime/cpu_experts.py, engine/runtime/placement.py): missed
+    experts computed on the CPU, by default ("hqq") from the experts' own bytes in host memory
+    where they are HQQ-quantized, else from CPU copies in cpu_format (int4, int8, dense;
+    default int4 where the shapes allow) within ram_budget for those copies. On a CPU device without
+    cache_experts, every expert runs on the CPU kernels."""
+    from transformers import AutoTokenizer
+
+    st = store_mod.open_store(store)
+    cfg = st.config
+    dev = resolve_device(device)
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise UserError(f"Unknown dtype {dtype!r}; use float32, bfloat16 or float16.")
+        dtype = DTYPES[dtype]
+    dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    budget = parse_size(vram_budget) if isinstance(vram_budget, str) else vram_budget
+    if cache_experts is not None:
+        check_cache_size(cache_experts, cfg)
+    if prefetch < 0:
+        raise UserError("--prefetch must be 0 (off) or more.")
+    check_cpu_options(cpu_experts, cpu_format, cfg)
+    every_expert = cpu_experts != "off" and dev.type == "cpu" and cache_experts is None
+    check_kernels(kernels, dev)
+    context = min(max_context or 4096, cfg.max_position_embeddings)
+    report = progress or (lambda f, m: None)
+    report(0.0, "reading the model")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(st.path), trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad folder
+        raise UserError(f"Cannot load the tokenizer from {st.path} ({type(e).__name__}); "
+                        f"run `moeferry verify {st.path}`.") from None
+    if dev.type == "cpu" and cfg.hidden_size * cfg.intermediate_size < (1 << 22) and not cpu_threads:
+        # Small matrices (the demo) gain nothing from threads, and OpenMP's spinning threads
+        # collapse when another process holds a core: measured 1.4 vs 130 tokens/s on 2 cores.
+        torch.set_num_threads(1)
+    dense, dense_b = move_dense(store_mod.read_dense(st), dev, dtype)
+    sizing = device_bytes(cfg, dense_b, st.expert_bytes, context, dtype, dev, kernels)
+    if budget is None and dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        limit = vram.auto_budget(free + dense_b)  # the dense weights are already on the device
+    elif budget is None:
+        limit = sizing.needed(vram.cpu_cache_slots(sizing.per_slot, cfg.num_experts))
+    else:
+        limit = budget
+    k = cache_experts if cache_experts is not None else sizing.slots(limit)
+    k = 1 if every_expert else k  # the CPU kernels run every expert: the cache is never read
+    if k < 1 or (budget is not None):
+        check_budget(limit, sizing, max(k, 1))
+    host = store_mod.experts_array(st)
+    cache = make_cache(st, host, k, dev, dtype, lambda f, m: report(0.1 + 0.9 * f, m))
+    model = OffloadedMixtral(cfg, dense, cache, dev, dtype, kernels)
+    model.dense_bytes = dense_b
+    if cpu_experts != "off" and (every_expert or k < cfg.num_experts):  # else nothing ever misses
+        ram = parse_size(ram_budget) if isinstance(ram_budget, str) else ram_budget
+        model.hybrid = make_cpu_experts(st, host, cache, cpu_experts, cpu_format, cpu_threads,
+                                        default_ram_budget() if ram is None else ram,
+                                        every_expert, lambda f, m: report(0.9 * f, m), dtype)
+        if every_expert:
+            cache.host = None  # never copied from: the CPU copies are the experts' only home
+    model.prefetch_depth = 0 if every_expert else prefetch  # nothing is read from the cache
+    model.setup_kv(context)  # allocated once, at full size: budgeted above and graph-friendly
+    model.use_cuda_graphs(cuda_graphs)
+    if model.graphs is not None:
+        model.graphs.prepare(min(context, 1024), lambda f, m: report(0.9 + 0.1 * f, m))
+    note = "" if (cache.pinned or cache.host is None or dev.type != "cuda") else \
+        "Pinned memory is unavailable, so expert copies use pageable memory and are slower."
+    if model.hybrid is not None and len(model.hybrid.copies) < cfg.num_moe_layers * cfg.num_experts:
+        note = (note + " " if note else "") + (
+            f"The RAM budget holds CPU copies of {len(model.hybrid.copies)} of the "
+            f"{cfg.num_moe_layers * cfg.num_experts} experts; the others are always copied to the GPU.")
+    report(1.0, "ready")
+    return Engine(st, model, tokenizer, dev, dtype, budget, context, note)
+
+
+# ---------------------------------------------------------------------------------------------
+# Experts computed on the CPU (engine/runtime/cpu_experts.py)
+
+
+def check_cpu_options(mode: str, fmt: str | None, cfg: ModelConfig) -> None:
+    from moeferry.engine.runtime import cpu_experts as ce
+
+    if mode not in ("off", "auto", "all"):
+        raise UserError(f"--cpu-experts must be off, auto or all; got {mode!r}.")
+    if fmt is not None and fmt not in ce.FORMATS:
+        raise UserError(f"--cpu-format must be one of {', '.join(ce.FORMATS)}; got {fmt!r}.")
+    if fmt == "int4" and not ce.supported("int4", cfg.hidden_size, cfg.intermediate_size):
+        raise UserError("--cpu-format int4 needs hidden and intermediate sizes that are multiples of 32; "
+                        "use --cpu-format int8.")
+
+
+def make_cpu_experts(st: store_mod.Store, host: torch.Tensor, cache: ExpertCache, mode: str,
+                     fmt: str | None, threads: int | None, ram_budget: int | None, every_expert: bool,
+                     progress, dtype):
+    """CPU copies of the experts that fit ram_budget, and the CpuExperts that runs them."""
+    cfg = st.config
+    from moeferry.engine.runtime import cpu_experts as ce
+
+    view = lambda buf: store_mod.view_expert(buf, st.expert_fields, st.expert_quant, cfg)  # noqa: E731
+    in_place = fmt in (None, "hqq") and ce.hqq_supported(view(host[0, 0]))
+    if st.expert_quant.get("method") == "mxfp4" or (cfg.expert_act != "silu" and not in_place):
+        raise UserError(f"--cpu-experts runs this {cfg.family} store's experts only when they are HQQ "
+                        f"(convert with --expert-bits 2, 3 or 4) in the hqq CPU format; use --cpu-experts off.")
+    if cache.host is not None:  # the pinned copy the cache copies from: the experts' home in RAM
+        host = cache.host
+    copies = cpu_copies_of(cfg, host, view, cache.device, fmt, ram_budget, cache.K, progress, dtype)
+    if every_expert and len(copies) < cfg.num_moe_layers * cfg.num_experts:
+        raise UserError("The RAM budget cannot hold a CPU copy of every expert; raise --ram-budget.")
+    return cpu_experts_for(copies, cfg, host, cache, mode, threads, every_expert)
+
+
+def default_ram_budget() -> int | None:
+    """RAM the CPU copies may take when no --ram-budget is given: what is available now (the
+    store's experts already loaded) less the system's share (plan.HOST_RESERVE_BYTES)."""
+    from moeferry.engine.setup.hardware import _ram_info
+    from moeferry.engine.setup.plan import HOST_RESERVE_BYTES
+
+    available = _ram_info().get("ram_available_bytes")
+    return None if available is None else max(0, available - HOST_RESERVE_BYTES)
+
+
+def cpu_copies_of(cfg: ModelConfig, host: torch.Tensor, view, device: torch.device, fmt: str | None,
+                  ram_budget: int | None, slots: int, progress=None, dtype=torch.bfloat16) -> dict:
+    """(layer, expert) -> CpuExpert. "hqq" (the default where it applies): every expert, run in
+    place from host. Otherwise the experts placement.cpu_copies picks within ram_budget, each
+    derived from the dequantized stored expert (dequantized and re-quantized on the compute
+    device: minutes on a CPU for Mixtral, seconds on a GPU); dense copies keep the model's
+    compute dtype."""
+    from moeferry.engine.runtime import cpu_experts as ce, placement
+
+    if fmt in (None, "hqq") and ce.hqq_supported(view(host[0, 0])):  # in place: no copy, no RAM
+        copies = {}
+        for layer in range(cfg.num_moe_layers):
+            copies.update({(layer, e): ce.hqq_expert(view(host[layer, e]), cfg.swiglu_alpha, cfg.swiglu_limit)
+                           for e in range(cfg.num_experts)})
+        return copies
+    if fmt == "hqq":
+        raise UserError("--cpu-format hqq runs HQQ experts of 2, 3 or 4 bits in place and needs numba; "
+                        "this store's experts are not such, or numba is missing: use --cpu-format int4.")
+    fmt = fmt or ("int4" if ce.supported("int4", cfg.hidden_size, cfg.intermediate_size) else "int8")
+    dtype = dtype if fmt == "dense" else torch.float32  # float32 in, the copy rounds it
+
+    def copy(layer, e):
+        w = view(host[layer, e].to(device))
+        return ce.make_expert(*(compute_ready(w[m], dtype) for m in ("w1", "w3", "w2")), fmt)
+
+    first = copy(0, 0)
+    keys = placement.cpu_copies(cfg.num_moe_layers, cfg.num_experts, first.nbytes(), ram_budget, slots)
+    copies = {}
+    for n, (layer, e) in enumerate(keys):
+        copies[layer, e] = first if (layer, e) == (0, 0) else copy(layer, e)
+        if progress:
+            progress((n + 1) / len(keys), "making the CPU copies of the experts")
+    return copies
+
+
+def cpu_experts_for(copies: dict, cfg: ModelConfig, host: torch.Tensor, cache: ExpertCache, mode: str,
+                    threads: int | None = None, every_expert: bool = False):
+    """The CpuExperts over these copies; for "auto", with its costs measured here."""
+    from moeferry.engine.runtime import cpu_experts as ce
+
+    params = 3 * cfg.hidden_size * cfg.intermediate_size
+    hybrid = ce.CpuExperts(copies, mode, None, host.shape[2], params, every_expert, threads)
+    if mode == "auto" and not every_expert and copies:
+        hybrid.costs = measure_costs(hybrid, next(iter(copies.values())), host, cache)
+    return hybrid
+
+
+def measure_costs(hybrid, copy, host: torch.Tensor, cache: ExpertCache):
+    """The cost model's inputs, measured here on one real expert: the CPU kernel through the
+    worker (hand-off included), one copy over the link (on a CPU device: the memcpy and the
+    dequantizing a load does), one expert on the compute device."""
+    from moeferry.engine.runtime import placement
+
+    x = torch.zeros(1, copy.w2.rows)
+
+    def best(fn, reps=5):
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    cpu_s = best(lambda: hybrid.worker.run([(copy, x)]).result())
+    many = torch.zeros(32, x.shape[1])  # a prompt's worth: the kernel's compute rate
+    flops_s = best(lambda: hybrid.worker.run([(copy, many)]).result(), reps=2)
+    if cache.cuda:
+        from moeferry.engine.setup import hardware
+        link = hardware.measure_h2d(torch, cache.device.index or 0, cache.B, 0.2)["h2d_bytes_per_s"]
+        gpu_s = 40e-6  # one 2-bit Mixtral expert in moe_decode on the H200 (docs/KERNELS.md)
+    else:
+        slot = torch.empty_like(host[0, 0])
+        link = cache.B / best(lambda: (slot.copy_(host[0, 0]), cache.decode(cache.views[0][0])))
+        w = cache.decode(cache.views[0][0]) if cache.decode else cache.views[0][0]
+        h = torch.zeros(1, x.shape[1], dtype=w["w1"].dtype)
+        gpu_s = best(lambda: F.linear(F.silu(F.linear(h, w["w1"])) * F.linear(h, w["w3"]), w["w2"]))
+    return placement.Costs(link_gbps=link / 1e9, cpu_gbps=copy.nbytes() / cpu_s / 1e9, gpu_expert_s=gpu_s,
+                           cpu_gflops=2 * hybrid.sizes.params * 32 / flops_s / 1e9,
+                           cpu_overhead_s=20e-6 if cache.cuda else 0.0)  # + h down, the result up

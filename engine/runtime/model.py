@@ -1,0 +1,652 @@
+"""The MoE forward with offloaded experts, batch 1, read top to bottom.
+
+forward -> layer (written once) -> attention block / experts (host: dispatch) -> head; then the
+eager operations, EagerOps, the per-layer weights, norm and RoPE helpers.
+A layer is a few device segments handed to `run(key, fn)` and, for a MoE layer, the host part
+between them (routing sync, cache, the CPU hybrid, prefetch: engine/runtime/prefetch.py). It runs on a
+set of operations (norm, attention, router, experts): EagerOps here, or the fused ones of
+engine/kernels/decode.py; the CUDA-graph decode (engine/runtime/decode_graphs.py) runs this same layer
+and captures its segments. Its buffers are a Step.
+Attention, norms, routers and embeddings live on the compute device; experts come from the
+ExpertCache (engine/runtime/expert_cache.py), which copies them in from host memory when they miss.
+The maths follows transformers exactly (Mixtral's router: softmax in float32, top-k,
+renormalised; experts summed in ascending index order), which the tests check.
+
+One layer definition serves every family (ModelConfig.family, SUPPORTED_FAMILIES in
+engine/storage/store.py); their differences are named options of ModelConfig:
+  mixtral    the defaults
+  qwen3_moe  RMSNorm of q and k per head; norm_topk_prob; dense MLP layers (mlp_only_layers,
+             decoder_sparse_step) that have no experts
+  olmoe      RMSNorm of q and k over the whole projection, clip_qkv; norm_topk_prob false
+  qwen2_moe  q/k/v biases; a shared expert, always resident, gated by sigmoid(h . gate)
+  gpt_oss    biases everywhere; attention sinks; per-layer sliding windows; the router's
+             softmax over its top-k logits (+ bias); clamped SwiGLU experts with biases; YaRN
+A layer is a dict (layer_weights) of its weights by role and of the options its functions
+read: "mlp" for a dense layer, else "router" and "moe_index" (its row in the expert cache and
+the store: experts() keeps both, dispatch() takes that row), "routing", "window",
+"qk_norm", "clip_qkv", "sinks", "shared" where the family has them. Absent keys mean Mixtral's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moeferry.engine.kernels.hqq_gpu import qlinear
+from moeferry.engine.runtime.expert_cache import SERIALS
+from moeferry.engine.runtime.prefetch import Prefetcher
+from moeferry.engine.storage.mxfp4 import Mxfp4Matrix, dequantize as mxfp4_dequantize
+
+ATTN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass
+class ModelConfig:
+    """The model's shape and its family's options, from the Hugging Face config.json.
+
+    The defaults are Mixtral's layer; each other family (model_type) sets a few named options
+    (family_options below). intermediate_size is the routed experts' FFN width.
+    """
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    sliding_window: int | None
+    tie_word_embeddings: bool
+    family: str = "mixtral"
+    moe_layers: tuple[int, ...] | None = None  # layers with routed experts; None = all
+    dense_intermediate_size: int = 0  # FFN of the other (dense MLP) layers
+    shared_expert_size: int = 0  # FFN of the always-resident shared expert; 0 = none (qwen2_moe)
+    qk_norm: str = "none"  # "head": RMSNorm per head (qwen3_moe); "full": over the projection (olmoe)
+    clip_qkv: float | None = None  # olmoe: q, k, v clamped to +-clip_qkv
+    attn_biases: tuple[str, ...] = ()  # attention projections that have a bias
+    sinks: bool = False  # gpt_oss: a learned per-head logit that takes part in attention's softmax
+    layer_windows: tuple[int | None, ...] | None = None  # per-layer sliding window; None = sliding_window
+    router: str = "softmax_topk"  # or "topk_softmax": softmax over the selected logits (gpt_oss)
+    router_bias: bool = False
+    norm_topk_prob: bool = True  # renormalise the top-k weights (softmax_topk only)
+    expert_act: str = "silu"  # or "clamped_swiglu" (gpt_oss: biases, clamp, (up + 1) * glu)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    rope_scaling: dict | None = None  # rope_parameters of a non-default rope type (gpt_oss: yarn)
+
+    @classmethod
+    def from_hf(cls, c: dict) -> "ModelConfig":
+        rope = c.get("rope_parameters") or {}
+        heads = c["num_attention_heads"]
+        return cls(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+            intermediate_size=c.get("moe_intermediate_size") or c["intermediate_size"],
+            num_layers=c["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            num_experts=c.get("num_local_experts") or c["num_experts"], top_k=c["num_experts_per_tok"],
+            rms_norm_eps=c.get("rms_norm_eps", 1e-5),
+            rope_theta=rope.get("rope_theta", c.get("rope_theta", 1e6)),
+            max_position_embeddings=c.get("max_position_embeddings", 32768),
+            sliding_window=c.get("sliding_window") if c.get("model_type", "mixtral") == "mixtral" else None,
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            **family_options(c),
+        )
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        return self.moe_layers if self.moe_layers is not None else tuple(range(self.num_layers))
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Layers that hold experts: the expert cache's and the store's layer count."""
+        return len(self.moe_layer_ids)
+
+
+def family_options(c: dict) -> dict:
+    """The ModelConfig options of one family, read from its config.json (see the fields)."""
+    kind, layers = c.get("model_type", "mixtral"), c["num_hidden_layers"]
+    o: dict = {"family": kind}
+    if kind in ("qwen3_moe", "qwen2_moe"):
+        step, dense = c.get("decoder_sparse_step") or 1, set(c.get("mlp_only_layers") or ())
+        o["moe_layers"] = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+        o["dense_intermediate_size"] = c["intermediate_size"]
+    if kind in ("qwen3_moe", "qwen2_moe", "olmoe"):
+        o["norm_topk_prob"] = bool(c.get("norm_topk_prob", False))
+    if kind == "qwen3_moe":
+        o["qk_norm"] = "head"
+    if kind == "olmoe":
+        o["qk_norm"], o["clip_qkv"] = "full", c.get("clip_qkv")
+    if kind == "qwen2_moe":
+        o["shared_expert_size"] = c.get("shared_expert_intermediate_size") or 0
+        o["attn_biases"] = ATTN_PROJECTIONS[:3] if c.get("qkv_bias", True) else ()
+    elif c.get("attention_bias"):
+        o["attn_biases"] = ATTN_PROJECTIONS
+    if kind == "gpt_oss":
+        o.update(sinks=True, router="topk_softmax", router_bias=True, expert_act="clamped_swiglu",
+                 swiglu_alpha=c.get("swiglu_alpha", 1.702), swiglu_limit=c.get("swiglu_limit", 7.0))
+    if c.get("layer_types") and c.get("sliding_window"):
+        o["layer_windows"] = tuple(c["sliding_window"] if t == "sliding_attention" else None
+                                   for t in c["layer_types"])
+    elif kind in ("qwen3_moe", "qwen2_moe") and c.get("use_sliding_window") and c.get("sliding_window"):
+        o["layer_windows"] = (c["sliding_window"],) * layers
+    rope = c.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        o["rope_scaling"] = dict(rope)
+    return o
+
+
+class KVCache:
+    """Keys and values for positions [0, capacity), written in place."""
+
+    def __init__(self, cfg: ModelConfig, capacity: int, device, dtype):
+        shape = (cfg.num_layers, capacity, cfg.num_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.capacity = capacity
+        self.serial = next(SERIALS)
+
+    @staticmethod
+    def nbytes(cfg: ModelConfig, capacity: int, dtype) -> int:
+        return 2 * cfg.num_layers * capacity * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+@dataclass
+class Step:
+    """The tensors one forward's layers read and write in place (see OffloadedMixtral.layer).
+
+    The eager forward makes one per call, for its T tokens. GraphedDecode keeps one for a single
+    token for its whole life: its graphs bake in these addresses, and the token's position is a
+    device tensor (pos) so that a graph replays at any position.
+    """
+    tokens: torch.Tensor  # [T]
+    x: torch.Tensor  # the residual stream [T, H]
+    hn: torch.Tensor  # attention's input (normed) [T, H]; scratch of the prefetch guesses
+    h: torch.Tensor  # the FFN's input (normed) [T, H]
+    out: torch.Tensor  # the last FFN's output [T, H], added to x by the next layer or the head
+    weights: torch.Tensor  # the current MoE layer's routing weights, float32 [T, k]
+    ids: torch.Tensor  # every MoE layer's routed experts [MoE layers, T, k]
+    guesses: torch.Tensor  # the current MoE layer's prefetch guesses [MoE layers, k] (last token)
+    cos: torch.Tensor  # RoPE at the T positions [T, 1, D]; with pos, the table [P, 1, D]
+    sin: torch.Tensor
+    start: int = 0  # the first token's position (eager)
+    pos: torch.Tensor | None = None  # [1] on the device: the one token's position (CUDA graphs)
+    span: int = 0  # with pos: the cached positions an eager attention reads
+    resident: bool = False  # every expert on the device: MoE layers have no host part
+    forced: tuple | None = None  # with resident: (weights, ids) [MoE layers, k] over the router's
+
+
+def run_now(key: tuple, fn) -> None:
+    """The eager forward's `run`: a device segment runs when the layer reaches it."""
+    fn()
+
+
+class OffloadedMixtral:
+    def __init__(self, cfg: ModelConfig, dense: dict, cache, device, dtype, kernels: str = "auto"):
+        self.cfg, self.cache, self.device, self.dtype, self.kernels = cfg, cache, device, dtype, kernels
+        self.prefetcher = Prefetcher()
+        self.kv: KVCache | None = None
+        self.trace: list | None = None  # set to a list to record routing per decoded token
+        self.routing = None  # engine/measure/routing.py: forces (or records) the router's choice
+        self.graphs = None  # engine/runtime/decode_graphs.py: CUDA-graph decode, set by use_cuda_graphs()
+        self.hybrid = None  # engine/cpu_experts.CpuExperts: misses computed on the CPU, or None
+        self.embed = dense["model.embed_tokens.weight"]
+        self.norm = dense["model.norm.weight"]
+        self.lm_head = dense.get("lm_head.weight", self.embed)
+        self.layers = [layer_weights(cfg, dense, i) for i in range(cfg.num_layers)]
+        self.moe_layers = [layer for layer in self.layers if "router" in layer]  # by moe_index
+        self.inv_freq, self.rope_scale = rope_frequencies(cfg, device)
+        self.ops = EagerOps(self)
+
+    @property
+    def prefetch_depth(self) -> int:
+        return self.prefetcher.depth
+
+    @prefetch_depth.setter
+    def prefetch_depth(self, depth: int) -> None:
+        self.prefetcher.depth = depth
+
+    def use_cuda_graphs(self, on: bool = True) -> None:
+        """Decode one token at a time through CUDA graphs of this layer (engine/runtime/decode_graphs.py)
+        on a CUDA device; every family."""
+        from moeferry.engine.runtime.decode_graphs import GraphedDecode
+        self.graphs = GraphedDecode(self) if on and self.device.type == "cuda" else None
+
+    def setup_kv(self, capacity: int) -> None:
+        """Allocate the KV cache; a no-op when the current one is big enough.
+
+        Grows in steps of 256 positions and keeps what it holds (reused prompt prefixes).
+        """
+        if self.kv is not None and self.kv.capacity >= capacity:
+            return
+        old, self.kv = self.kv, None
+        self.kv = KVCache(self.cfg, -(-capacity // 256) * 256, self.device, self.dtype)
+        if old is not None:
+            self.kv.k[:, :old.capacity] = old.k
+            self.kv.v[:, :old.capacity] = old.v
+
+    def new_step(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, **options) -> Step:
+        """The buffers of one forward of these tokens (options: Step's last fields)."""
+        cfg, T, dev = self.cfg, tokens.shape[0], self.device
+        x = torch.zeros(T, cfg.hidden_size, dtype=self.dtype, device=dev)
+        moe = max(1, cfg.num_moe_layers)
+        return Step(tokens, x, torch.zeros_like(x), torch.zeros_like(x), torch.zeros_like(x),
+                    torch.zeros(T, cfg.top_k, dtype=torch.float32, device=dev),
+                    torch.zeros(moe, T, cfg.top_k, dtype=torch.long, device=dev),
+                    torch.zeros(moe, cfg.top_k, dtype=torch.long, device=dev), cos, sin, **options)
+
+    # -- one forward, top to bottom ---------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, start: int, last_only: bool = True) -> torch.Tensor:
+        """tokens [T] at positions start..start+T-1 -> logits [T or 1, vocab] (float32).
+
+        One token with self.graphs goes through the same layers as CUDA graphs (GraphedDecode.step).
+        """
+        T = tokens.shape[0]
+        if T == 1 and self.graphs is not None:
+            return self.graphs.step(tokens, start)
+        pos = torch.arange(start, start + T, device=self.device)
+        s = self.new_step(tokens, *rope_cos_sin(self.inv_freq, pos, self.dtype, self.rope_scale), start=start)
+        if self.routing is not None:
+            self.routing.begin(T)
+        step = [] if self.trace is not None and T == 1 else None
+        for i in range(self.cfg.num_layers):
+            self.layer(i, s, self.ops, run_now, step)
+        if step is not None:
+            self.trace.append(step)
+        return self.head(s, self.ops, last_only)
+
+    def layer(self, i: int, s: Step, ops, run=run_now, step: list | None = None) -> None:
+        """Layer i on s's buffers, with the operations `ops` (EagerOps here; the fused ones of
+        engine/kernels/decode.py in the CUDA-graph decode).
+
+        The layer is a few device segments, each handed to run(key, fn): the eager forward runs
+        fn at once, GraphedDecode captures it once as a CUDA graph and replays it. Between them,
+        the host part of a MoE layer (experts) reads the routing and fetches the experts. The
+        FFN's output stays in s.out until the next layer adds it (so one fused kernel adds and
+        norms); step, when a list, gets this layer's routing (the trace).
+        """
+        layer = self.layers[i]
+        run(("attention", i, ops.span(layer, s)), lambda: self.attention_block(i, layer, s, ops))
+        if "mlp" in layer:  # a dense layer: no experts
+            run(("mlp", i), lambda: s.out.copy_(self.expert(layer["mlp"], s.h)))
+        else:
+            self.experts(i, layer, s, ops, run, step)
+        if "shared" in layer:
+            run(("shared", i), lambda: self.shared_expert(layer, s))
+
+    def attention_block(self, i: int, layer: dict, s: Step, ops) -> None:
+        """Layer i up to its FFN (a device segment): x += the last FFN's output (layer 0: x = the
+        embeddings); x += attention(norm(x)); h = norm(x); for a MoE layer, the router's choice
+        into s.ids and the prefetch guesses into s.guesses."""
+        if i == 0:
+            s.x.copy_(F.embedding(s.tokens, self.embed))
+        ops.add_norm(s.x, s.out if i > 0 else None, layer["attn_norm"], s.hn)
+        ops.add_norm(s.x, ops.attention(i, layer, s), layer["moe_norm"], s.h)
+        if "router" in layer:
+            ops.route(layer, s.h, s.weights, s.ids[layer["moe_index"]])
+            if not s.resident:
+                self.prefetcher.guess(self, ops, layer["moe_index"], s)
+            if not ops.grouped:  # the experts are added to out one by one (grouped: written whole)
+                s.out.zero_()
+
+    def experts(self, i: int, layer: dict, s: Step, ops, run, step: list | None) -> None:
+        """Layer i's routed experts into s.out. The host part: read the routing (the layer's one
+        sync, in dispatch), fetch the experts through the cache, run them (a device segment each,
+        or one for all with ops.grouped) and prefetch. With every expert resident (s.resident,
+        the one-graph token) there is no host part: the grouped kernel reads the slot table."""
+        mi = layer["moe_index"]
+        ids = s.ids[mi]
+        if s.resident:
+            if s.forced is not None:
+                ids.copy_(s.forced[1][mi:mi + 1])
+                s.weights.copy_(s.forced[0][mi:mi + 1])
+            ops.experts(mi, s, ids)
+            return
+        guesses = self.prefetcher.pending(self, mi, s)
+        if self.routing is not None:
+            self.force_routing(mi, s, ids, guesses)
+        io = (s.h, s.weights, s.out)  # for experts run on the CPU (self.hybrid)
+        if ops.grouped:
+            self.dispatch(mi, ids, guesses, step, add_all=lambda at: self.grouped_experts(i, s, ops, run, at), io=io)
+        else:
+            def add_expert(w: dict, slot: int, e: int, k: int | None) -> None:
+                run(("expert", i, slot, k), lambda: self.add_expert(w, s, ids, e, k))
+
+            self.dispatch(mi, ids, guesses, step, add_expert, io=io)
+
+    def dispatch(self, i: int, ids: torch.Tensor, guesses: torch.Tensor | None, step: list | None,
+                 add_expert=None, add_all=None, io: tuple | None = None) -> None:
+        """Fetch the routed experts through the cache and run them; then prefetch the guesses.
+
+        ids [T, k] device; guesses [D, k] device (layers i+1..i+D) or None. The one host sync
+        per layer happens here: routing decides what to copy (the guesses ride along).
+        Either add_expert(w, slot, e, k) runs one expert at a time, or add_all(positions) runs
+        the experts at those top-k positions at once once they are in place (the device reads
+        their slots from the cache's device table). With self.hybrid, io = (h, weights, out) of
+        the layer: the experts it picks run on the CPU meanwhile and are added to out before
+        returning.
+        """
+        ids_host = ids.tolist()
+        guesses_host = guesses.tolist() if guesses is not None else []
+        needed = sorted({e for row in ids_host for e in row})
+        if step is not None:
+            step.append((tuple(ids_host[0]), self.cache.resident(i)))
+        on_cpu, both, finish = {}, [], None
+        if self.hybrid is not None and io is not None:
+            on_cpu, both = self.hybrid.choose(i, needed, ids_host, self.cache)
+            if on_cpu:  # queued first: the CPU works while the host queues copies and kernels
+                finish = self.hybrid.start(i, on_cpu, *io)
+        slots = []
+        for e in (e for e in needed if e not in on_cpu):  # copies and compute queued, waiting for neither
+            w, slot = self.cache.acquire(i, e, keep=needed)
+            if add_all is None:
+                add_expert(w, slot, e, ids_host[0].index(e) if len(ids_host) == 1 else None)
+                self.cache.release(i, slot)
+            else:
+                slots.append(slot)
+        if add_all is not None:
+            self.cache.sync_table(i)
+            add_all([k for k, e in enumerate(ids_host[0]) if e not in on_cpu])
+            for slot in slots:
+                self.cache.release(i, slot)
+        self.prefetcher.issue(self.cache, i, guesses_host)  # queued behind the demand copies
+        for e in both:  # the link's idle time while the CPU works (engine/runtime/placement.py)
+            self.cache.admit(i, e)
+        if finish is not None:
+            finish()
+
+    def force_routing(self, i: int, s: Step, ids: torch.Tensor, guesses: torch.Tensor | None) -> None:
+        """Hand MoE layer i's routing to self.routing (engine/measure/routing.py); what it chooses
+        instead is written over the router's, on the device, before dispatch reads it."""
+        weights, chosen, g = self.routing.choose(self, i, s.x, s.weights, ids, guesses)
+        if chosen is not ids:
+            ids.copy_(chosen)
+            s.weights.copy_(weights)
+        if g is not None and g is not guesses:
+            guesses.copy_(g)
+
+    def grouped_experts(self, i: int, s: Step, ops, run, at: list[int]) -> None:
+        """Layer i's routed experts at the top-k positions `at` in one go (the others run on the
+        CPU and are added to out later). All k: one segment. Fewer: a segment per count n that
+        gathers the n ids and weights first, so no GEMV runs for a CPU expert (a zero weight on
+        a valid slot would still read the whole expert). None: out = 0."""
+        mi, n = self.layers[i]["moe_index"], len(at)
+        if n == self.cfg.top_k:
+            run(("moe", i), lambda: ops.experts(mi, s, s.ids[mi]))
+        elif n == 0:
+            s.out.zero_()
+        else:
+            ops.stage(at)
+            run(("moe", i, n), lambda: ops.experts(mi, s, s.ids[mi], n))
+
+    def add_expert(self, w: dict, s: Step, ids: torch.Tensor, e: int, k: int | None) -> None:
+        """out += expert e's output (weights w) times its routing weight: at top-k position k
+        (decode: known on the host, no sync), else for each token routed to e."""
+        out, h, weights = s.out, s.h, s.weights
+        if k is not None:
+            out.add_((self.expert(w, h) * weights[:, k:k + 1]).to(out.dtype))
+        else:
+            rows, pos = (ids == e).nonzero(as_tuple=True)  # tokens routed to e, and where
+            y = self.expert(w, h[rows])
+            out.index_add_(0, rows, (y * weights[rows, pos, None]).to(out.dtype))
+
+    def shared_expert(self, layer: dict, s: Step) -> None:
+        """qwen2_moe: out += sigmoid(h . gate) * shared(h), resident, for every token."""
+        gate = torch.sigmoid(F.linear(s.h, layer["shared_gate"]))
+        s.out.add_(gate * self.expert(layer["shared"], s.h))
+
+    def head(self, s: Step, ops, last_only: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The last FFN's output added, the final norm, the LM head: logits float32 [T or 1, vocab]
+        (into out when given)."""
+        ops.add_norm(s.x, s.out, self.norm, s.hn)
+        y = F.linear(s.hn[-1:] if last_only else s.hn, self.lm_head)
+        return y.float() if out is None else out.copy_(y)
+
+    # -- the eager operations (EagerOps calls these) ------------------------------------------------
+
+    def attention(self, i: int, layer: dict, h: torch.Tensor, cos, sin, start: int,
+                  pos: torch.Tensor | None = None, span: int = 0) -> torch.Tensor:
+        """h [T, H] (normed) at positions start.. -> attention output [T, H].
+
+        With `pos` (a device tensor [1], used by CUDA graphs) the one token's position is read on
+        the device and attention spans the first `span` cached positions under a mask.
+        """
+        cfg, T = self.cfg, h.shape[0]
+        q, k, v = (self.project(h, layer, n) for n in ("q_proj", "k_proj", "v_proj"))
+        if layer.get("qk_norm") == "full":  # olmoe: over the whole projection, before the heads
+            q, k = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps), rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+        if layer.get("clip_qkv") is not None:
+            q, k, v = (t.clamp(-layer["clip_qkv"], layer["clip_qkv"]) for t in (q, k, v))
+        q = q.view(T, cfg.num_heads, cfg.head_dim)
+        k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
+        if layer.get("qk_norm") == "head":  # qwen3_moe: per head
+            q, k = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps), rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        window = layer.get("window", cfg.sliding_window)
+        if pos is None:
+            end = start + T
+            self.kv.k[i, start:end] = k
+            self.kv.v[i, start:end] = v
+            qpos = torch.arange(start, end, device=h.device)[:, None]
+            need_mask = T > 1 or (window and end > window)
+        else:
+            end, qpos, need_mask = span, pos[:, None], True
+            self.kv.k[i].index_copy_(0, pos, k)
+            self.kv.v[i].index_copy_(0, pos, v)
+        keys, values = self.kv.k[i, :end], self.kv.v[i, :end]  # [S, kvH, D]
+        mask = None
+        if need_mask:
+            kpos = torch.arange(end, device=h.device)[None, :]
+            mask = kpos <= qpos
+            if window:
+                mask = mask & (qpos - kpos < window)
+        if "sinks" in layer:
+            out = sink_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), mask,
+                                 layer["sinks"])
+        else:
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),  # [heads, S, D]
+                attn_mask=mask, enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+        out = out.transpose(0, 1).reshape(T, cfg.num_heads * cfg.head_dim)
+        return self.project(out, layer, "o_proj")
+
+    def project(self, h: torch.Tensor, layer: dict, name: str) -> torch.Tensor:
+        """One attention projection, with its bias where the family has one."""
+        y = self.linear(h, layer[name])
+        bias = layer.get(name + "_bias")
+        return y if bias is None else y + bias
+
+    def route(self, layer: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [T, H] (normed) -> (weights float32 [T, k], expert ids [T, k]), as transformers.
+
+        layer["routing"]: "softmax_topk_norm" (the default: Mixtral, norm_topk_prob),
+        "softmax_topk" (top-k of the softmax as they are) or "topk_softmax" (gpt_oss: softmax
+        over the top-k logits, which include the router's bias).
+        """
+        kind = layer.get("routing", "softmax_topk_norm")
+        logits = router_logits(layer, h)
+        if kind == "topk_softmax":
+            top, ids = torch.topk(logits, self.cfg.top_k, dim=-1)
+            return torch.softmax(top, dim=-1), ids
+        weights, ids = torch.topk(torch.softmax(logits, dim=-1), self.cfg.top_k, dim=-1)
+        if kind == "softmax_topk":
+            return weights, ids
+        return weights / weights.sum(dim=-1, keepdim=True), ids
+
+    def expert(self, w: dict, h: torch.Tensor) -> torch.Tensor:
+        """SwiGLU: w2 (silu(w1 h) * w3 h); with biases (b1, b3, b2: gpt_oss, the one family whose
+        experts have them) its clamped variant."""
+        if "b1" in w:
+            return self.clamped_swiglu_expert(w, h)
+        return self.linear(F.silu(self.linear(h, w["w1"])) * self.linear(h, w["w3"]), w["w2"])
+
+    def clamped_swiglu_expert(self, w: dict, h: torch.Tensor) -> torch.Tensor:
+        act = clamped_swiglu(self.linear(h, w["w1"]) + w["b1"], self.linear(h, w["w3"]) + w["b3"],
+                             self.cfg.swiglu_alpha, self.cfg.swiglu_limit)
+        return self.linear(act, w["w2"]) + w["b2"]
+
+    def guess_ids(self, j: int, x: torch.Tensor, m: int | None = None) -> torch.Tensor:
+        """Layer j's router on the residual stream x [T, H] (of an earlier layer): its m best
+        experts [T, m] (default top_k, as `route` ranks them)."""
+        layer = self.moe_layers[j]
+        h = rms_norm(x, layer["moe_norm"], self.cfg.rms_norm_eps)
+        probs = torch.softmax(router_logits(layer, h), dim=-1)
+        return torch.topk(probs, m or self.cfg.top_k, dim=-1).indices
+
+    def linear(self, x: torch.Tensor, w) -> torch.Tensor:
+        if isinstance(w, Mxfp4Matrix):  # gpt_oss's experts as imported: no fused kernel yet
+            return F.linear(x, mxfp4_dequantize(w, x.dtype))
+        return qlinear(x, w, self.kernels)
+
+
+class EagerOps:
+    """The operations a layer is made of, in torch, for any number of tokens: the reference,
+    what prefill and the CPU run, and what the fused decode (engine/decode_kernels.FusedOps)
+    falls back to where a layer's options have no fused kernel. Each writes its result into
+    the buffers it is given (the ones CUDA graphs bake in) or returns it."""
+
+    grouped = False  # True: experts(), a layer's routed experts in one launch (FusedOps only)
+
+    def __init__(self, model: OffloadedMixtral):
+        self.m = model
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 out: torch.Tensor) -> None:
+        """x += delta (when given); out = rms_norm(x) * weight."""
+        if delta is not None:
+            x.add_(delta)
+        rms_norm(x, weight, self.m.cfg.rms_norm_eps, out)
+
+    def attention(self, i: int, layer: dict, s: Step) -> torch.Tensor:
+        """Layer i's attention on s.hn, its output projection included: [T, H]."""
+        if s.pos is None:
+            return self.m.attention(i, layer, s.hn, s.cos, s.sin, s.start)
+        return self.m.attention(i, layer, s.hn, s.cos[s.pos], s.sin[s.pos], 0, pos=s.pos, span=s.span)
+
+    def span(self, layer: dict, s: Step) -> int:
+        """What a CUDA graph of the layer's attention depends on besides the position on the
+        device: the span the eager attention reads."""
+        return s.span
+
+    def route(self, layer: dict, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> None:
+        """The router's choice for h [T, H]: weights [T, k], ids [T, k]."""
+        w, e = self.m.route(layer, h)
+        weights.copy_(w)
+        ids.copy_(e)
+
+    def guess(self, j: int, x: torch.Tensor, scratch: torch.Tensor, ids: torch.Tensor) -> None:
+        """MoE layer j's router on the last token of an earlier residual stream x: its top-k
+        ids [k] (the prefetcher's guess; scratch [1, H] is free to overwrite)."""
+        ids.copy_(self.m.guess_ids(j, x[-1:])[0])
+
+
+def layer_weights(cfg: ModelConfig, dense: dict, i: int) -> dict:
+    """Layer i's weights by their role (store names: engine/storage/store.py) and its per-layer options."""
+    p = f"model.layers.{i}."
+    layer = {"attn_norm": dense[p + "input_layernorm.weight"],
+             "moe_norm": dense[p + "post_attention_layernorm.weight"],
+             **{n: dense[p + f"self_attn.{n}.weight"] for n in ATTN_PROJECTIONS},
+             **{n + "_bias": dense[p + f"self_attn.{n}.bias"] for n in cfg.attn_biases}}
+    if cfg.qk_norm != "none":
+        layer.update(qk_norm=cfg.qk_norm, q_norm=dense[p + "self_attn.q_norm.weight"],
+                     k_norm=dense[p + "self_attn.k_norm.weight"])
+    if cfg.clip_qkv is not None:
+        layer["clip_qkv"] = cfg.clip_qkv
+    if cfg.sinks:
+        layer["sinks"] = dense[p + "self_attn.sinks"]
+    if cfg.layer_windows is not None:
+        layer["window"] = cfg.layer_windows[i]
+    if i not in cfg.moe_layer_ids:
+        layer["mlp"] = swiglu_weights(dense, p + "mlp.")
+        return layer
+    layer["moe_index"] = cfg.moe_layer_ids.index(i)
+    layer["router"] = dense[p + "block_sparse_moe.gate.weight"]
+    if cfg.router_bias:
+        layer["router_bias"] = dense[p + "block_sparse_moe.gate.bias"]
+    layer["routing"] = ("topk_softmax" if cfg.router == "topk_softmax" else
+                        "softmax_topk_norm" if cfg.norm_topk_prob else "softmax_topk")
+    if cfg.shared_expert_size:
+        layer["shared"] = swiglu_weights(dense, p + "mlp.shared_expert.")
+        layer["shared_gate"] = dense[p + "mlp.shared_expert_gate.weight"]
+    return layer
+
+
+def swiglu_weights(dense: dict, prefix: str) -> dict:
+    """A dense SwiGLU MLP (gate_proj, up_proj, down_proj) as an expert's w1, w3, w2."""
+    return {m: dense[prefix + n + ".weight"] for m, n in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))}
+
+
+def sink_attention(q, k, v, mask, sinks: torch.Tensor) -> torch.Tensor:
+    """gpt_oss attention: q [heads, T, D], k/v [kv heads, S, D], mask [T, S] bool or None,
+    sinks [heads] -> [heads, T, D]. Each head's sink is one more logit in the softmax whose
+    value is zero: it only takes probability away from the keys."""
+    rep = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
+    scores = (q @ k.transpose(1, 2)).float() * q.shape[-1] ** -0.5  # [heads, T, S]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return probs.to(v.dtype) @ v
+
+
+# -- norm and RoPE helpers ----------------------------------------------------------------------
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt_oss's expert activation from its gate and up projections (biases added): gate clamped
+    above and up both sides at limit, then (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def router_logits(layer: dict, h: torch.Tensor) -> torch.Tensor:
+    """A MoE layer's router on h [T, H] (normed): float32 [T, E]."""
+    return F.linear(h, layer["router"], layer.get("router_bias")).float()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return torch.mul(weight, xf.to(x.dtype), out=out)
+
+
+def rope_frequencies(cfg: ModelConfig, device) -> tuple[torch.Tensor, float]:
+    """RoPE's inverse frequencies [D/2] and the factor on cos/sin (1 but for YaRN's).
+
+    A non-default rope type (gpt_oss's YaRN) is computed by transformers' own function for it,
+    so it is the reference's by construction.
+    """
+    if cfg.rope_scaling is None:
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64)
+                                        .to(device=device, dtype=torch.float32) / cfg.head_dim))
+        return inv, 1.0
+    from transformers import PretrainedConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    hf = PretrainedConfig(rope_parameters=dict(cfg.rope_scaling), hidden_size=cfg.hidden_size,
+                          num_attention_heads=cfg.num_heads, head_dim=cfg.head_dim,
+                          max_position_embeddings=cfg.max_position_embeddings)
+    inv, scale = ROPE_INIT_FUNCTIONS[cfg.rope_scaling["rope_type"]](hf, device)
+    return inv.to(device=device, dtype=torch.float32), float(scale)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, pos: torch.Tensor, dtype,
+                 scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = pos.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return (emb.cos() * scale).to(dtype)[:, None, :], (emb.sin() * scale).to(dtype)[:, None, :]  # [T, 1, D]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin

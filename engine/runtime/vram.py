@@ -1,0 +1,99 @@
+"""What a model takes on the GPU, and how many cached experts per layer fit a VRAM budget.
+
+One sizing for the planner (engine/setup/plan.py: the wizard's and `moeferry probe`'s cache sizes),
+the engine (engine/runtime/generate.py: --vram-budget) and the benchmark (engine/measure/bench.py), so that a
+cache size the planner offers is one the engine accepts. Imports nothing heavy.
+
+    fixed  = dense weights + KV cache (every layer, full context) + workspace
+    slots  = min(experts, (budget - fixed) // (MoE layers * expert stride))
+
+Without a budget on a GPU the engine takes what is free before loading, less
+AUTO_BUDGET_SLACK_BYTES for the CUDA context and the allocator.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from moeferry.engine.units import GiB, MiB
+
+WORKSPACE_BASE_BYTES = 256 * MiB  # activations and the allocator's rounding
+AUTO_BUDGET_SLACK_BYTES = 512 * MiB
+COMPUTE_ITEMSIZE = 2  # bfloat16, the engine's default dtype on a GPU
+
+
+def kv_cache_bytes(num_layers: int, context: int, num_kv_heads: int, head_dim: int,
+                   itemsize: int = COMPUTE_ITEMSIZE) -> int:
+    """Keys and values of every layer for `context` positions (allocated once, at full size)."""
+    return 2 * num_layers * context * num_kv_heads * head_dim * itemsize
+
+
+def workspace_bytes(ffn_matrix_params: int, itemsize: int = COMPUTE_ITEMSIZE, kernels: str = "auto",
+                    on_gpu: bool = True) -> int:
+    """Room for activations and transient matrices on the GPU (0 on the CPU).
+
+    The fused path dequantizes at most one expert matrix (hidden x expert FFN width,
+    `ffn_matrix_params`) into a workspace for long prompts, plus its inputs and outputs; the
+    reference path builds float32 codes, scales and the dequantized matrix at every product
+    (measured: ~1 GB for Mixtral's 14336x4096 at once).
+    """
+    if not on_gpu:
+        return 0
+    if kernels == "reference":
+        return 14 * ffn_matrix_params + WORKSPACE_BASE_BYTES
+    return 3 * ffn_matrix_params * itemsize + WORKSPACE_BASE_BYTES
+
+
+def auto_budget(free_bytes: int) -> int:
+    """The budget when none is given: the GPU's free memory before the model is loaded."""
+    return free_bytes - AUTO_BUDGET_SLACK_BYTES
+
+
+@dataclass(frozen=True)
+class DeviceBytes:
+    """Bytes a model holds on the GPU apart from its expert cache, and one cache slot's bytes."""
+    dense: int  # every non-expert weight, as the GPU holds it
+    kv_cache: int
+    workspace: int
+    per_slot: int  # one cached expert in every MoE layer
+    num_experts: int
+
+    @property
+    def fixed(self) -> int:
+        return self.dense + self.kv_cache + self.workspace
+
+    def needed(self, slots: int) -> int:
+        """Bytes with `slots` cached experts per layer."""
+        return self.fixed + slots * self.per_slot
+
+    def slots(self, budget: int) -> int:
+        """Cached experts per layer that fit `budget` (0 when not even one does)."""
+        return int(max(0, min(self.num_experts, (budget - self.fixed) // max(self.per_slot, 1))))
+
+
+# The CPU engine's expert cache: as many experts per layer as fit in this many packed bytes
+# (the cached ones are kept dequantized; all of them for the demo model).
+CPU_EXPERT_CACHE_BYTES = 4 * GiB
+
+
+def cpu_cache_slots(per_slot: int, num_experts: int) -> int:
+    """Experts per layer the CPU engine keeps when no cache size is given."""
+    return int(min(num_experts, CPU_EXPERT_CACHE_BYTES // max(per_slot, 1)))
+
+
+_QUANT_FIELD = re.compile(r"plane\d+|scale|zero|scale_meta|zero_meta|blocks|scales")
+
+
+def dense_bytes_on_gpu(header: dict) -> int:
+    """The dense weights' bytes on the GPU, from dense.safetensors' header: quantized matrices'
+    fields as stored, every other tensor in the compute dtype (what generate.move_dense makes)."""
+    total = 0
+    for name, entry in header.items():
+        n = math.prod(entry["shape"])
+        if _QUANT_FIELD.fullmatch(name.rpartition(".")[2]):
+            total += entry["data_offsets"][1] - entry["data_offsets"][0]
+        else:
+            total += n * COMPUTE_ITEMSIZE
+    return total

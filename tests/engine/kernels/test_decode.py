@@ -1,0 +1,110 @@
+"""moeferry.engine.kernels.decode against the eager maths of moeferry.engine.runtime.model (GPU; the CPU runs them only
+under TRITON_INTERPRET=1, in float32)."""
+
+import pytest
+import torch
+
+from benchmarks.kernel_bench import rel_err
+from moeferry.engine.kernels import hqq_gpu
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not hqq_gpu.fused_available(),
+                                                  reason="needs CUDA (or the Triton interpreter)")]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])  # the interpreter's bf16 truncates
+
+
+def close(got, want, dtype):
+    assert rel_err(got, want) <= (1e-5 if dtype == torch.float32 else 8e-3), rel_err(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm(dtype, with_delta):
+    from moeferry.engine.kernels.decode import add_rms_norm
+    from moeferry.engine.runtime.model import rms_norm
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 4096, generator=g).to(DEVICE, dtype)
+    d = torch.randn(1, 4096, generator=g).to(DEVICE, dtype)
+    w = (1 + 0.1 * torch.randn(4096, generator=g)).to(DEVICE, dtype)
+    want_x = x + d if with_delta else x.clone()
+    want = rms_norm(want_x, w, 1e-5)
+    out = torch.empty_like(x)
+    add_rms_norm(x, d if with_delta else None, w, 1e-5, out)
+    assert torch.equal(x, want_x)
+    close(out, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pos,window", [(0, None), (63, None), (64, None), (257, None), (257, 100), (20, 100)])
+def test_rope_attention_matches_the_eager_attention(dtype, pos, window):
+    from types import SimpleNamespace
+
+    from moeferry.engine.kernels.decode import rope_attention
+    from moeferry.engine.runtime.model import OffloadedMixtral, rope_cos_sin
+    heads, kv_heads, D, cap = 8, 2, 64, 300
+    g = torch.Generator().manual_seed(pos)
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    cos, sin = rope_cos_sin(inv.to(DEVICE), torch.arange(cap, device=DEVICE), dtype)  # [P, 1, D]
+    q = torch.randn(heads, D, generator=g).to(DEVICE, dtype)
+    k = torch.randn(kv_heads, D, generator=g).to(DEVICE, dtype)
+    v = torch.randn(kv_heads, D, generator=g).to(DEVICE, dtype)
+    kc = torch.randn(cap, kv_heads, D, generator=g).to(DEVICE, dtype)
+    vc = torch.randn(cap, kv_heads, D, generator=g).to(DEVICE, dtype)
+    # the eager path: model.attention with pos (rotate, write row pos, masked SDPA), its
+    # projections replaced by the q, k, v above and no output projection
+    want_kc, want_vc = kc.clone(), vc.clone()
+    model = SimpleNamespace(cfg=SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_dim=D,
+                                                sliding_window=window),
+                            kv=SimpleNamespace(k=want_kc[None], v=want_vc[None]),
+                            linear=lambda x, w: x if w is None else w)
+    model.project = lambda h, layer, name: OffloadedMixtral.project(model, h, layer, name)
+    layer = {"q_proj": q.reshape(1, -1), "k_proj": k.reshape(1, -1), "v_proj": v.reshape(1, -1), "o_proj": None}
+    want = OffloadedMixtral.attention(model, 0, layer, q.reshape(1, -1), cos[pos:pos + 1], sin[pos:pos + 1], pos,
+                                      pos=torch.tensor([pos], device=DEVICE), span=cap).reshape(-1)
+    q0 = q.clone()
+    out = torch.empty(heads * D, device=DEVICE, dtype=dtype)
+    rope_attention(q, k, v, cos, sin, torch.tensor([pos], device=DEVICE), kc, vc, window, out)
+    close(out, want, dtype)
+    close(kc[pos], want_kc[pos], dtype)
+    assert torch.equal(vc[pos], v) and torch.equal(q, q0)
+    rows = torch.arange(cap, device=DEVICE) != pos
+    assert torch.equal(kc[rows], want_kc[rows]) and torch.equal(vc[rows], want_vc[rows])
+
+
+@pytest.mark.parametrize("experts,top_k", [(8, 2), (6, 3), (5, 1)])
+def test_route_topk_matches_the_model_router(experts, top_k):
+    from types import SimpleNamespace
+
+    from moeferry.engine.kernels.decode import route_topk
+    from moeferry.engine.runtime.model import OffloadedMixtral
+    g = torch.Generator().manual_seed(experts)
+    h = torch.randn(1, 4096, generator=g).to(DEVICE)
+    router = (torch.randn(experts, 4096, generator=g) * 0.02).to(DEVICE)
+    model = SimpleNamespace(cfg=SimpleNamespace(top_k=top_k))
+    want_w, want_ids = OffloadedMixtral.route(model, {"router": router}, h)
+    w = torch.empty(top_k, device=DEVICE)
+    ids = torch.empty(top_k, dtype=torch.long, device=DEVICE)
+    route_topk(h, router, top_k, w, ids)
+    assert ids.tolist() == want_ids[0].tolist()
+    close(w, want_w[0], torch.float32)
+
+
+@pytest.mark.parametrize("routing", ["softmax_topk", "topk_softmax"])
+def test_route_topk_matches_the_other_families_routers(routing):
+    """norm_topk_prob false (qwen3_moe, olmoe: no renormalisation) and gpt_oss (a router bias,
+    softmax over the top-k logits: the renormalised top-k of the softmax)."""
+    from types import SimpleNamespace
+
+    from moeferry.engine.kernels.decode import route_topk
+    from moeferry.engine.runtime.model import OffloadedMixtral
+    g = torch.Generator().manual_seed(7)
+    h = torch.randn(1, 512, generator=g).to(DEVICE)
+    router = (torch.randn(12, 512, generator=g) * 0.05).to(DEVICE)
+    bias = torch.randn(12, generator=g).to(DEVICE) if routing == "topk_softmax" else None
+    layer = {"router": router, "routing": routing, **({"router_bias": bias} if bias is not None else {})}
+    want_w, want_ids = OffloadedMixtral.route(SimpleNamespace(cfg=SimpleNamespace(top_k=4)), layer, h)
+    w = torch.empty(4, device=DEVICE)
+    ids = torch.empty(4, dtype=torch.long, device=DEVICE)
+    route_topk(h, router, 4, w, ids, bias, renormalize=routing != "softmax_topk")
+    assert ids.tolist() == want_ids[0].tolist()
+    close(w, want_w[0], torch.float32)

@@ -1,0 +1,70 @@
+"""moeferry.engine.measure.bench's synthetic model, the part that runs without a GPU."""
+
+import torch
+
+from moeferry.engine.measure import bench
+from moeferry.engine.storage import quant, store
+
+
+def test_a_random_expert_unpacks_to_mixtral_like_weights():
+    cfg = bench.ModelConfig(**{**bench.MIXTRAL, "num_layers": 1, "hidden_size": 64, "intermediate_size": 128})
+    for bits, spec in quant.EXPERT_SPECS.items():
+        eq = {"bits": bits, "group_size": spec.group_size, "meta_group": spec.meta_group}
+        fields, stride = store.expert_layout(cfg, eq)
+        buf = bench.random_expert(cfg, spec, fields, stride, "cpu", torch.Generator().manual_seed(bits))
+        assert buf.shape == (stride,) and buf.dtype == torch.uint8
+        views = bench.expert_views(cfg, fields, eq)(buf)
+        for name in store.EXPERT_MATRICES:
+            assert (views[name].rows, views[name].cols) == store.expert_shape(cfg, name)
+            w = quant.dequantize(views[name], torch.float32)
+            # HQQ on weights of std ~0.01 (Mixtral's are 0.01-0.02): zero-centred, similar spread
+            assert 0.005 < float(w.std()) < 0.015 and abs(float(w.mean())) < 0.003, (bits, name)
+
+
+def test_a_replayed_trace_is_reported_with_its_own_statistics(tmp_path):
+    """measure() on the CPU with the shipped demo trace (8 layers onto 3: mapped by
+    moeferry.engine.measure.routing.map_trace's rule, layer l of the target from layer l mod 8), the report
+    states routing, link and threads, and reads back from JSON."""
+    import json
+    from pathlib import Path
+
+    trace = Path(__file__).resolve().parents[3] / "benchmarks" / "traces" / "demo-heldout.safetensors"
+    tiny = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4,
+            "num_kv_heads": 4, "head_dim": 16, "max_position_embeddings": 256}
+    s = bench.build(3, 2, 8, device="cpu", config=tiny, log=lambda m: None)
+    cond = bench.Conditions(routing=f"trace:{trace}")
+    r = bench.measure(s, None, 8, 12, ("full",), ("reference",), 1, log=lambda m: None, cond=cond)
+    assert r["routing"]["mode"] == "trace" and r["routing"]["stated_guess_recall"] is None
+    stats = r["routing"]["trace"]
+    assert stats["tokens"] == 8 + 12 and stats["layers"] == 3
+    (result,) = r["results"]
+    assert result["hit_rate"] == 1.0 and result["cache_experts"] == 8  # no budget: all resident
+    again = json.loads(json.dumps(r))
+    line = bench.conditions_line(again)
+    assert f"LRU hit ratio at 8 cached: {stats['lru_hit_ratio'][8]:.3f}" in line
+    assert "trace " in line and "demo-heldout" in line and "CPU threads" in line
+
+
+def test_the_hybrid_mode_reports_its_cpu_experts():
+    """measure()'s hybrid mode on the CPU under a budget that caches 2 of 8 experts: misses
+    run on the CPU from the stored 2-bit bytes in place ("hqq", no extra RAM), and the report
+    says so with the bits per weight the CPU reads."""
+    tiny = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4,
+            "num_kv_heads": 4, "head_dim": 16, "max_position_embeddings": 256}
+    s = bench.build(2, 2, 8, device="cpu", config=tiny, log=lambda m: None)
+    budget = bench.cache_size_for  # the budget that leaves room for exactly 2 slots
+    per_slot = s.cfg.num_moe_layers * s.host.shape[2]
+    for extra in range(0, 64 << 20, 1 << 14):
+        if budget(s.dense_bytes + 2 * per_slot + extra, s.cfg, s.dense_bytes, s.host.shape[2], 20, s.device,
+                  "reference") == 2:
+            break
+    r = bench.measure(s, str(s.dense_bytes + 2 * per_slot + extra), 8, 12, ("lru", "hybrid"), ("reference",), 1,
+                      log=lambda m: None, cond=bench.Conditions(routing="uniform"))
+    lru, hybrid = r["results"]
+    assert lru["cache_experts"] == hybrid["cache_experts"] == 2
+    assert hybrid["misses_cpu"] > 0 and lru["misses_cpu"] == 0
+    cpu = r["cpu_experts"]
+    assert cpu["format"] == "hqq" and cpu["experts"] == 2 * 8
+    stored = 2 * 8 * s.host.shape[2]  # it reads the stored experts; only their metadata is copied
+    assert 0 < cpu["extra_ram_bytes"] < 0.1 * stored
+    assert 2.5 < cpu["bits_per_weight"] < 3.5  # 2-bit codes + 8-bit scales and zeros per 16

@@ -1,0 +1,146 @@
+"""CPU expert kernels: each format equals the float reference of its own copy.
+
+int4 and int8 compute with bfloat16 activations (their fast path), so they are compared with
+the float32 reference on bfloat16-rounded inputs, within bfloat16's rounding of the output.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moeferry.engine.runtime import cpu_experts as ce
+from moeferry.engine.storage import quant
+
+
+def bf16(t):
+    return t.bfloat16().float()
+
+
+def close_bf16(got, want):
+    return torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+def reference_expert(w1, w3, w2, x):
+    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+
+
+@pytest.mark.parametrize("g", [32, 64, 128])
+@pytest.mark.parametrize("T", [1, 3])
+def test_int4_kernel_matches_its_dequantized_codes(g, T):
+    gen = torch.Generator().manual_seed(g + T)
+    w = torch.randn(96, 256, generator=gen) * 0.02
+    q, s, z = ce.int4_codes(w, g)
+    assert q.min() >= 0 and q.max() <= 15 and q.dtype == torch.int32
+    cols = torch.arange(256) // g
+    ref_w = (q.float() - 8) * s[:, cols] + z[:, cols]  # the documented layout
+    m = ce.quantize_int4(w, g)
+    assert m.packed.dtype == torch.uint8 and m.packed.shape == (96, 128)
+    assert m.meta.shape == (256 // g, 96, 2)
+    assert torch.equal(m.meta[..., 0].float().T, s) and torch.equal(m.meta[..., 1].float().T, z)
+    x = torch.randn(T, 256, generator=gen)
+    got = m.matmul(x)
+    want = bf16(x) @ ref_w.T
+    assert got.dtype == torch.float32 and close_bf16(got, want), (got - want).abs().max()
+    # and the copy is close to the weights it came from: 4 bits, not noise
+    assert (ref_w - w).norm() / w.norm() < 0.12
+
+
+def test_int4_range_search_beats_plain_min_max():
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))
+    w[0, 5] = 9.0  # an outlier
+    q, s, z = ce.int4_codes(w, 32)
+    cols = torch.arange(128) // 32
+    err = ((q.float() - 8) * s[:, cols] + z[:, cols] - w) ** 2
+    lo, hi = w.view(64, 4, 32).amin(-1), w.view(64, 4, 32).amax(-1)
+    sp = (hi - lo) / 15
+    qp = ((w - lo[:, cols]) / sp[:, cols]).round().clamp(0, 15)
+    err_plain = (qp * sp[:, cols] + lo[:, cols] - w) ** 2
+    per_group = err.view(64, 4, 32).sum(-1), err_plain.view(64, 4, 32).sum(-1)
+    # scales and zeros are rounded to bfloat16 afterwards, so a group may lose a little
+    assert (per_group[0] <= per_group[1] * 1.05).all()
+    assert err.sum() < 0.95 * err_plain.sum()
+
+
+def test_int8_kernel_matches_its_dequantized_codes():
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(80, 96, generator=gen)
+    m = ce.quantize_int8(w)
+    ref_w = m.packed.float() * m.meta.float()[:, None]
+    assert (ref_w - w).norm() / w.norm() < 0.01
+    x = torch.randn(2, 96, generator=gen)
+    assert close_bf16(m.matmul(x), bf16(x) @ ref_w.T)
+
+
+@pytest.mark.parametrize("expert_bits", [2, 3, 4])
+@pytest.mark.parametrize("fmt", ce.COPY_FORMATS)
+def test_cpu_expert_equals_reference_of_its_copy_and_reports_extra_error(expert_bits, fmt):
+    """The GPU copy is the store's HQQ expert; the CPU copy is derived from its dequantized
+    values. The CPU output equals the float reference of the CPU copy; its distance from the
+    GPU copy's output is the extra error of the CPU format (printed, and bounded)."""
+    gen = torch.Generator().manual_seed(expert_bits)
+    H, I = 128, 256
+    spec = quant.EXPERT_SPECS[expert_bits]
+    src = [torch.randn(r, c, generator=gen) * 0.01 for r, c in ((I, H), (I, H), (H, I))]
+    gpu = [quant.dequantize(quant.quantize_matrix(w, spec, optimize=False)) for w in src]
+    cpu = ce.make_expert(*gpu, fmt)
+    if fmt == "int4":
+        codes = [ce.int4_codes(w, ce.int4_group(w.shape[1])) for w in (torch.cat(gpu[:2]), gpu[2])]
+        deq = []
+        for (q, s, z), w in zip(codes, (torch.cat(gpu[:2]), gpu[2])):
+            cols = torch.arange(w.shape[1]) // ce.int4_group(w.shape[1])
+            deq.append((q.float() - 8) * s[:, cols] + z[:, cols])
+    elif fmt == "int8":
+        deq = [m.packed.float() * m.meta.float()[:, None] for m in (cpu.w13, cpu.w2)]
+    else:
+        deq = [torch.cat(gpu[:2]), gpu[2]]
+    x = torch.randn(4, H, generator=gen)
+    got = cpu.forward(x)
+    want = reference_expert(*deq[0].chunk(2), deq[1], x)
+    if fmt == "dense":  # the GPU copy's own values in float32: the same products
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+    else:
+        assert close_bf16(got, want), (got - want).abs().max()
+    on_gpu = reference_expert(*gpu, x)
+    extra = ((got - on_gpu).norm() / on_gpu.norm()).item()
+    own = ((on_gpu - reference_expert(*src, x)).norm() / on_gpu.norm()).item()
+    print(f"{expert_bits}-bit GPU copy (its own error {own:.3f}), {fmt} CPU copy: extra error {extra:.4f}")
+    # int4 in groups of 128 inputs adds about what a 4-bit GPU copy itself loses (~0.17 here)
+    assert extra <= {"int4": 0.2, "int8": 0.02, "dense": 1e-6}[fmt]
+
+
+def test_expert_bytes_per_format():
+    w = [torch.randn(256, 128), torch.randn(256, 128), torch.randn(128, 256)]
+    sizes = {fmt: ce.make_expert(*w, fmt).nbytes() for fmt in ce.COPY_FORMATS}
+    params = 3 * 256 * 128
+    assert sizes["dense"] == 4 * params  # float32 weights stay float32
+    assert sizes["int8"] == params + 2 * (512 + 128)  # + a bfloat16 scale per row
+    g13, g2 = ce.int4_group(128), ce.int4_group(256)
+    assert sizes["int4"] == params // 2 + 4 * (512 * 128 // g13 + 128 * 256 // g2)
+
+
+def test_int4_needs_inputs_in_multiples_of_32():
+    assert not ce.supported("int4", 48, 128) and ce.supported("int8", 48, 128)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        ce.quantize_int4(torch.randn(8, 48))
+
+
+def test_worker_runs_jobs_on_its_own_thread_and_counts_bytes():
+    import threading
+    gen = torch.Generator().manual_seed(5)
+    experts = [ce.make_expert(torch.randn(64, 32, generator=gen), torch.randn(64, 32, generator=gen),
+                              torch.randn(32, 64, generator=gen), "int4") for _ in range(2)]
+    xs = [torch.randn(1, 32, generator=gen) for _ in range(2)]
+    main_threads = torch.get_num_threads()
+    worker = ce.CpuWorker(threads=main_threads + 1)
+    try:
+        assert worker.threads == main_threads + 1 and torch.get_num_threads() == main_threads  # its own
+        names = worker.pool.submit(lambda: threading.current_thread().name).result()
+        assert names.startswith("moeferry-cpu-experts") and names != threading.current_thread().name
+        out = worker.run(list(zip(experts, xs))).result()
+        for y, e, x in zip(out, experts, xs):
+            assert torch.equal(y, e.forward(x))
+        assert worker.stats.experts == 2
+        assert worker.stats.bytes_read == sum(e.nbytes() for e in experts)
+        assert worker.stats.seconds > 0 and worker.stats.gb_per_s > 0
+    finally:
+        worker.close()

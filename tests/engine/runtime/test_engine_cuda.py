@@ -1,0 +1,69 @@
+"""The correctness tests again on CUDA (run on the GPU machine; skipped without a GPU)."""
+
+import pytest
+import torch
+
+from moeferry.engine.runtime.generate import SamplingSettings, load_engine
+from moeferry.engine.storage.convert import convert_checkpoint
+from moeferry.engine.storage.store import load_dequantized_hf_model
+from tests.conftest import make_checkpoint, reference_greedy
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+PROMPT = [1, 10, 20, 30, 40, 50, 60, 7]
+
+
+@pytest.mark.parametrize("experts,top_k,kv_heads,layers", [(4, 2, 2, 2), (8, 2, 2, 3), (6, 1, 4, 2), (5, 3, 1, 4)])
+def test_cuda_greedy_tokens_equal_transformers(tmp_path, experts, top_k, kv_heads, layers):
+    model = make_checkpoint(tmp_path / "ck", seed=experts, shard="80KB", num_local_experts=experts,
+                            num_experts_per_tok=top_k, num_key_value_heads=kv_heads, num_hidden_layers=layers)
+    want = reference_greedy(model, PROMPT, 24)
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st", 16, 16, "cuda")
+    engine = load_engine(tmp_path / "st", device="cuda", dtype="float32", cache_experts=1)
+    engine.eos_ids = set()  # transformers' reference runs without stopping at </s>
+    for k in range(1, experts + 1):
+        engine.set_cache_experts(k)
+        for depth in (0, 1, 2):
+            engine.set_prefetch(depth)
+            engine.cached_ids = []
+            got = list(engine.generate_ids(PROMPT, SamplingSettings(temperature=0, max_new_tokens=24)))
+            assert got == want, f"K={k} D={depth}"
+
+
+@pytest.mark.parametrize("kernels", ["reference", "fused"])
+@pytest.mark.parametrize("expert_bits,attn_bits", [(2, 4), (3, 8), (4, 4)])
+def test_cuda_quantized_logits_match_dequantized_reference(tmp_path, expert_bits, attn_bits, kernels):
+    make_checkpoint(tmp_path / "ck", seed=3, num_key_value_heads=4, hidden_size=128, intermediate_size=256)
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st", expert_bits, attn_bits, "cuda")
+    ref = load_dequantized_hf_model(tmp_path / "st")
+    engine = load_engine(tmp_path / "st", device="cuda", dtype="float32", cache_experts=2, prefetch=1,
+                         kernels=kernels)
+    ids = torch.tensor(PROMPT)
+    engine.model.setup_kv(64)
+    got = engine.model.forward(ids.cuda(), 0, last_only=False).cpu()
+    with torch.no_grad():
+        want = ref(ids[None]).logits[0].float()
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel <= (1e-3 if kernels == "reference" else 1e-2), rel
+    engine.model.setup_kv(64)
+    tok = engine.model.forward(ids[:1].cuda(), 0)  # decode path (T=1) too
+    assert tok.shape[-1] == want.shape[-1]
+
+
+def test_cuda_graph_decode_equals_eager_decode(tmp_path):
+    make_checkpoint(tmp_path / "ck", seed=5, num_key_value_heads=4, hidden_size=128, intermediate_size=256,
+                    num_local_experts=6, num_hidden_layers=3)
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st", 2, 4, "cuda")
+    runs = {}
+    for graphs in (False, True):
+        engine = load_engine(tmp_path / "st", device="cuda", dtype="float32", cache_experts=3, prefetch=1,
+                             cuda_graphs=graphs)
+        engine.eos_ids = set()
+        assert (engine.model.graphs is not None) == graphs
+        long_prompt = PROMPT * 40  # 320 tokens: decode crosses the 256-position attention span
+        runs[graphs] = [list(engine.generate_ids(p, SamplingSettings(temperature=0, max_new_tokens=40)))
+                        for p in (PROMPT, long_prompt)]
+        stats = engine.last_stats
+        assert stats.cache_hits + stats.cache_misses > 0
+    assert runs[True] == runs[False]

@@ -1,0 +1,135 @@
+"""The per-layer LRU expert cache on a scripted routing sequence (CPU: copies are memcpy), and
+the benchmark's baseline caches (naive, no-copy: engine/measure/bench.py)."""
+
+import torch
+
+from moeferry.engine.measure.bench import CACHES
+
+L, E, B = 2, 6, 16
+
+
+def make_cache(k, policy="lru"):
+    host = torch.arange(L * E, dtype=torch.uint8)[:, None].repeat(1, B).view(L, E, B)  # expert id in every byte
+    return CACHES[policy](host, k, torch.device("cpu"), lambda buf: buf)
+
+
+def use(cache, layer, expert):
+    w, slot = cache.acquire(layer, expert)
+    assert int(w[0]) == layer * E + expert  # the slot really holds that expert's bytes
+    cache.release(layer, slot)
+
+
+def test_lru_order_hits_and_misses_on_a_scripted_sequence():
+    cache = make_cache(3)
+    # layer 0 sequence, with the LRU contents (oldest first) after each use worked out by hand:
+    # 0 -> [0] miss; 1 -> [0,1] miss; 2 -> [0,1,2] miss; 0 -> [1,2,0] hit; 3 -> evicts 1: [2,0,3] miss;
+    # 1 -> evicts 2: [0,3,1] miss; 0 -> [3,1,0] hit; 2 -> evicts 3: [1,0,2] miss
+    seq = [0, 1, 2, 0, 3, 1, 0, 2]
+    lru_after = [[0], [0, 1], [0, 1, 2], [1, 2, 0], [2, 0, 3], [0, 3, 1], [3, 1, 0], [1, 0, 2]]
+    for e, want in zip(seq, lru_after):
+        use(cache, 0, e)
+        assert list(cache.lru[0]) == want
+        assert len(cache.lru[0]) <= 3
+    assert (cache.stats.hits, cache.stats.misses) == (2, 6)
+    assert cache.stats.hits + cache.stats.misses == len(seq)
+    assert cache.stats.bytes_h2d == 6 * B
+    assert cache.resident(1) == ()  # layers are independent
+
+
+def test_never_more_than_k_resident_under_random_use():
+    gen = torch.Generator().manual_seed(0)
+    for k in range(1, E + 1):
+        cache = make_cache(k)
+        uses = 0
+        for _ in range(200):
+            layer = int(torch.randint(L, (1,), generator=gen))
+            use(cache, layer, int(torch.randint(E, (1,), generator=gen)))
+            uses += 1
+            assert all(len(cache.lru[l]) <= k for l in range(L))
+        assert cache.stats.hits + cache.stats.misses == uses
+
+
+def test_prefetch_loads_marks_mru_and_counts_used():
+    cache = make_cache(2)
+    use(cache, 1, 0)
+    use(cache, 1, 1)  # LRU: [0, 1]
+    cache.prefetch(1, [4])  # evicts 0
+    assert list(cache.lru[1]) == [1, 4] and cache.stats.prefetch_issued == 1
+    cache.prefetch(1, [1])  # already resident: becomes most recently used, nothing copied
+    assert list(cache.lru[1]) == [4, 1] and cache.stats.prefetch_issued == 1
+    use(cache, 1, 4)  # a hit thanks to the prefetch
+    assert cache.stats.prefetch_used == 1 and cache.stats.hits == 1
+    use(cache, 1, 4)  # used again: counted once
+    assert cache.stats.prefetch_used == 1
+
+
+def test_a_miss_keeps_experts_needed_in_the_same_step():
+    cache = make_cache(2)
+    use(cache, 0, 0)
+    use(cache, 0, 1)  # LRU: [0, 1]; the next step needs 1 and 5
+    w, slot = cache.acquire(0, 5, keep=[1, 5])
+    cache.release(0, slot)
+    assert 1 in cache.lru[0] and 0 not in cache.lru[0]
+
+
+def test_all_experts_resident_copies_once_and_never_misses():
+    cache = make_cache(E)
+    for e in range(E):
+        use(cache, 0, e)
+    assert cache.stats.misses == 0 and cache.stats.bytes_h2d == 0 and cache.host is None
+
+
+def test_the_device_slot_table_follows_every_load():
+    """kernels.moe_decode finds an expert through cache.table: after any mix of demand loads,
+    prefetches and evictions, and a sync of the layer, the table gives the slot that really
+    holds each resident expert's bytes."""
+    gen = torch.Generator().manual_seed(1)
+    for policy, k in (("lru", 2), ("lru", 4), ("naive", 2)):
+        cache = make_cache(k, policy)
+        for _ in range(100):
+            layer = int(torch.randint(L, (1,), generator=gen))
+            needed = torch.randperm(E, generator=gen)[:2].tolist()
+            for e in needed:
+                _, slot = cache.acquire(layer, e, keep=needed)
+                cache.release(layer, slot)
+            cache.prefetch((layer + 1) % L, torch.randperm(E, generator=gen)[:2].tolist())
+            cache.sync_table(layer)
+            assert layer not in cache.table_dirty
+            for e in set(needed) | set(cache.lru[layer]):  # this step's experts and all resident
+                slot = int(cache.table[layer, e])
+                assert int(cache.slots[layer, slot, 0]) == layer * E + e
+
+
+def test_a_fully_resident_or_no_copy_cache_has_a_fixed_table():
+    for cache, want in ((make_cache(E), torch.arange(E)), (make_cache(3, "no-copy"), torch.arange(E) % 3)):
+        for layer in range(L):
+            cache.sync_table(layer)
+            assert cache.table[layer].tolist() == want.tolist()
+        assert not cache.table_dirty
+        for layer in range(L):  # using and prefetching experts changes nothing
+            for e in range(E):
+                _, slot = cache.acquire(layer, e)
+                cache.release(layer, slot)
+            cache.prefetch(layer, list(range(E)))
+            assert not cache.table_dirty and cache.table_host[layer].tolist() == want.tolist()
+
+
+def test_the_naive_cache_copies_every_use_and_keeps_nothing():
+    cache = make_cache(2, "naive")
+    assert not cache.holds_every_expert
+    for e in (1, 1, 4, 1):
+        use(cache, 0, e)
+    cache.prefetch(1, [2, 3])
+    assert cache.stats.misses == 4 and cache.stats.hits == 0 and cache.stats.prefetch_issued == 0
+    assert cache.stats.bytes_h2d == 4 * B and cache.resident(1) == ()
+
+
+def test_what_the_hybrid_reads_goes_through_methods():
+    cache = make_cache(2)
+    assert cache.link_free_time() == 0.0 and cache.lands_at(0, 3) is None
+    cache.plan_link(1e-9, 0.5)
+    use(cache, 0, 3)
+    assert cache.lands_at(0, 3) == 0.0  # CPU copies are done when acquire returns
+    cache.count_cpu_misses(2, 1)
+    assert (cache.stats.misses, cache.stats.misses_cpu, cache.stats.misses_both) == (3, 2, 1)
+    assert make_cache(E).holds_every_expert and not make_cache(E - 1).holds_every_expert

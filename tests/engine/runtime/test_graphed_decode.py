@@ -1,0 +1,148 @@
+"""The CUDA-graph decode (engine/runtime/decode_graphs.py) on the CPU, for every family.
+
+GraphedDecode with capture=False runs the model's layer through the same segments, keys and
+host part as on a GPU, only without capturing them. On the eager operations that runs
+everywhere; on the fused ones (engine/decode_kernels.FusedOps: the decode kernels, the fused
+GEMVs, the grouped expert kernel) under the Triton interpreter (TRITON_INTERPRET=1 with
+Triton installed; skipped otherwise). Greedy tokens must equal transformers' (16-bit
+weights) or the eager forward's (quantized experts on the grouped kernel).
+"""
+
+import pytest
+import torch
+import transformers as T
+
+from moeferry.engine.kernels import hqq_gpu
+from moeferry.engine.runtime.decode_graphs import GraphedDecode
+from moeferry.engine.runtime.expert_cache import ExpertCache
+from moeferry.engine.runtime.generate import SamplingSettings, load_engine
+from moeferry.engine.runtime.model import OffloadedMixtral
+from moeferry.engine.storage import store as store_mod
+from moeferry.engine.storage.convert import convert_checkpoint
+from moeferry.engine.storage.quant import QMatrix
+from tests.conftest import make_checkpoint, reference_greedy
+from tests.engine.test_families import BY_ID, Variant, build, save
+
+FUSED = hqq_gpu.fused_available("cpu")  # only under TRITON_INTERPRET=1
+OPS = ["eager", pytest.param("fused", marks=pytest.mark.skipif(not FUSED, reason="needs TRITON_INTERPRET=1 and Triton"))]
+NEW_TOKENS = 10
+PROMPT = list(range(3, 15))
+# qwen2_moe without attention biases and with a power-of-two head size: the fused attention
+# next to a shared expert (the families' other variants all run their attention eagerly)
+PLAIN_QWEN2 = Variant("qwen2_moe-plain-attention", T.Qwen2MoeConfig, T.Qwen2MoeForCausalLM,
+                      dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=24, hidden_size=64,
+                           shared_expert_intermediate_size=40, intermediate_size=40, qkv_bias=False), seed=2)
+FAMILIES = ["mixtral", "qwen3_moe-top3-dense-layer", "qwen3_moe-top1-sparse-step-stacked", "olmoe-top3",
+            "olmoe-top1-clip-stacked", "qwen2_moe-shared-top3", "qwen2_moe-no-shared-top1-window",
+            PLAIN_QWEN2.id, "gpt_oss-top3-window5", "gpt_oss-top1-window3"]
+
+
+def checkpoint(vid: str, folder):
+    if vid == "mixtral":
+        return make_checkpoint(folder, seed=5, num_local_experts=5, num_experts_per_tok=2, num_hidden_layers=3,
+                               sliding_window=6)
+    v = PLAIN_QWEN2 if vid == PLAIN_QWEN2.id else BY_ID[vid]
+    return save(v, build(v), folder)
+
+
+def graphed(model: OffloadedMixtral, ops: str) -> GraphedDecode:
+    model.kernels = "reference" if ops == "eager" else "auto"
+    model.graphs = GraphedDecode(model, capture=False)
+    assert model.graphs.fast == (ops == "fused")
+    return model.graphs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ops", OPS)
+@pytest.mark.parametrize("vid", FAMILIES)
+def test_graphed_decode_gives_transformers_tokens(tmp_path, vid, ops):
+    hf = checkpoint(vid, tmp_path / "ck")
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st", 16, 16, "cpu")
+    engine = load_engine(tmp_path / "st", device="cpu", dtype="float32", cache_experts=1, cuda_graphs=False)
+    engine.eos_ids = set()
+    want = reference_greedy(hf, PROMPT, NEW_TOKENS)
+    E = engine.config.num_experts
+    for k, depth in ((1, 0), (2, 1), (E, 2)):
+        engine.set_cache_experts(k)
+        engine.set_prefetch(depth)
+        g = graphed(engine.model, ops)
+        g.prepare(64)
+        prepared = set(g.graphs)
+        engine.cached_ids = []
+        got = list(engine.generate_ids(PROMPT, SamplingSettings(temperature=0, max_new_tokens=NEW_TOKENS)))
+        assert got == want, f"K={k} D={depth}"
+        assert set(g.graphs) == prepared, "decode ran a segment prepare() did not capture"
+        stats = engine.last_stats
+        assert stats.cache_hits + stats.cache_misses >= (NEW_TOKENS - 1) * engine.config.num_moe_layers * engine.config.top_k
+        if depth == 0 or k == E:
+            assert stats.prefetch_issued == 0
+
+
+def packed_engine(folder, k: int):
+    """An engine whose expert cache keeps the packed experts (no dequantization per load) and
+    whose attention keeps its packed matrices: what a GPU runs, so the fused GEMVs and the
+    grouped expert kernel have their formats."""
+    engine = load_engine(folder, device="cpu", dtype="float32", cache_experts=k, cuda_graphs=False)
+    st, cfg = engine.store, engine.config
+    dense = {n: w if isinstance(w, QMatrix) else w.float() for n, w in store_mod.read_dense(st).items()}
+
+    def views(buf):
+        return store_mod.view_expert(buf, st.expert_fields, st.expert_quant, cfg)
+
+    cache = ExpertCache(store_mod.experts_array(st), k, torch.device("cpu"), views)
+    engine.model = OffloadedMixtral(cfg, dense, cache, torch.device("cpu"), torch.float32, "auto")
+    engine.model.setup_kv(256)
+    engine.eos_ids = set()
+    return engine
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not FUSED, reason="needs TRITON_INTERPRET=1 and Triton")
+@pytest.mark.parametrize("vid", ["mixtral", PLAIN_QWEN2.id])  # expert sizes the fused formats take
+def test_grouped_experts_decode_as_the_eager_layer(tmp_path, vid):
+    """Quantized experts on hqq_gpu.moe_decode (one launch for all routed experts, slots read on
+    the device), a cache of every expert as one token graph, and the hybrid's subsets."""
+    checkpoint(vid, tmp_path / "ck")
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st", 4, 8, "cpu")
+    greedy = SamplingSettings(temperature=0, max_new_tokens=NEW_TOKENS)
+    E = None
+    for k in (2, None):
+        engine = packed_engine(tmp_path / "st", k or 2)
+        E = engine.config.num_experts
+        if k is None:  # every expert resident: the one-graph token
+            engine = packed_engine(tmp_path / "st", E)
+        engine.set_prefetch(1)
+        engine.model.kernels = "reference"
+        want = list(engine.generate_ids(PROMPT, greedy))
+        g = graphed(engine.model, "fused")
+        g.prepare(64)
+        engine.cached_ids = []
+        assert list(engine.generate_ids(PROMPT, greedy)) == want, f"K={k or E}"
+        assert g.grouped and g.one_graph == (k is None)
+        keys = {key[0] for key in g.graphs}
+        assert keys == ({"token"} if k is None else {"attention", "moe", "head"} | ({"shared"} if "qwen2" in vid else set()))
+
+
+@pytest.mark.skipif(not FUSED, reason="needs TRITON_INTERPRET=1 and Triton")
+def test_the_grouped_kernel_runs_only_the_gpu_part_of_a_hybrid_layer(tmp_path):
+    """grouped_experts with a subset of the top-k positions (the others on the CPU): out is the
+    weighted sum of exactly those experts, as the eager per-expert path adds them."""
+    checkpoint("mixtral", tmp_path / "ck")
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st", 4, 8, "cpu")
+    engine = packed_engine(tmp_path / "st", 5)
+    m = engine.model
+    g = graphed(m, "fused")
+    g.check_keys()
+    s = g.s
+    m.cache.sync_tables()
+    s.h.normal_(generator=torch.Generator().manual_seed(0))
+    s.ids[0, 0] = torch.tensor([3, 1])
+    s.weights[0] = torch.tensor([0.7, 0.3])
+    for at in ([0], [1], [0, 1], []):
+        m.grouped_experts(0, s, g.ops, g.run, at)
+        want = torch.zeros_like(s.out)
+        for p in at:
+            e = int(s.ids[0, 0, p])
+            want += m.expert(m.cache.slot_weights(0, m.cache.lru[0][e]), s.h) * s.weights[0, p]
+        torch.testing.assert_close(s.out, want, rtol=1e-5, atol=1e-6)
+

@@ -1,0 +1,237 @@
+"""The CPU+GPU hybrid on the CPU: misses computed from CPU copies give the model's tokens.
+
+Here the "device" is the CPU too, so the split between the expert cache and the CPU copies is
+exercised exactly as on a GPU machine (same dispatch, same worker thread), and the greedy
+tokens are compared with transformers' and with the cache-only run.
+"""
+
+import pytest
+import torch
+
+from moeferry.engine.runtime.generate import SamplingSettings, load_engine
+from moeferry.engine.runtime.placement import Costs
+from moeferry.engine.storage.convert import convert_checkpoint
+from moeferry.engine.storage.store import load_dequantized_hf_model
+from tests.conftest import make_checkpoint, reference_greedy
+
+PROMPT = [1, 10, 20, 30, 40, 50, 60, 7]
+GREEDY = SamplingSettings(temperature=0, max_new_tokens=16)
+
+
+def greedy(engine) -> list[int]:
+    engine.eos_ids = set()
+    engine.cached_ids = []
+    return list(engine.generate_ids(PROMPT, GREEDY))
+
+
+@pytest.fixture(scope="module")
+def store16(tmp_path_factory):
+    """A random 8-expert top-2 model in 16 bits, and transformers' greedy tokens for it."""
+    d = tmp_path_factory.mktemp("hybrid")
+    model = make_checkpoint(d / "ck", seed=11, num_local_experts=8, num_hidden_layers=3,
+                            hidden_size=64, intermediate_size=128)
+    convert_checkpoint(d / "ck", d / "st", 16, 16, "cpu")
+    return d / "st", reference_greedy(model, PROMPT, 16)
+
+
+# auto under stated costs: a link as fast as the CPU (two misses split), a slow link (every
+# miss on the CPU), a slow GPU (the CPU computes the misses and the idle link copies them too)
+SPLIT = Costs(link_gbps=1.0, cpu_gbps=1.0, gpu_expert_s=0.0, cpu_overhead_s=0.0)
+SLOW_LINK = Costs(link_gbps=1e-3, cpu_gbps=1.0, gpu_expert_s=0.0)
+IDLE_LINK = Costs(link_gbps=1.0, cpu_gbps=1.0, gpu_expert_s=1e-3, cpu_overhead_s=0.0)
+
+
+@pytest.mark.parametrize("mode,costs", [("all", None), ("auto", SPLIT), ("auto", SLOW_LINK),
+                                        ("auto", IDLE_LINK), ("auto", None)])
+@pytest.mark.parametrize("k,depth", [(1, 0), (2, 1), (3, 2)])
+def test_hybrid_tokens_equal_transformers_and_cache_only(store16, mode, costs, k, depth):
+    path, want = store16
+    only = load_engine(path, device="cpu", dtype="float32", cache_experts=k, prefetch=depth)
+    assert greedy(only) == want
+    hyb = load_engine(path, device="cpu", dtype="float32", cache_experts=k, prefetch=depth,
+                      cpu_experts=mode, cpu_format="dense")
+    if costs is not None:
+        hyb.model.hybrid.costs = costs
+    assert greedy(hyb) == want
+    s = hyb.last_stats
+    # every copy is a copied miss, a prefetch or a CPU miss copied for later: the bytes say so
+    assert s.bytes_h2d == (s.misses_copied + s.prefetch_issued + s.misses_both) * hyb.store.expert_bytes
+    assert s.cpu_expert_runs == s.misses_cpu
+    assert 0 <= s.cpu_wait_s <= s.prefill_s + s.decode_s and (s.cpu_s > 0) == (s.misses_cpu > 0)
+    if mode == "all" or costs is SLOW_LINK:  # every miss has a CPU copy: none waits for a copy
+        assert s.misses_cpu > 0 and s.misses_copied == 0 and s.cpu_gb_per_s > 0
+        # all: each is also copied for later (not on the critical path); a slow link: never
+        assert s.misses_both == (s.misses_cpu if mode == "all" else 0)
+        assert s.bytes_h2d <= (s.prefetch_issued + s.misses_both) * hyb.store.expert_bytes
+    if costs is SPLIT:
+        assert s.misses_cpu > 0 and s.misses_copied > 0
+    if costs is IDLE_LINK:
+        assert s.misses_both > 0 and s.misses_copied == 0
+    hyb.model.hybrid.close()
+
+
+def test_every_expert_on_the_cpu_without_a_cache(store16):
+    """A machine without a GPU: no cache_experts -> the CPU kernels run every routed expert."""
+    path, want = store16
+    engine = load_engine(path, device="cpu", dtype="float32", cpu_experts="all", cpu_format="dense")
+    assert engine.model.hybrid.every_expert and engine.model.hybrid.worker is None
+    assert greedy(engine) == want
+    s = engine.last_stats
+    assert s.cache_hits == 0 and s.cache_misses == 0 and s.bytes_h2d == 0
+    assert s.cpu_expert_runs >= 15 * 3 * 2  # every decoded token's experts (and the prompt's)
+
+
+def test_ram_budget_limits_the_cpu_copies_and_the_rest_is_copied(store16):
+    path, want = store16
+    engine = load_engine(path, device="cpu", dtype="float32", cache_experts=2, prefetch=0,
+                         cpu_experts="all", cpu_format="dense")
+    per_copy = next(iter(engine.model.hybrid.copies.values())).nbytes()
+    engine = load_engine(path, device="cpu", dtype="float32", cache_experts=2, prefetch=0,
+                         cpu_experts="all", cpu_format="dense", ram_budget=10 * per_copy + per_copy // 2)
+    hybrid = engine.model.hybrid
+    assert len(hybrid.copies) == 10 and hybrid.nbytes() <= 10.5 * per_copy
+    assert {layer for layer, _ in hybrid.copies} == {0, 1, 2}  # spread over the layers
+    assert greedy(engine) == want
+    s = engine.last_stats
+    assert s.misses_cpu > 0 and s.misses_copied > 0  # experts without a copy still go over
+
+
+@pytest.mark.parametrize("fmt,tol", [("int8", 0.03), ("int4", 0.25)])
+def test_quantized_cpu_copies_stay_close_to_the_gpu_copies(tmp_path, fmt, tol):
+    """2-bit store: dense CPU copies give the dequantized model's tokens; int8/int4 copies
+    (bf16 activations) give logits within their quantization error of the cache-only run."""
+    make_checkpoint(tmp_path / "ck", seed=4, num_local_experts=4, hidden_size=64, intermediate_size=128)
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st", 2, 4, "cpu")
+    ref = load_dequantized_hf_model(tmp_path / "st")
+    dense = load_engine(tmp_path / "st", device="cpu", dtype="float32", cpu_experts="all", cpu_format="dense")
+    assert greedy(dense) == reference_greedy(ref, PROMPT, 16)
+    ids = torch.tensor(PROMPT)
+    logits = {}
+    for name, kw in (("cache", {"cache_experts": 4}), (fmt, {"cpu_experts": "all", "cpu_format": fmt})):
+        engine = load_engine(tmp_path / "st", device="cpu", dtype="float32", **kw)
+        engine.model.setup_kv(64)
+        logits[name] = engine.model.forward(ids, 0, last_only=False)
+    rel = ((logits[fmt] - logits["cache"]).norm() / logits["cache"].norm()).item()
+    print(f"{fmt} CPU copies of a 2-bit store: logits differ by {rel:.4f} (relative)")
+    assert 0 < rel < tol
+
+
+def test_cpu_work_is_queued_before_the_gpu_experts_and_awaited_after(store16, monkeypatch):
+    """The overlap's order in dispatch: the CPU job starts, then the device's experts are
+    queued, then the host waits for the CPU and adds its result."""
+    path, _ = store16
+    engine = load_engine(path, device="cpu", dtype="float32", cache_experts=1, prefetch=0,
+                         cpu_experts="all", cpu_format="dense")
+    model, events = engine.model, []
+    start, expert = model.hybrid.start, model.expert
+
+    def spy_start(*a, **kw):
+        events.append("cpu start")
+        finish = start(*a, **kw)
+        return lambda: (events.append("cpu finish"), finish())
+
+    monkeypatch.setattr(model.hybrid, "start", spy_start)
+    monkeypatch.setattr(model, "expert", lambda w, h: (events.append("device expert"), expert(w, h))[1])
+    model.setup_kv(16)
+    model.trace = []
+    model.forward(torch.tensor([5]), 0)
+    for i, (ids, _) in enumerate(model.trace[0]):  # cache each layer's first routed expert
+        model.cache.release(i, model.cache.acquire(i, ids[0])[1])
+    events.clear()
+    model.forward(torch.tensor([5]), 0)  # the same routing: one hit, one miss per layer
+    layers = [events[i:i + 3] for i in range(0, len(events), 3)]
+    assert len(layers) == model.cfg.num_layers  # top-2 with one slot: one of each per layer
+    assert all(step == ["cpu start", "device expert", "cpu finish"] for step in layers), events
+
+
+def test_cpu_experts_options_are_checked(store16):
+    from moeferry.engine.errors import UserError
+
+    with pytest.raises(UserError, match="--cpu-experts must be"):
+        load_engine(store16[0], device="cpu", cpu_experts="sometimes")
+    with pytest.raises(UserError, match="--cpu-format must be"):
+        load_engine(store16[0], device="cpu", cpu_experts="all", cpu_format="int3")
+
+
+def test_prefill_gives_the_cpu_the_experts_with_fewest_tokens(store16):
+    """For T tokens a CPU expert costs max(read, 2 * params * T / flops) and a copy the same
+    for any T: in each prefill layer the CPU takes the experts serving the fewest tokens and the
+    link the rest, at once; decode's single tokens go to the CPU. Tokens stay exact."""
+    path, want = store16
+    engine = load_engine(path, device="cpu", dtype="float32", cache_experts=1, prefetch=0,
+                         cpu_experts="auto", cpu_format="dense")
+    hybrid, stats = engine.model.hybrid, engine.model.cache.stats
+    hybrid.costs = Costs(link_gbps=0.5, cpu_gbps=1.0, gpu_expert_s=0.0, cpu_overhead_s=0.0, cpu_gflops=0.5)
+    layers, choose = [], hybrid.choose
+
+    def spy(layer, needed, ids_host, cache):
+        misses = [e for e in needed if e not in cache.resident(layer)]
+        tokens = {e: sum(e in row for row in ids_host) for e in misses}
+        rows, both = choose(layer, needed, ids_host, cache)
+        layers.append(([tokens[e] for e in rows], [tokens[e] for e in misses if e not in rows]))
+        return rows, both
+
+    hybrid.choose = spy
+    prompt = PROMPT * 4  # 32 tokens
+    engine.model.setup_kv(64)
+    engine.model.forward(torch.tensor(prompt), 0)
+    split = [(cpu, copied) for cpu, copied in layers if cpu and copied]
+    assert split and all(max(cpu) <= min(copied) for cpu, copied in split), layers
+    assert sum(sum(copied) for _, copied in layers) > sum(sum(cpu) for cpu, _ in layers)
+    before = stats.misses_cpu
+    for n in range(6):
+        engine.model.forward(torch.tensor([3 + n]), len(prompt) + n)
+    assert stats.misses_cpu > before
+    hybrid.choose = choose
+    assert greedy(engine) == want and engine.last_stats.first_token_s > 0
+
+
+def test_generate_cli_cpu_experts_json(tiny_store):
+    import json
+
+    from tests.conftest import run_cli
+
+    args = ("generate", str(tiny_store), "--prompt", "hello there", "--device", "cpu", "--max-new-tokens", "6",
+            "--json")
+    off = run_cli(*args)
+    on = run_cli(*args, "--cpu-experts", "all", "--cpu-format", "dense", "--cpu-threads", "1")
+    assert off.returncode == 0 and on.returncode == 0, on.stderr
+    a, b = json.loads(off.stdout), json.loads(on.stdout)
+    assert a["token_ids"] == b["token_ids"]
+    assert b["stats"]["cpu_expert_runs"] > 0 and b["stats"]["cache_misses"] == 0
+    assert a["stats"]["cpu_expert_runs"] == 0
+    bad = run_cli(*args, "--cpu-experts", "all", "--ram-budget", "1KB")
+    assert bad.returncode == 2 and "raise --ram-budget" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_default_ram_budget_is_what_is_available(store16, monkeypatch):
+    from moeferry.engine.setup import hardware
+    from moeferry.engine.setup.plan import HOST_RESERVE_BYTES
+
+    path, want = store16
+    full = load_engine(path, device="cpu", dtype="float32", cache_experts=2, cpu_experts="all", cpu_format="dense")
+    per_copy = next(iter(full.model.hybrid.copies.values())).nbytes()
+    assert len(full.model.hybrid.copies) == 24 and full.note == ""
+    available = HOST_RESERVE_BYTES + 5 * per_copy
+    monkeypatch.setattr(hardware, "_ram_info", lambda: {"ram_available_bytes": available})
+    tight = load_engine(path, device="cpu", dtype="float32", cache_experts=2, cpu_experts="all", cpu_format="dense")
+    assert len(tight.model.hybrid.copies) == 5
+    assert "CPU copies of 5 of the 24 experts" in tight.note
+    assert greedy(tight) == want
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_quantized_store_runs_its_own_bytes_on_the_cpu_by_default(tmp_path, bits):
+    """A 2-4 bit store: the default CPU format is "hqq" (the stored expert in place, no copy),
+    and it gives the dequantized model's greedy tokens, with a cache (hybrid) and without one."""
+    from moeferry.engine.runtime.cpu_experts import HqqExpert
+
+    make_checkpoint(tmp_path / "ck", seed=5, num_local_experts=4, hidden_size=64, intermediate_size=128)
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st", bits, 16, "cpu")
+    want = reference_greedy(load_dequantized_hf_model(tmp_path / "st"), PROMPT, 16)
+    for kw in ({"cache_experts": 2}, {}):
+        engine = load_engine(tmp_path / "st", device="cpu", dtype="float32", cpu_experts="all", **kw)
+        copies = engine.model.hybrid.copies
+        assert len(copies) == engine.model.cfg.num_moe_layers * 4 and all(isinstance(c, HqqExpert) for c in copies.values())
+        assert greedy(engine) == want, kw
+        assert engine.last_stats.cpu_expert_runs > 0

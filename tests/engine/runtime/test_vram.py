@@ -1,0 +1,98 @@
+"""engine/runtime/vram.py: the planner and the engine size the expert cache with the same bytes."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from moeferry.engine.measure.bench_shapes import MODEL_SHAPES, shape_config
+from moeferry.engine.paths import demo_store_path
+from moeferry.engine.runtime import generate, vram
+from moeferry.engine.setup import plan
+from moeferry.engine.storage import store
+from moeferry.engine.units import GiB, MiB
+
+CUDA = torch.device("cuda")  # only its type is read: nothing is allocated
+BUDGETS = [b * GiB // 4 for b in range(1, 400)] + [0, 1, 123_456_789]
+
+
+def expert_quantization(model: str, bits: int) -> dict:
+    if model == "gpt-oss-20b":
+        return {"bits": 4, "method": "mxfp4", "group_size": 32, "bias_dtype": "BF16"}
+    return {"bits": bits, "group_size": {2: 16, 3: 64, 4: 64}[bits], "meta_group": 128, "method": "hqq"}
+
+
+@pytest.mark.parametrize("model", sorted(MODEL_SHAPES))
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("context", [128, 4096, 10**6])
+def test_the_plan_and_the_engine_fit_the_same_cache_for_every_family(model, bits, context):
+    hf = MODEL_SHAPES[model]
+    cfg = shape_config(model)
+    _, stride = store.expert_layout(cfg, expert_quantization(model, bits))
+    sizes = replace(plan.ModelSizes.from_config(hf, bits, 4), expert_bytes=stride)  # a store's stride
+    planned = sizes.device_bytes(context)
+    engine_context = min(context, cfg.max_position_embeddings)  # load_engine's
+    engine = generate.device_bytes(cfg, sizes.dense_bytes, stride, engine_context, torch.bfloat16, CUDA)
+    assert planned == engine
+    for budget in BUDGETS:
+        assert planned.slots(budget) == engine.slots(budget)
+
+
+def test_the_plan_and_the_engine_agree_on_the_demo_store_byte_for_byte(monkeypatch):
+    path = demo_store_path()
+    st = store.open_store(path)
+    # the engine's own count of its dense bytes on a GPU (move_dense on a device that is not the CPU)
+    _, dense_b = generate.move_dense(store.read_dense(st), torch.device("meta"), torch.bfloat16)
+    sizes = plan.ModelSizes.from_store(path)
+    hw = {"gpu_name": "Fake", "torch_cuda_available": True, "h2d_bytes_per_s": 20e9,
+          "ram_total_bytes": 64 * GiB}
+    for context in (64, 1024, 4096):
+        engine = generate.device_bytes(st.config, dense_b, st.expert_bytes,
+                                       min(context, st.config.max_position_embeddings), torch.bfloat16, CUDA)
+        assert sizes.device_bytes(context) == engine
+        for budget in range(engine.fixed - MiB, engine.needed(9) + MiB, 37 * 1024):
+            p = plan.make_plan(hw, sizes, budget, context_tokens=context)
+            k = engine.slots(budget)
+            assert (p.device, p.cache_experts_per_layer) == (("cuda", k) if k >= 1 else ("cpu", 0))
+            if k:  # what the wizard then offers, the engine accepts, and one more it refuses
+                generate.check_budget(budget, engine, p.cache_experts_per_layer)
+                if k < st.config.num_experts:
+                    with pytest.raises(generate.UserError):
+                        generate.check_budget(budget, engine, k + 1)
+
+
+def test_without_a_budget_both_leave_the_same_slack():
+    free = 20 * GiB
+    hw = {"gpu_name": "Fake", "torch_cuda_available": True, "vram_free_bytes": free}
+    assert plan.default_vram_budget(hw) == vram.auto_budget(free) == free - vram.AUTO_BUDGET_SLACK_BYTES
+
+
+def test_kv_cache_bytes_are_what_the_engine_allocates():
+    from moeferry.engine.runtime.model import KVCache
+
+    for model in MODEL_SHAPES:
+        cfg = shape_config(model, 2)
+        kv = KVCache(cfg, 16, "cpu", torch.bfloat16)
+        assert vram.kv_cache_bytes(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim) == \
+            kv.k.nbytes + kv.v.nbytes == KVCache.nbytes(cfg, 16, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_engine_on_a_gpu_takes_the_cache_the_plan_offers():
+    path = demo_store_path()
+    sizes = plan.ModelSizes.from_store(path)
+    hw = {"gpu_name": "GPU", "torch_cuda_available": True, "h2d_bytes_per_s": 20e9, "ram_total_bytes": 64 * GiB}
+    one = sizes.device_bytes(4096).needed(1)
+    for budget in (one, one + sizes.device_bytes(4096).per_slot * 3 + 1):
+        p = plan.make_plan(hw, sizes, budget)
+        engine = generate.load_engine(path, device="cuda", vram_budget=budget, cuda_graphs=False)
+        try:
+            assert engine.model.cache.K == p.cache_experts_per_layer
+            assert generate.engine_device_bytes(engine) == sizes.device_bytes(4096)
+        finally:
+            engine.close()
+    with pytest.raises(generate.UserError):
+        generate.load_engine(path, device="cuda", vram_budget=one - 1)
