@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from moeferry.engine.kernels import decode as dk, hqq_gpu
 from moeferry.engine.measure import bench
+from moeferry.engine.runtime.decode_graphs import use_cuda_graphs
 from moeferry.engine.runtime.expert_cache import ExpertCache
 from moeferry.engine.runtime.model import OffloadedMixtral
 
@@ -51,7 +52,7 @@ def profile(layers: int, expert_bits: int, log=print) -> dict:
     cache = ExpertCache(s.host, cfg.num_experts, s.device, bench.expert_views(cfg, s.fields, s.eq))
     m = OffloadedMixtral(cfg, s.dense, cache, s.device, torch.bfloat16, "fused")
     m.setup_kv(256)
-    m.use_cuda_graphs()
+    use_cuda_graphs(m)
     g, st, ops = m.graphs, m.graphs.s, m.graphs.ops
     g.check_keys()
     cache.sync_tables()

@@ -34,6 +34,7 @@ from moeferry.engine.errors import UserError
 from moeferry.engine.measure import routing as routing_mod
 from moeferry.engine.measure.bench_shapes import MODEL_SHAPES, family_dense, shape_config
 from moeferry.engine.runtime.cpu_experts import HqqExpert
+from moeferry.engine.runtime.decode_graphs import use_cuda_graphs
 from moeferry.engine.runtime.expert_cache import ExpertCache, pace_cycles, pin, sleep_cycles_per_s
 from moeferry.engine.runtime.generate import compute_ready, cpu_copies_of, cpu_experts_for, device_bytes, parse_size
 from moeferry.engine.runtime.model import ModelConfig, OffloadedMixtral
@@ -283,7 +284,7 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
         if link_gbps and model.hybrid.costs is not None:  # the paced link is the one it must plan for
             model.hybrid.costs.link_gbps = min(model.hybrid.costs.link_gbps, link_gbps)
     model.setup_kv(len(prompt) + new_tokens)
-    model.use_cuda_graphs(graphs and kernels == "fused")  # the reference path stays eager, as HQQ's
+    use_cuda_graphs(model, graphs and kernels == "fused")  # the reference path stays eager, as HQQ's
     if model.graphs is not None:
         model.graphs.prepare(len(prompt) + new_tokens)  # captured before the clock starts
     t0 = time.perf_counter()

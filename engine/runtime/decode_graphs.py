@@ -41,6 +41,11 @@ from moeferry.engine.kernels.decode import FusedOps, add_rms_norm, rope_attentio
 from moeferry.engine.runtime.model import EagerOps, rope_cos_sin
 
 
+def use_cuda_graphs(model, on: bool = True) -> None:
+    """Decode one token at a time through CUDA graphs of the model's layer on a CUDA device
+    (every family); off, or on another device, the eager forward."""
+    model.graphs = GraphedDecode(model) if on and model.device.type == "cuda" else None
+
 class GraphedDecode:
     def __init__(self, model, capture: bool = True):
         self.m, self.capture = model, capture

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from moeferry.engine.contract import ExpertTrace, GenerationStats, SamplingSettings, TokenPiece  # noqa: F401 - re-exported
 from moeferry.engine.errors import UserError
 from moeferry.engine.runtime import vram
+from moeferry.engine.runtime.decode_graphs import use_cuda_graphs
 from moeferry.engine.runtime.expert_cache import ExpertCache
 from moeferry.engine.runtime.model import ModelConfig, OffloadedMixtral
 from moeferry.engine.storage import quant, store as store_mod
@@ -484,7 +485,7 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
             cache.host = None  # never copied from: the CPU copies are the experts' only home
     model.prefetch_depth = 0 if every_expert else prefetch  # nothing is read from the cache
     model.setup_kv(context)  # allocated once, at full size: budgeted above and graph-friendly
-    model.use_cuda_graphs(cuda_graphs)
+    use_cuda_graphs(model, cuda_graphs)
     if model.graphs is not None:
         model.graphs.prepare(min(context, 1024), lambda f, m: report(0.9 + 0.1 * f, m))
     note = "" if (cache.pinned or cache.host is None or dev.type != "cuda") else \

@@ -194,7 +194,7 @@ class OffloadedMixtral:
         self.kv: KVCache | None = None
         self.trace: list | None = None  # set to a list to record routing per decoded token
         self.routing = None  # engine/measure/routing.py: forces (or records) the router's choice
-        self.graphs = None  # engine/runtime/decode_graphs.py: CUDA-graph decode, set by use_cuda_graphs()
+        self.graphs = None  # CUDA-graph decode, set by engine/runtime/decode_graphs.py use_cuda_graphs()
         self.hybrid = None  # engine/cpu_experts.CpuExperts: misses computed on the CPU, or None
         self.embed = dense["model.embed_tokens.weight"]
         self.norm = dense["model.norm.weight"]
@@ -211,12 +211,6 @@ class OffloadedMixtral:
     @prefetch_depth.setter
     def prefetch_depth(self, depth: int) -> None:
         self.prefetcher.depth = depth
-
-    def use_cuda_graphs(self, on: bool = True) -> None:
-        """Decode one token at a time through CUDA graphs of this layer (engine/runtime/decode_graphs.py)
-        on a CUDA device; every family."""
-        from moeferry.engine.runtime.decode_graphs import GraphedDecode
-        self.graphs = GraphedDecode(self) if on and self.device.type == "cuda" else None
 
     def setup_kv(self, capacity: int) -> None:
         """Allocate the KV cache; a no-op when the current one is big enough.

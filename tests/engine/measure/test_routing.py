@@ -17,6 +17,7 @@ from moeferry.engine.errors import UserError
 from moeferry.engine.measure import bench, routing
 from moeferry.engine.measure.routing import lru_hits
 from moeferry.engine.runtime import vram
+from moeferry.engine.runtime.decode_graphs import use_cuda_graphs
 from moeferry.engine.runtime.model import rms_norm, rope_cos_sin
 from moeferry.engine.storage import quant
 
@@ -304,7 +305,7 @@ def test_graphs_honour_forced_routing(budget):
         model = s.model("lru", k, 1, "fused")
         model.routing = src
         model.setup_kv(64)
-        model.use_cuda_graphs(graphs)
+        use_cuda_graphs(model, graphs)
         if graphs:
             model.graphs.prepare(64)
             assert model.graphs.one_graph == (k == s.cfg.num_experts)
