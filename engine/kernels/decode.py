@@ -3,7 +3,7 @@
 Eagerly, one decoded token's attention and routing is about 45 tiny PyTorch kernels per layer
 (the RMS norm alone is 7, RoPE 10, the router 7); inside a CUDA graph each still costs one
 dependent launch, 2-3 us on an H200, more than the work. These kernels do the same maths in
-4 launches (besides the q, k+v and o GEMVs of kernels.py):
+4 launches (besides the q, k+v and o GEMVs of hqq_gpu.py):
 
   add_rms_norm     x += delta; h = rms_norm(x) * weight (twice)
   rope_attention   RoPE on q and k at the position held on the device, k and v into the KV
@@ -13,7 +13,7 @@ dependent launch, 2-3 us on an H200, more than the work. These kernels do the sa
                    router (gpt_oss's softmax over the top-k logits is the renormalised top-k
                    of the softmax)
 
-FusedOps is engine/model.EagerOps with these kernels wherever a layer's options allow them:
+FusedOps is engine/runtime/model.EagerOps with these kernels wherever a layer's options allow them:
 attention only without q/k norms, clipping, biases or sinks and with a power-of-two head
 size; the others run the eager operation, inside the same graph. Its `experts` is the grouped
 expert kernel (hqq_gpu.moe_decode), which the graph runner enables when the cache's expert

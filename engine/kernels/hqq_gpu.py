@@ -3,7 +3,7 @@
 `qlinear(x, w)` is the one entry point the model calls. On a CUDA device with Triton it runs
 the fused kernels below; everywhere else (and with kernels="reference") it dequantizes with
 `quant.dequantize` and multiplies, which is also the ground truth the kernels are tested
-against. Measurements and the story of each version: docs/KERNELS.md.
+against. Design and measurements: docs/KERNELS.md.
 
 The weight format is `quant.QMatrix` (HQQ axis-0 groups, bit planes, 8-bit or plain
 scale/zero); see quant.py. What matters for the kernels:
@@ -359,7 +359,7 @@ def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tenso
 
 def gemm_config(T: int, rows: int, cols: int, bits: int, group_size: int, sms: int = 132) -> dict:
     """Launch parameters of the fused GEMM. For T <= 16, where qlinear uses it, the fastest
-    tiles of the H200 sweep (docs/KERNELS.md, run 2): 128 output rows per program."""
+    tiles of the H200 sweep (docs/KERNELS.md, prefill): 128 output rows per program."""
     bj = max(1, 128 // group_size)
     if T <= 16:
         if bits == 4 or bits == 8:
