@@ -24,7 +24,14 @@ import time
 import torch
 
 from moeferry.engine.kernels import hqq_gpu as K
-from moeferry.engine.storage.quant import ATTN_SPECS, EXPERT_SPECS as QUANT_SPECS, QMatrix, dequantize, meta_groups, pack_codes
+from moeferry.engine.storage.quant import (
+    ATTN_SPECS,
+    EXPERT_SPECS as QUANT_SPECS,
+    QMatrix,
+    QuantSpec,
+    dequantize,
+    random_qmatrix as quant_random_qmatrix,
+)
 
 # Mixtral-8x7B matrices: expert w1/w3 (and w2, the down projection), attention q/o and k/v.
 SHAPES = {"w1 14336x4096": (14336, 4096), "w2 4096x14336": (4096, 14336),
@@ -37,27 +44,13 @@ TARGET_US = {2: 20.0, 3: 30.0, 4: 30.0}  # issue 3: one expert matrix at batch 1
 def random_qmatrix(rows: int, cols: int, bits: int, group_size: int, meta8: bool = True,
                    meta_group: int = 128, zero_meta_group: int | None = None,
                    device="cpu", seed: int | None = None) -> QMatrix:
-    """A QMatrix with uniformly random codes and plausible random scales and zeros, made on
-    `device` (no HQQ run). Meta groups follow quant.meta_groups: one that does not divide
-    G * cols (e.g. 1 << 40) gives a single meta pair (M == 1), as the paper's zeros have."""
+    """quant.random_qmatrix with random metadata, by width and groups, made on `device`. Meta
+    groups follow quant.meta_groups: one that does not divide G * cols (e.g. 1 << 40) gives a
+    single meta pair (M == 1), as the paper's zeros have."""
     gen = torch.Generator(device=device)
     gen.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(6), "little"))
-    G = rows // group_size
-    codes = torch.randint(0, 2**bits, (rows, cols), dtype=torch.uint8, device=device, generator=gen)
-    planes = pack_codes(codes, bits)
-    rand = lambda *shape: torch.rand(*shape, device=device, generator=gen)  # noqa: E731
-    if not meta8:
-        scale = (rand(G, cols) * 0.02 + 0.005).half()
-        zero = (rand(G, cols) * (2**bits - 1)).half()
-        return QMatrix(rows, cols, bits, group_size, planes, scale, zero)
-
-    def q8(n_meta, lo, hi):  # 8-bit values + a meta pair per value f % n_meta
-        q = torch.randint(0, 256, (G, cols), dtype=torch.uint8, device=device, generator=gen)
-        meta = torch.stack([(rand(n_meta) * (hi - lo) + lo) / 255, rand(n_meta) * 40 - 20])
-        return q, meta.half()
-    sq, sm = q8(meta_groups(G * cols, meta_group), 0.005, 0.03)
-    zq, zm = q8(meta_groups(G * cols, zero_meta_group or meta_group), 0.0, 2**bits - 1)
-    return QMatrix(rows, cols, bits, group_size, planes, sq, zq, sm, zm)
+    spec = QuantSpec(bits, group_size, meta_group, zero_meta_group, 8 if meta8 else 16)
+    return quant_random_qmatrix(rows, cols, spec, gen, device)
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:

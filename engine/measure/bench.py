@@ -74,21 +74,6 @@ class ModeResult:
 # Synthetic weights in packed form
 
 
-def random_qmatrix(rows: int, cols: int, spec: quant.QuantSpec, device, gen) -> quant.QMatrix:
-    """Random codes; zeros anywhere in the code range and scales of 0.012-0.027 / (levels), as
-    HQQ produces for weights of standard deviation ~0.01 (Mixtral's are 0.01-0.02): 0.004-0.009
-    at 2-bit."""
-    f = quant.field_shapes(rows, cols, spec)
-    t = {k: torch.randint(0, 256, shape, dtype=torch.uint8, device=device, generator=gen)
-         for k, (dtype, shape) in f.items() if dtype == torch.uint8}
-    levels = 2 ** spec.bits - 1
-    t["scale_meta"] = torch.tensor([[6e-5 / levels], [-200.0]], dtype=torch.float16,
-                                   device=device).expand(f["scale_meta"][1]).contiguous()
-    t["zero_meta"] = torch.tensor([[levels / 255], [0.0]], dtype=torch.float16, device=device).expand(f["zero_meta"][1]).contiguous()
-    return quant.QMatrix.from_tensors({"rows": rows, "cols": cols, "bits": spec.bits,
-                                       "group_size": spec.group_size}, t)
-
-
 def synthetic_model(cfg: ModelConfig, expert_bits: int, attn_bits: int, device, seed: int = 0,
                     dtype=torch.bfloat16):
     """(dense weights on device, host experts uint8 [L, E, stride] (pinned on CUDA), expert fields, quantization)."""
@@ -107,8 +92,8 @@ def synthetic_model(cfg: ModelConfig, expert_bits: int, attn_bits: int, device, 
         dense[p + "block_sparse_moe.gate.weight"] = torch.randn(cfg.num_experts, cfg.hidden_size, device=device,
                                                                 dtype=dtype, generator=gen) * 0.02
         for m in store_mod.ATTN_MATRICES:
-            dense[p + f"self_attn.{m}.weight"] = random_qmatrix(*store_mod.attn_shape(cfg, m), as_, device, gen)
-        dense.update(family_dense(cfg, i, lambda r, c: random_qmatrix(r, c, as_, device, gen), device, gen))
+            dense[p + f"self_attn.{m}.weight"] = quant.random_qmatrix(*store_mod.attn_shape(cfg, m), as_, gen, device, plausible=True)
+        dense.update(family_dense(cfg, i, lambda r, c: quant.random_qmatrix(r, c, as_, gen, device, plausible=True), device, gen))
     dense_bytes = sum(w.nbytes() if isinstance(w, quant.QMatrix) else w.numel() * w.element_size()
                       for w in dense.values())
     if cfg.expert_act == "clamped_swiglu":
@@ -128,7 +113,7 @@ def random_expert(cfg: ModelConfig, spec: quant.QuantSpec, fields: list[dict], s
     buf = torch.zeros(stride, dtype=torch.uint8, device=device)
     tensors = {}
     for m in store_mod.EXPERT_MATRICES:
-        qm = random_qmatrix(*store_mod.expert_shape(cfg, m), spec, device, gen)
+        qm = quant.random_qmatrix(*store_mod.expert_shape(cfg, m), spec, gen, device, plausible=True)
         tensors.update({f"{m}.{k}": v for k, v in qm.tensors().items()})
     for b in store_mod.EXPERT_BIASES if cfg.expert_act == "clamped_swiglu" else ():  # gpt_oss
         bias = torch.randn(store_mod.expert_shape(cfg, b), device=device, generator=gen) * 0.02

@@ -50,7 +50,7 @@ def shape_config(model: str, layers: int | None = None) -> ModelConfig:
 def family_dense(cfg: ModelConfig, i: int, qmatrix, device, gen) -> dict:
     """Layer i's random dense weights beyond Mixtral's (store names, engine/storage/store.py): q/k norms,
     biases, sinks, the router's bias, a shared expert, a dense layer's MLP. qmatrix(rows, cols)
-    makes a random quantized matrix (bench.random_qmatrix at the attention's width)."""
+    makes a random quantized matrix (quant.random_qmatrix at the attention's width)."""
     p, H, dtype = f"model.layers.{i}.", cfg.hidden_size, torch.bfloat16
 
     def small(*shape, std=0.02):

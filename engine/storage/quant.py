@@ -132,6 +132,39 @@ def pack_codes(codes: torch.Tensor, bits: int) -> list[torch.Tensor]:
     return planes
 
 
+def random_qmatrix(rows: int, cols: int, spec: QuantSpec, gen: torch.Generator, device="cpu",
+                   plausible: bool = False) -> QMatrix:
+    """A synthetic matrix in the store's format, without an HQQ run: the one source of packed
+    random weights (the benchmark's synthetic models, the kernel tests and benchmarks).
+
+    Codes are uniform over the code range; scales and zeros are random. The metadata is random
+    per meta group (scales 0.005-0.03, zeros over the code range: every pair differs, which the
+    kernels' metadata decode must get right), or, with plausible=True, one pair that makes the
+    scales 0.012-0.027 / (2**bits - 1), as HQQ gives weights of standard deviation ~0.01 (Mixtral's
+    are 0.01-0.02), with zeros over the code range."""
+    check_shape(rows, cols, spec)
+    G, levels = rows // spec.group_size, 2 ** spec.bits - 1
+    codes = torch.randint(0, levels + 1, (rows, cols), dtype=torch.uint8, device=device, generator=gen)
+    planes = pack_codes(codes, spec.bits)
+    rand = lambda *shape: torch.rand(*shape, device=device, generator=gen)  # noqa: E731
+    if spec.meta_bits == 16:
+        scale = (rand(G, cols) * 0.02 + 0.005).half()
+        zero = (rand(G, cols) * levels).half()
+        return QMatrix(rows, cols, spec.bits, spec.group_size, planes, scale, zero)
+
+    def q8(meta_group: int, lo: float, hi: float, fixed: list[float]):  # 8-bit values + their meta pairs
+        q = torch.randint(0, 256, (G, cols), dtype=torch.uint8, device=device, generator=gen)
+        n = meta_groups(G * cols, meta_group)
+        if plausible:
+            meta = torch.tensor(fixed, device=device).view(2, 1).expand(2, n)
+        else:
+            meta = torch.stack([(rand(n) * (hi - lo) + lo) / 255, rand(n) * 40 - 20])
+        return q, meta.half().contiguous()
+    sq, sm = q8(spec.meta_group, 0.005, 0.03, [6e-5 / levels, -200.0])
+    zq, zm = q8(spec.zero_meta_group or spec.meta_group, 0.0, levels, [levels / 255, 0.0])
+    return QMatrix(rows, cols, spec.bits, spec.group_size, planes, sq, zq, sm, zm)
+
+
 def unpack_codes(planes: list[torch.Tensor], bits: int) -> torch.Tensor:
     """Inverse of pack_codes: uint8 [rows, cols]."""
     codes, shift_left = None, bits
