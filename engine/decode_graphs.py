@@ -37,7 +37,7 @@ import warnings
 import torch
 
 from engine import kernels
-from engine.decode_kernels import FusedOps, add_rms_norm, rope_attention, route_topk
+from engine.decode_kernels import FusedOps, add_rms_norm, attention_options, rope_attention, route_topk
 from engine.model import EagerOps, rope_cos_sin
 
 
@@ -230,12 +230,12 @@ class GraphedDecode:
         if m.moe_layers:
             route_topk(s.x, m.moe_layers[0]["router"], cfg.top_k, torch.empty_like(s.weights[0]),
                        torch.empty_like(s.guesses[0]), m.moe_layers[0].get("router_bias"))
-        if cfg.head_dim & (cfg.head_dim - 1) == 0:
-            q = torch.zeros(cfg.num_heads, cfg.head_dim, dtype=m.dtype, device=dev)
-            kv = torch.zeros(cfg.num_kv_heads, cfg.head_dim, dtype=m.dtype, device=dev)
-            cache = torch.zeros(1, cfg.num_kv_heads, cfg.head_dim, dtype=m.dtype, device=dev)
-            rope_attention(q, kv, kv, s.cos, s.sin, torch.zeros_like(self.pos), cache, cache.clone(),
-                           cfg.sliding_window, torch.empty(1, cfg.num_heads * cfg.head_dim, dtype=m.dtype, device=dev))
+        q = torch.zeros(cfg.num_heads, cfg.head_dim, dtype=m.dtype, device=dev)
+        kv = torch.zeros(cfg.num_kv_heads, cfg.head_dim, dtype=m.dtype, device=dev)
+        cache = torch.zeros(1, cfg.num_kv_heads, cfg.head_dim, dtype=m.dtype, device=dev)
+        rope_attention(q, kv, kv, s.cos, s.sin, torch.zeros_like(self.pos), cache, cache.clone(),
+                       cfg.sliding_window, torch.empty(1, cfg.num_heads * cfg.head_dim, dtype=m.dtype, device=dev),
+                       **attention_options(layer, cfg.rms_norm_eps))
         if kernels.pair_supported(layer["k_proj"], layer["v_proj"]):
             out = torch.empty(1, cfg.num_kv_heads * cfg.head_dim, dtype=m.dtype, device=dev)
             kernels.gemv_pair(s.x, layer["k_proj"], layer["v_proj"], out, torch.empty_like(out))
