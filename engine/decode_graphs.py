@@ -21,8 +21,8 @@ before each replay. With the CPU+GPU hybrid some of a layer's experts run on the
 grouped launch then runs only the others (a graph per count) and the CPU's sum is added to
 `out` eagerly before the next graph reads it.
 
-Graphs read the token position from a device tensor, so they replay at any position (layers
-with an eager attention are keyed on the span it reads). Each graph is captured the first
+Graphs read the token position from a device tensor, so they replay at any position (on the
+eager operations an attention graph is keyed on the span it reads). Each graph is captured the first
 time it is needed, right after running its function eagerly for that token (which also
 compiles the Triton kernels). A new KV cache or expert cache drops all graphs, and so does a
 new prefetch depth unless every expert is resident. With capture=False nothing is captured

@@ -19,10 +19,10 @@ FusedOps is engine/model.EagerOps with these kernels. Every family's attention r
 so an attention graph depends only on the position on the device. Its `experts` is the grouped
 expert kernel (kernels.moe_decode), which the graph runner enables when the cache's expert
 format supports it. Each kernel rounds its intermediate results to the model's dtype where
-the eager path does, so the two paths agree up to float32 summation order (with sinks the
-eager path also rounds the probabilities, which the online softmax cannot:
-tests/test_decode_kernels.py); the eager operations remain the reference, and what prefill
-and the CPU run.
+the eager path does, so the two paths agree up to float32 summation order
+(tests/test_decode_kernels.py; with sinks the eager path also rounds the softmax's
+probabilities, which an online softmax cannot); the eager operations remain the reference,
+and what prefill and the CPU run.
 """
 
 from __future__ import annotations
@@ -132,8 +132,8 @@ def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     q and k with q_norm [heads * D], k_norm [kv_heads * D]) and then clip (q, k, v clamped to
     +-clip), or "head" (per head, q_norm and k_norm [D]). Rotates q and k, writes k and v into
     cache row pos, and writes out [heads * D] = softmax(q k^T / sqrt(D)) v over rows
-    [max(0, pos - window + 1), pos], where sinks [heads] (gpt_oss) adds one logit per head to
-    the softmax whose value is zero. q, k and v are not modified.
+    [max(0, pos - window + 1), pos]; sinks [heads] (gpt_oss): one more logit per head in the
+    softmax, whose value is zero. q, k and v are not modified.
     """
     heads, D = q.shape
     kv_heads = k.shape[0]
@@ -246,7 +246,7 @@ if triton is not None:
         pos = tl.load(pos_ptr)
         d = tl.arange(0, BLOCK_D)
         dm = d < D
-        half = tl.where(d < D // 2, d + D // 2, d - D // 2)  # rotate_half: [-x2, x1]
+        half = (d + D // 2) % D  # rotate_half: [-x2, x1]
         sign = tl.where(d < D // 2, -1.0, 1.0)
         c = tl.load(cos_ptr + pos * D + d, mask=dm, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + pos * D + d, mask=dm, other=0.0).to(tl.float32)
