@@ -6,21 +6,23 @@ dependent launch, 2-3 us on an H200, more than the work. These kernels do the sa
 4 launches (besides the q, k+v and o GEMVs of hqq_gpu.py):
 
   add_rms_norm     x += delta; h = rms_norm(x) * weight (twice)
-  rope_attention   RoPE on q and k at the position held on the device, k and v into the KV
-                   cache, and the one query token against all cached positions (GQA, causal,
-                   sliding window)
+  rope_attention   the layer's q/k/v preparation (biases, q/k RMSNorm per head or over the
+                   whole projection, clipping), RoPE on q and k at the position held on the
+                   device, k and v into the KV cache, and the one query token against all
+                   cached positions (GQA, causal, sliding window, attention sinks)
   route_topk       router logits (+ bias), softmax, top-k, renormalised or not: each family's
                    router (gpt_oss's softmax over the top-k logits is the renormalised top-k
                    of the softmax)
 
-FusedOps is engine/runtime/model.EagerOps with these kernels wherever a layer's options allow them:
-attention only without q/k norms, clipping, biases or sinks and with a power-of-two head
-size; the others run the eager operation, inside the same graph. Its `experts` is the grouped
+FusedOps is engine/runtime/model.EagerOps with these kernels. Every family's attention runs on them
+(any head size: the kernel masks a non-power-of-two one; an o bias is added after the o GEMV),
+so an attention graph depends only on the position on the device. Its `experts` is the grouped
 expert kernel (hqq_gpu.moe_decode), which the graph runner enables when the cache's expert
 format supports it. Each kernel rounds its intermediate results to the model's dtype where
 the eager path does, so the two paths agree up to float32 summation order
-(tests/engine/kernels/test_decode.py); the eager operations remain the reference, and what prefill
-and the CPU run.
+(tests/engine/kernels/test_decode.py; with sinks the eager path also rounds the softmax's
+probabilities, which an online softmax cannot); the eager operations remain the reference,
+and what prefill and the CPU run.
 """
 
 from __future__ import annotations
@@ -53,18 +55,10 @@ class FusedOps(EagerOps):
     def add_norm(self, x, delta, weight, out) -> None:
         add_rms_norm(x, delta, weight, self.m.cfg.rms_norm_eps, out)
 
-    def fused_attention(self, layer: dict) -> bool:
-        D = self.m.cfg.head_dim
-        plain = not any(k in layer for k in ("qk_norm", "clip_qkv", "sinks")) and \
-            not any(n + "_bias" in layer for n in ATTN_PROJECTIONS)
-        return plain and D & (D - 1) == 0
-
     def span(self, layer: dict, s: Step) -> int:
-        return 0 if self.fused_attention(layer) else s.span  # the fused one reads pos only
+        return 0  # the fused attention reads the position on the device only
 
     def attention(self, i: int, layer: dict, s: Step) -> torch.Tensor:
-        if not self.fused_attention(layer):
-            return super().attention(i, layer, s)
         m, cfg = self.m, self.m.cfg
         q = m.linear(s.hn, layer["q_proj"]).view(cfg.num_heads, cfg.head_dim)
         if hqq_gpu.pair_supported(layer["k_proj"], layer["v_proj"]):
@@ -74,8 +68,8 @@ class FusedOps(EagerOps):
             k, v = m.linear(s.hn, layer["k_proj"]), m.linear(s.hn, layer["v_proj"])
         rope_attention(q, k.view(cfg.num_kv_heads, cfg.head_dim), v.view(cfg.num_kv_heads, cfg.head_dim),
                        s.cos, s.sin, s.pos, m.kv.k[i], m.kv.v[i], layer.get("window", cfg.sliding_window),
-                       self.attn)
-        return m.linear(self.attn, layer["o_proj"])
+                       self.attn, **attention_options(layer, cfg.rms_norm_eps))
+        return m.project(self.attn, layer, "o_proj")
 
     def route(self, layer: dict, h, weights, ids) -> None:
         route_topk(h, layer["router"], self.m.cfg.top_k, weights[0], ids[0], layer.get("router_bias"),
@@ -116,20 +110,47 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
                                num_warps=8)
 
 
+def attention_options(layer: dict, eps: float) -> dict:
+    """rope_attention's options from a layer's weights and options (engine/model.layer_weights)."""
+    return dict(qk_norm=layer.get("qk_norm"), q_norm=layer.get("q_norm"), k_norm=layer.get("k_norm"), eps=eps,
+                clip=layer.get("clip_qkv"), sinks=layer.get("sinks"),
+                **{n[0] + "_bias": layer.get(n + "_bias") for n in ATTN_PROJECTIONS[:3]})
+
+
 def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   window: int | None, out: torch.Tensor) -> None:
+                   window: int | None, out: torch.Tensor, *, qk_norm: str | None = None,
+                   q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 0.0,
+                   clip: float | None = None, q_bias: torch.Tensor | None = None,
+                   k_bias: torch.Tensor | None = None, v_bias: torch.Tensor | None = None,
+                   sinks: torch.Tensor | None = None) -> None:
     """One decoded token's attention at position pos[0] (a device tensor).
 
     q [heads, D], k and v [kv_heads, D] as projected; cos, sin [positions, D] tables
-    (model.rope_cos_sin); k_cache, v_cache [capacity, kv_heads, D]. Rotates q and k, writes k
-    and v into cache row pos, and writes out [heads * D] = softmax(q k^T / sqrt(D)) v over rows
-    [max(0, pos - window + 1), pos]. q is not modified.
+    (model.rope_cos_sin); k_cache, v_cache [capacity, kv_heads, D]. Prepares q, k and v as
+    model.attention does: + q_bias, k_bias, v_bias (flat); qk_norm "full" (RMSNorm of the whole
+    q and k with q_norm [heads * D], k_norm [kv_heads * D]) and then clip (q, k, v clamped to
+    +-clip), or "head" (per head, q_norm and k_norm [D]). Rotates q and k, writes k and v into
+    cache row pos, and writes out [heads * D] = softmax(q k^T / sqrt(D)) v over rows
+    [max(0, pos - window + 1), pos]; sinks [heads] (gpt_oss): one more logit per head in the
+    softmax, whose value is zero. q, k and v are not modified.
     """
     heads, D = q.shape
     kv_heads = k.shape[0]
-    _rope_attention_kernel[(heads,)](q, k, v, cos, sin, pos, k_cache, v_cache, out, heads // kv_heads,
-                                     kv_heads * D, window or 0, D ** -0.5, D=D, BLOCK_S=64, num_warps=4)
+    norm = {None: 0, "head": 1, "full": 2}[qk_norm]
+    full = norm == 2
+    _rope_attention_kernel[(heads,)](
+        q, k, v, _given(q_bias, q), _given(k_bias, k), _given(v_bias, v), _given(q_norm, q), _given(k_norm, k),
+        _given(sinks, q), cos, sin, pos, k_cache, v_cache, out, heads // kv_heads, heads * D, kv_heads * D,
+        window or 0, D ** -0.5, eps, clip or 0.0, D=D, BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_FULL=min(1024, triton.next_power_of_2(heads * D)) if full else 1, BLOCK_S=64,
+        Q_BIAS=q_bias is not None, K_BIAS=k_bias is not None, V_BIAS=v_bias is not None, NORM=norm,
+        CLIP=clip is not None, SINKS=sinks is not None, num_warps=4)
+
+
+def _given(t: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
+    """A kernel's optional tensor argument: the tensor, or any valid one when its flag is off."""
+    return fallback if t is None else t
 
 
 def route_topk(h: torch.Tensor, router: torch.Tensor, top_k: int, weights: torch.Tensor,
@@ -163,55 +184,115 @@ if triton is not None:
         tl.store(out_ptr + i, y.to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _rope(x_ptr, c, s, d, half, sign, dt: tl.constexpr):
-        """apply_rope of one head [D], rounded as the eager path: x*cos, rotated*sin, their sum."""
-        x = tl.load(x_ptr + d).to(tl.float32)
-        xr = tl.load(x_ptr + half).to(tl.float32) * sign
-        return _round(_round(x * c, dt) + _round(xr * s, dt), dt)
+    def _biased(x_ptr, b_ptr, i, m, BIAS: tl.constexpr, dt: tl.constexpr):
+        """A projection's values at i, + its bias (as project(): the sum in the model's dtype)."""
+        x = tl.load(x_ptr + i, mask=m, other=0.0).to(tl.float32)
+        if BIAS:
+            x = _round(x + tl.load(b_ptr + i, mask=m, other=0.0).to(tl.float32), dt)
+        return x
 
     @triton.jit
-    def _rope_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, out_ptr,
-                               group, row_len, window, scale, D: tl.constexpr, BLOCK_S: tl.constexpr):
-        """One query head h. Every program of a key/value group rotates that group's new key
-        itself (D values) and uses it for position pos from registers; the group's first program
-        also writes it (and the value) into the cache, which the others therefore never read
-        at row pos. Online softmax over the positions, BLOCK_S at a time."""
+    def _inv_rms(x_ptr, b_ptr, n, eps, BIAS: tl.constexpr, BLOCK: tl.constexpr, dt: tl.constexpr):
+        """1 / rms of a whole projection [n] (+ bias): the "full" q/k norm's factor."""
+        total = 0.0
+        for i0 in range(0, n, BLOCK):
+            i = i0 + tl.arange(0, BLOCK)
+            x = _biased(x_ptr, b_ptr, i, i < n, BIAS, dt)
+            total += tl.sum(x * x, axis=0)
+        return 1.0 / tl.sqrt(total / n + eps)
+
+    @triton.jit
+    def _prepared(x_ptr, b_ptr, w_ptr, i, m, r, clip, BIAS: tl.constexpr, FULL: tl.constexpr,
+                  CLIP: tl.constexpr, dt: tl.constexpr):
+        """Values at i of a projection as model.attention has them before the heads split: + bias,
+        the "full" norm (factor r, weight w), clamped to +-clip; rms_norm's roundings."""
+        x = _biased(x_ptr, b_ptr, i, m, BIAS, dt)
+        if FULL:
+            x = _round(_round(x * r, dt) * tl.load(w_ptr + i, mask=m, other=0.0).to(tl.float32), dt)
+        if CLIP:
+            x = _round(tl.minimum(tl.maximum(x, -clip), clip), dt)  # the bound as clamp rounds it
+        return x
+
+    @triton.jit
+    def _rope_head(x_ptr, b_ptr, w_ptr, off, r, eps, clip, c, s, d, half, dm, sign, D: tl.constexpr,
+                   BIAS: tl.constexpr, NORM: tl.constexpr, CLIP: tl.constexpr, dt: tl.constexpr):
+        """One head [D] of q or k, starting at off, prepared (the "head" norm: weight w [D]) and
+        rotated as apply_rope rounds it: x*cos, rotated*sin, their sum. The rotated half is
+        prepared from its own loads rather than moved between registers."""
+        x = _prepared(x_ptr, b_ptr, w_ptr, off + d, dm, r, clip, BIAS, NORM == 2, CLIP, dt)
+        xr = _prepared(x_ptr, b_ptr, w_ptr, off + half, dm, r, clip, BIAS, NORM == 2, CLIP, dt)
+        if NORM == 1:
+            rh = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+            x = _round(_round(x * rh, dt) * tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32), dt)
+            xr = _round(_round(xr * rh, dt) * tl.load(w_ptr + half, mask=dm, other=0.0).to(tl.float32), dt)
+        return _round(_round(x * c, dt) + _round(xr * sign * s, dt), dt)
+
+    @triton.jit
+    def _rope_attention_kernel(q_ptr, k_ptr, v_ptr, qb_ptr, kb_ptr, vb_ptr, qn_ptr, kn_ptr, sink_ptr,
+                               cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, out_ptr, group, q_len, row_len,
+                               window, scale, eps, clip, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                               BLOCK_FULL: tl.constexpr, BLOCK_S: tl.constexpr, Q_BIAS: tl.constexpr,
+                               K_BIAS: tl.constexpr, V_BIAS: tl.constexpr, NORM: tl.constexpr,
+                               CLIP: tl.constexpr, SINKS: tl.constexpr):
+        """One query head h. Every program of a key/value group prepares and rotates that group's
+        new key itself (D values; the "full" norm's factors over the whole q and k, each
+        program for itself) and uses it for position pos from registers; the group's first
+        program also writes it (and the value) into the cache, which the others therefore
+        never read at row pos. Online softmax over the positions, BLOCK_S at a time, started
+        from the sink (a logit whose value is zero) where there is one."""
         dt: tl.constexpr = kc_ptr.dtype.element_ty
         h = tl.program_id(0)
         kh = h // group
         pos = tl.load(pos_ptr)
-        d = tl.arange(0, D)
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
         half = (d + D // 2) % D  # rotate_half: [-x2, x1]
         sign = tl.where(d < D // 2, -1.0, 1.0)
-        c = tl.load(cos_ptr + pos * D + d).to(tl.float32)
-        s = tl.load(sin_ptr + pos * D + d).to(tl.float32)
-        q = _rope(q_ptr + h * D, c, s, d, half, sign, dt) * scale
-        k_new = _rope(k_ptr + kh * D, c, s, d, half, sign, dt)
-        v_new = tl.load(v_ptr + kh * D + d).to(tl.float32)
+        c = tl.load(cos_ptr + pos * D + d, mask=dm, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + pos * D + d, mask=dm, other=0.0).to(tl.float32)
+        rq = 1.0
+        rk = 1.0
+        if NORM == 2:
+            rq = _inv_rms(q_ptr, qb_ptr, q_len, eps, Q_BIAS, BLOCK_FULL, dt)
+            rk = _inv_rms(k_ptr, kb_ptr, row_len, eps, K_BIAS, BLOCK_FULL, dt)
+        q = _rope_head(q_ptr, qb_ptr, qn_ptr, h * D, rq, eps, clip, c, s, d, half, dm, sign, D, Q_BIAS, NORM,
+                       CLIP, dt)
+        if not SINKS:
+            q = q * scale  # sink_attention scales the rounded scores instead
+        k_new = _rope_head(k_ptr, kb_ptr, kn_ptr, kh * D, rk, eps, clip, c, s, d, half, dm, sign, D, K_BIAS,
+                           NORM, CLIP, dt)
+        v_new = _prepared(v_ptr, vb_ptr, v_ptr, kh * D + d, dm, 1.0, clip, V_BIAS, False, CLIP, dt)
         if h % group == 0:
-            tl.store(kc_ptr + pos * row_len + kh * D + d, k_new.to(dt))
-            tl.store(vc_ptr + pos * row_len + kh * D + d, v_new.to(dt))
+            tl.store(kc_ptr + pos * row_len + kh * D + d, k_new.to(dt), mask=dm)
+            tl.store(vc_ptr + pos * row_len + kh * D + d, v_new.to(dt), mask=dm)
         lo = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
-        m_i = -float("inf")
-        l_i = 0.0
-        acc = tl.zeros((D,), tl.float32)
+        if SINKS:
+            m_i = tl.load(sink_ptr + h).to(tl.float32)
+            l_i = 1.0  # exp(sink - m_i)
+        else:
+            m_i = -float("inf")
+            l_i = 0.0
+        acc = tl.zeros((BLOCK_D,), tl.float32)
         for s0 in range(lo // BLOCK_S * BLOCK_S, pos + 1, BLOCK_S):
             t = s0 + tl.arange(0, BLOCK_S)
             cached = (t >= lo) & (t < pos)
             off = t[:, None] * row_len + kh * D + d[None, :]
             is_new = (t == pos)[:, None]
-            k = tl.load(kc_ptr + off, mask=cached[:, None], other=0.0).to(tl.float32)
+            k = tl.load(kc_ptr + off, mask=cached[:, None] & dm[None, :], other=0.0).to(tl.float32)
             k = tl.where(is_new, k_new[None, :], k)
-            score = tl.where(cached | (t == pos), tl.sum(k * q[None, :], axis=1), -float("inf"))
+            score = tl.sum(k * q[None, :], axis=1)
+            if SINKS:
+                score = _round(score, dt) * scale
+            score = tl.where(cached | (t == pos), score, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(score, axis=0))
             p = tl.exp(score - m_new)
             alpha = tl.exp(m_i - m_new)
-            v = tl.load(vc_ptr + off, mask=cached[:, None], other=0.0).to(tl.float32)
+            v = tl.load(vc_ptr + off, mask=cached[:, None] & dm[None, :], other=0.0).to(tl.float32)
             v = tl.where(is_new, v_new[None, :], v)
             acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
             l_i = l_i * alpha + tl.sum(p, axis=0)
             m_i = m_new
-        tl.store(out_ptr + h * D + d, (acc / l_i).to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + h * D + d, (acc / l_i).to(out_ptr.dtype.element_ty), mask=dm)
 
     @triton.jit
     def _route_kernel(h_ptr, r_ptr, b_ptr, w_ptr, ids_ptr, H, E: tl.constexpr, BLOCK_E: tl.constexpr,

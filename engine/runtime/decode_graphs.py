@@ -6,7 +6,7 @@ near 100 tokens/s. GraphedDecode runs the same layer function on one fixed set o
 (a model.Step) and hands it a `run` that captures each device segment of the layer once and
 replays it afterwards; the host part between the segments (routing sync, cache, prefetch,
 the CPU hybrid) is the layer's own and runs as in the eager forward. The segments run on
-decode_kernels.FusedOps (fused kernels where the layer allows them) wherever the fused GEMVs
+kernels/decode.FusedOps (the fused kernels) wherever the fused GEMVs
 run, else on the eager operations. The routed experts run in one of three ways, fastest first:
   * every expert resident (the cache holds all of them): nothing is ever copied, so the MoE
     layers have no host part and the whole token - all layers and the head - is ONE graph,
@@ -21,8 +21,8 @@ before each replay. With the CPU+GPU hybrid some of a layer's experts run on the
 grouped launch then runs only the others (a graph per count) and the CPU's sum is added to
 `out` eagerly before the next graph reads it.
 
-Graphs read the token position from a device tensor, so they replay at any position (layers
-with an eager attention are keyed on the span it reads). Each graph is captured the first
+Graphs read the token position from a device tensor, so they replay at any position (on the
+eager operations an attention graph is keyed on the span it reads). Each graph is captured the first
 time it is needed, right after running its function eagerly for that token (which also
 compiles the Triton kernels). A new KV cache or expert cache drops all graphs, and so does a
 new prefetch depth unless every expert is resident. With capture=False nothing is captured
@@ -37,7 +37,7 @@ import warnings
 import torch
 
 from moeferry.engine.kernels import hqq_gpu
-from moeferry.engine.kernels.decode import FusedOps, add_rms_norm, rope_attention, route_topk
+from moeferry.engine.kernels.decode import FusedOps, add_rms_norm, attention_options, rope_attention, route_topk
 from moeferry.engine.runtime.model import EagerOps, rope_cos_sin
 
 
@@ -235,12 +235,12 @@ class GraphedDecode:
         if m.moe_layers:
             route_topk(s.x, m.moe_layers[0]["router"], cfg.top_k, torch.empty_like(s.weights[0]),
                        torch.empty_like(s.guesses[0]), m.moe_layers[0].get("router_bias"))
-        if cfg.head_dim & (cfg.head_dim - 1) == 0:
-            q = torch.zeros(cfg.num_heads, cfg.head_dim, dtype=m.dtype, device=dev)
-            kv = torch.zeros(cfg.num_kv_heads, cfg.head_dim, dtype=m.dtype, device=dev)
-            cache = torch.zeros(1, cfg.num_kv_heads, cfg.head_dim, dtype=m.dtype, device=dev)
-            rope_attention(q, kv, kv, s.cos, s.sin, torch.zeros_like(self.pos), cache, cache.clone(),
-                           cfg.sliding_window, torch.empty(1, cfg.num_heads * cfg.head_dim, dtype=m.dtype, device=dev))
+        q = torch.zeros(cfg.num_heads, cfg.head_dim, dtype=m.dtype, device=dev)
+        kv = torch.zeros(cfg.num_kv_heads, cfg.head_dim, dtype=m.dtype, device=dev)
+        cache = torch.zeros(1, cfg.num_kv_heads, cfg.head_dim, dtype=m.dtype, device=dev)
+        rope_attention(q, kv, kv, s.cos, s.sin, torch.zeros_like(self.pos), cache, cache.clone(),
+                       cfg.sliding_window, torch.empty(1, cfg.num_heads * cfg.head_dim, dtype=m.dtype, device=dev),
+                       **attention_options(layer, cfg.rms_norm_eps))
         if hqq_gpu.pair_supported(layer["k_proj"], layer["v_proj"]):
             out = torch.empty(1, cfg.num_kv_heads * cfg.head_dim, dtype=m.dtype, device=dev)
             hqq_gpu.gemv_pair(s.x, layer["k_proj"], layer["v_proj"], out, torch.empty_like(out))

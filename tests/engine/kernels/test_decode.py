@@ -34,14 +34,54 @@ def test_add_rms_norm(dtype, with_delta):
     close(out, want, dtype)
 
 
+# each family's attention options: qwen3_moe's per-head q/k norm, olmoe's norm over the whole
+# projection with and without clip_qkv, qwen2_moe's q/k/v biases, gpt_oss's biases and sinks;
+# head sizes that are not a power of two (the tests' tiny models) and no GQA once
+ATTENTION_VARIANTS = {
+    "plain": dict(),
+    "head-norm": dict(qk_norm="head"),
+    "full-norm": dict(qk_norm="full"),
+    "full-norm-clip": dict(qk_norm="full", clip=0.9),
+    "clip": dict(clip=0.9),
+    "biases": dict(biases=True),
+    "sinks-biases": dict(biases=True, sinks=True),
+    "head-norm-d20": dict(qk_norm="head", D=20),
+    "full-norm-clip-d12-mha": dict(qk_norm="full", clip=0.9, D=12, kv_heads=8),
+    "sinks-biases-d12": dict(biases=True, sinks=True, D=12),
+}
+PLAIN_POSITIONS = [(0, None), (63, None), (64, None), (257, None), (257, 100), (20, 100)]
+ATTENTION_CASES = ([("plain", p, w) for p, w in PLAIN_POSITIONS]
+                   + [(v, p, w) for v in list(ATTENTION_VARIANTS)[1:] for p, w in ((0, None), (257, 100))])
+
+
+def attention_layer(variant: str, heads: int, kv_heads: int, D: int, g: torch.Generator) -> dict:
+    """A layer's attention options and their weights (random: an option the kernel skipped
+    would show), as engine/model.layer_weights makes them."""
+    o = ATTENTION_VARIANTS[variant]
+    layer = {}
+    if "qk_norm" in o:
+        q_n, k_n = (D, D) if o["qk_norm"] == "head" else (heads * D, kv_heads * D)
+        layer.update(qk_norm=o["qk_norm"], q_norm=1 + 0.3 * torch.randn(q_n, generator=g),
+                     k_norm=1 + 0.3 * torch.randn(k_n, generator=g))
+    if "clip" in o:
+        layer["clip_qkv"] = o["clip"]
+    if o.get("biases"):
+        for n, rows in (("q_proj", heads), ("k_proj", kv_heads), ("v_proj", kv_heads)):
+            layer[n + "_bias"] = 0.5 * torch.randn(rows * D, generator=g)
+    if o.get("sinks"):
+        layer["sinks"] = torch.randn(heads, generator=g)
+    return layer
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("pos,window", [(0, None), (63, None), (64, None), (257, None), (257, 100), (20, 100)])
-def test_rope_attention_matches_the_eager_attention(dtype, pos, window):
+@pytest.mark.parametrize("variant,pos,window", ATTENTION_CASES)
+def test_rope_attention_matches_the_eager_attention(dtype, variant, pos, window):
     from types import SimpleNamespace
 
-    from moeferry.engine.kernels.decode import rope_attention
+    from moeferry.engine.kernels.decode import attention_options, rope_attention
     from moeferry.engine.runtime.model import OffloadedMixtral, rope_cos_sin
-    heads, kv_heads, D, cap = 8, 2, 64, 300
+    o = ATTENTION_VARIANTS[variant]
+    heads, kv_heads, D, cap, eps = 8, o.get("kv_heads", 2), o.get("D", 64), 300, 1e-5
     g = torch.Generator().manual_seed(pos)
     inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
     cos, sin = rope_cos_sin(inv.to(DEVICE), torch.arange(cap, device=DEVICE), dtype)  # [P, 1, D]
@@ -50,23 +90,28 @@ def test_rope_attention_matches_the_eager_attention(dtype, pos, window):
     v = torch.randn(kv_heads, D, generator=g).to(DEVICE, dtype)
     kc = torch.randn(cap, kv_heads, D, generator=g).to(DEVICE, dtype)
     vc = torch.randn(cap, kv_heads, D, generator=g).to(DEVICE, dtype)
-    # the eager path: model.attention with pos (rotate, write row pos, masked SDPA), its
-    # projections replaced by the q, k, v above and no output projection
+    options = {n: t.to(DEVICE, dtype) if isinstance(t, torch.Tensor) else t
+               for n, t in attention_layer(variant, heads, kv_heads, D, g).items()}
+    # the eager path: model.attention with pos (prepare, rotate, write row pos, masked SDPA or
+    # sink_attention), its projections replaced by the q, k, v above and no output projection
     want_kc, want_vc = kc.clone(), vc.clone()
     model = SimpleNamespace(cfg=SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_dim=D,
-                                                sliding_window=window),
+                                                sliding_window=window, rms_norm_eps=eps),
                             kv=SimpleNamespace(k=want_kc[None], v=want_vc[None]),
                             linear=lambda x, w: x if w is None else w)
     model.project = lambda h, layer, name: OffloadedMixtral.project(model, h, layer, name)
-    layer = {"q_proj": q.reshape(1, -1), "k_proj": k.reshape(1, -1), "v_proj": v.reshape(1, -1), "o_proj": None}
+    layer = {"q_proj": q.reshape(1, -1), "k_proj": k.reshape(1, -1), "v_proj": v.reshape(1, -1), "o_proj": None,
+             **options}
     want = OffloadedMixtral.attention(model, 0, layer, q.reshape(1, -1), cos[pos:pos + 1], sin[pos:pos + 1], pos,
                                       pos=torch.tensor([pos], device=DEVICE), span=cap).reshape(-1)
-    q0 = q.clone()
+    inputs = [t.clone() for t in (q, k, v)]
     out = torch.empty(heads * D, device=DEVICE, dtype=dtype)
-    rope_attention(q, k, v, cos, sin, torch.tensor([pos], device=DEVICE), kc, vc, window, out)
+    rope_attention(q, k, v, cos, sin, torch.tensor([pos], device=DEVICE), kc, vc, window, out,
+                   **attention_options(layer, eps))
     close(out, want, dtype)
     close(kc[pos], want_kc[pos], dtype)
-    assert torch.equal(vc[pos], v) and torch.equal(q, q0)
+    close(vc[pos], want_vc[pos], dtype)
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), inputs))
     rows = torch.arange(cap, device=DEVICE) != pos
     assert torch.equal(kc[rows], want_kc[rows]) and torch.equal(vc[rows], want_vc[rows])
 

@@ -27,8 +27,8 @@ FUSED = hqq_gpu.fused_available("cpu")  # only under TRITON_INTERPRET=1
 OPS = ["eager", pytest.param("fused", marks=pytest.mark.skipif(not FUSED, reason="needs TRITON_INTERPRET=1 and Triton"))]
 NEW_TOKENS = 10
 PROMPT = list(range(3, 15))
-# qwen2_moe without attention biases and with a power-of-two head size: the fused attention
-# next to a shared expert (the families' other variants all run their attention eagerly)
+# qwen2_moe without attention biases and with a power-of-two head size: a shared expert next to
+# experts of sizes the grouped expert kernel takes
 PLAIN_QWEN2 = Variant("qwen2_moe-plain-attention", T.Qwen2MoeConfig, T.Qwen2MoeForCausalLM,
                       dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=24, hidden_size=64,
                            shared_expert_intermediate_size=40, intermediate_size=40, qkv_bias=False), seed=2)
@@ -72,6 +72,8 @@ def test_graphed_decode_gives_transformers_tokens(tmp_path, vid, ops):
         got = list(engine.generate_ids(PROMPT, SamplingSettings(temperature=0, max_new_tokens=NEW_TOKENS)))
         assert got == want, f"K={k} D={depth}"
         assert set(g.graphs) == prepared, "decode ran a segment prepare() did not capture"
+        if ops == "fused":  # every family's attention fused: its graphs do not depend on the span
+            assert {key[2] for key in g.graphs if key[0] == "attention"} == {0}
         stats = engine.last_stats
         assert stats.cache_hits + stats.cache_misses >= (NEW_TOKENS - 1) * engine.config.num_moe_layers * engine.config.top_k
         if depth == 0 or k == E:
