@@ -359,7 +359,7 @@ def test_defaults_predict_moeferrys_own_benchmarks_within_30_percent():
     assert all(r["within_30pct"] for r in rows), rows
 
 
-BENCH_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "bench-routing.json"
+BENCH_FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "bench-routing.json"
 
 
 def bench_reports() -> list[dict]:

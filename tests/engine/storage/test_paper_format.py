@@ -36,7 +36,7 @@ from moeferry.engine.storage.paper_format import (
 )
 
 ROOT = Path(__file__).resolve().parents[3]
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "paperfmt-a.tar.gz"
+FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "paperfmt-a.tar.gz"
 
 
 # ---------------------------------------------------------------------------------------------
