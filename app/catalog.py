@@ -3,12 +3,12 @@ stores, local folders. No Qt."""
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from moeferry.engine.setup.catalog import CatalogEntry, load_catalog  # noqa: F401 - the wizard's names for them
+from moeferry.engine.storage.manifest import describe, section
 
 
 def quality_words(entry: CatalogEntry) -> str:
@@ -37,27 +37,19 @@ class StoreInfo:
 
 
 def read_store_info(path: Path) -> StoreInfo | None:
-    """Describe a MoE Ferry store folder from its manifest; None if it is not one."""
-    try:
-        manifest = json.loads((Path(path) / "manifest.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    """Describe a MoE Ferry store folder from its manifest; None if it has none."""
+    manifest = describe(path)
+    if manifest is None:
         return None
-    if not isinstance(manifest, dict):
-        return None
-    quant, source = _mapping(manifest.get("quantization")), _mapping(manifest.get("source"))
+    quant, source = manifest["quantization"], manifest["source"]
     source_name = source.get("repo") if isinstance(source.get("repo"), str) else ""
     return StoreInfo(
         path=Path(path),
         name=source_name or Path(path).name,
-        expert_bits=_bits(_mapping(quant.get("experts")).get("bits")),
-        attn_bits=_bits(_mapping(quant.get("attention")).get("bits")),
+        expert_bits=_bits(section(quant, "experts").get("bits")),
+        attn_bits=_bits(section(quant, "attention").get("bits")),
         source=source_name,
     )
-
-
-def _mapping(value) -> dict:
-    """A manifest section as read: a mapping, or empty when the file holds something else."""
-    return value if isinstance(value, dict) else {}
 
 
 def _bits(value) -> int | None:

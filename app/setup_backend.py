@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from moeferry.engine.errors import UserError
 from moeferry.engine.paths import demo_store_path
 from moeferry.engine.setup.catalog import CatalogEntry, load_catalog
 
@@ -58,7 +59,7 @@ def real_plan(hw: dict, model: CatalogEntry | Path | None, vram_budget: int | No
         else:
             return None
         plan = make_plan(hw, sizes, vram_budget_bytes=vram_budget, cache_experts_per_layer=cache_experts)
-    except (KeyError, ValueError, TypeError, OSError):
+    except (KeyError, ValueError, TypeError, OSError, UserError):  # UserError: a store the loader refuses
         return None
     return PlanSummary(plan.cache_experts_per_layer, plan.predicted_tokens_per_s, plan.verdict, plan.hit_rate)
 

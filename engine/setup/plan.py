@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from moeferry.engine.runtime import vram
+from moeferry.engine.storage.manifest import read_manifest, section
 from moeferry.engine.storage.safetensors_io import FormatError, read_header
 from moeferry.engine.units import GiB
 
@@ -202,17 +203,16 @@ class ModelSizes:
 
     @classmethod
     def from_store(cls, path) -> "ModelSizes":
-        """From a MoE Ferry store folder: its config.json, manifest.json and dense weights' header."""
-        path = Path(path)
+        """From a MoE Ferry store folder: its config.json, manifest.json (read as the loader reads it:
+        UserError for one it refuses) and dense weights' header."""
+        path, manifest = read_manifest(path)
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-        manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
-        quant = manifest.get("quantization", {})
-        bits = lambda q: (q or {}).get("bits", 16)  # noqa: E731
-        sizes = cls.from_config(config, bits(quant.get("experts")), bits(quant.get("attention")),
-                                name=path.name)
-        stride = (manifest.get("experts") or {}).get("stride")
-        if stride:
-            sizes.expert_bytes = int(stride)
+        quant = section(manifest, "quantization")
+        bits = lambda key: section(quant, key).get("bits", 16)  # noqa: E731
+        sizes = cls.from_config(config, bits("experts"), bits("attention"), name=path.name)
+        stride = section(manifest, "experts").get("stride")
+        if type(stride) is int and stride > 0:
+            sizes.expert_bytes = stride
         try:
             header, _ = read_header(path / "dense.safetensors")
         except FormatError as e:

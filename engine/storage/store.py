@@ -36,7 +36,6 @@ so no code shipped inside a store or checkpoint ever runs.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import shutil
@@ -48,13 +47,16 @@ import torch
 
 from moeferry.engine.errors import UserError
 from moeferry.engine.runtime.model import ModelConfig
-from moeferry.engine.setup.hf_cache import path_problem
 from moeferry.engine.storage import mxfp4, quant
+from moeferry.engine.storage.manifest import (
+    REQUIRED_FILES,
+    inside,
+    read_json,
+    read_manifest,
+)
 from moeferry.engine.storage.safetensors_io import DTYPE_NAMES, DTYPES, FormatError, read_header, read_tensor
 from moeferry.engine.units import GiB
 
-FORMAT = "moeferry-store"
-VERSION = 1
 SUPPORTED_FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss")  # config.json model_type
 EXPERT_MATRICES = ("w1", "w3", "w2")
 EXPERT_BIASES = ("b1", "b3", "b2")  # of w1, w3, w2, where the family has them
@@ -62,8 +64,6 @@ ATTN_MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MATRICES = ("gate_proj", "up_proj", "down_proj")  # dense layers' and the shared expert's
 FIELD_ALIGN = 256
 
-REQUIRED_FILES = ("config.json", "dense.safetensors", "experts.safetensors")
-TOKENIZER_MODELS = ("tokenizer.json", "tokenizer.model")  # a store holds at least one
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
                    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
                    "chat_template.json")
@@ -195,13 +195,6 @@ class Store:
         return self.manifest["experts"]["fields"]
 
 
-def resolve_store_path(arg: str | Path) -> Path:
-    if str(arg) == "demo":
-        from moeferry.engine.paths import demo_store_path
-        return demo_store_path()
-    return Path(arg).expanduser()
-
-
 def open_store(arg: str | Path) -> Store:
     """Open a store after every check that needs no hashing (verify_store re-hashes)."""
     path, manifest = read_manifest(arg)
@@ -215,66 +208,6 @@ def open_store(arg: str | Path) -> Store:
     check_backed(cfg, sum((path / f).stat().st_size for f in ("dense.safetensors", "experts.safetensors")),
                  f"The store {path}")
     return Store(path, manifest, hf_config, cfg)
-
-
-def read_manifest(arg: str | Path) -> tuple[Path, dict]:
-    path = resolve_store_path(arg)
-    mpath = path / "manifest.json"
-    if not path.is_dir():
-        raise UserError(f"{path} is not a folder; give the path of a MoE Ferry store "
-                        f"(made by `moeferry convert`) or the word `demo`.")
-    if not mpath.is_file():
-        raise UserError(f"{path} has no manifest.json, so it is not a MoE Ferry store; "
-                        f"convert a checkpoint into it first with `moeferry convert`.")
-    if not inside(path, mpath):
-        raise UserError(f"{mpath} is a link to a file outside the store; convert or download the model "
-                        f"again.", 1)
-    manifest = read_json(mpath)
-    if manifest is None:
-        raise UserError(f"{mpath} is damaged (not valid JSON); convert or download the model again.", 1)
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        got = manifest.get("format") if isinstance(manifest, dict) else None
-        raise UserError(f"{path} is not a MoE Ferry store (its manifest names format "
-                        f"{got!r}); convert the checkpoint with `moeferry convert`.")
-    if manifest.get("version") != VERSION:
-        raise UserError(f"{path} is a store of format version {manifest.get('version')}, but this "
-                        f"MoE Ferry reads version {VERSION}; convert the model again or update MoE Ferry.")
-    problem = manifest_problem(manifest)
-    if problem:
-        raise UserError(f"{mpath} {problem}, so the store cannot be trusted; convert or download the "
-                        f"model again.", 1)
-    return path, manifest
-
-
-def manifest_problem(manifest: dict) -> str | None:
-    """Why the manifest's file list cannot be used, or None."""
-    files = manifest.get("files")
-    if not isinstance(files, dict) or not files:
-        return "lists no files"
-    for name, meta in files.items():
-        problem = path_problem(name) or ("is in a subfolder" if "/" in name else None)
-        if problem:
-            return f"names the file {name[:80]!r}, which {problem}; a store holds plain files of its folder"
-        if not (isinstance(meta, dict) and type(meta.get("size")) is int and meta["size"] >= 0
-                and isinstance(meta.get("sha256"), str) and len(meta["sha256"]) == 64):
-            return f"has no size and sha256 for {name}"
-    missing = [f for f in REQUIRED_FILES if f not in files]
-    if not any(f in files for f in TOKENIZER_MODELS):
-        missing.append(" or ".join(TOKENIZER_MODELS))
-    if missing:
-        return f"does not list {', '.join(missing)}, which every store has"
-    for key in ("quantization", "experts"):
-        if not isinstance(manifest.get(key), dict):
-            return f"has no {key} section"
-    return None
-
-
-def inside(folder: Path, p: Path) -> bool:
-    """True when p, links followed, lies in folder (links followed too)."""
-    try:
-        return p.resolve().is_relative_to(folder.resolve())
-    except (OSError, RuntimeError):  # a link loop
-        return False
 
 
 def listed_file_problems(path: Path, manifest: dict, hashing: bool, exit_code: int = 1,
@@ -330,14 +263,6 @@ def verify_store(arg: str | Path, progress=None) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------
 # Trust: families, code, sizes (for stores and checkpoints alike)
-
-
-def read_json(path: Path):
-    """The file's JSON value, or None when it is missing or not JSON."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return None
 
 
 def check_no_code(folder: Path, what: str, exit_code: int = 2, read: dict | None = None) -> None:
