@@ -30,6 +30,7 @@ from moeferry.engine.errors import UserError
 from moeferry.engine.runtime.generate import resolve_device
 from moeferry.engine.runtime.model import ModelConfig
 from moeferry.engine.storage import mxfp4, quant, store
+from moeferry.engine.storage.manifest import FORMAT, VERSION, read_json
 from moeferry.engine.storage.safetensors_io import FormatError, StreamingWriter, read_header, read_tensor
 
 TOKENIZER_FILES = store.TOKENIZER_FILES
@@ -63,7 +64,7 @@ def read_hf_config(src: Path) -> dict:
     if not (src / "config.json").is_file():
         raise UserError(f"{src} has no config.json, so it is not a Hugging Face checkpoint; "
                         f"give the folder that holds config.json and the .safetensors files.")
-    cfg = store.read_json(src / "config.json")
+    cfg = read_json(src / "config.json")
     if not isinstance(cfg, dict):
         raise UserError(f"{src}/config.json is not valid JSON; download the checkpoint again.")
     store.check_no_code(src, f"The checkpoint {src}")
@@ -534,7 +535,7 @@ def dense_entries(cfg: ModelConfig, refs, names, aq: dict) -> tuple[list, list]:
 
 def write_dense(tmp: Path, cfg: ModelConfig, refs, names, aq: dict, dev, tick) -> str:
     entries, plan = dense_entries(cfg, refs, names, aq)
-    w = StreamingWriter(tmp / "dense.safetensors", entries, {"format": store.FORMAT})
+    w = StreamingWriter(tmp / "dense.safetensors", entries, {"format": FORMAT})
     for dst, src_name, base, quantized in plan:
         t = refs[src_name].load()
         if quantized:
@@ -551,7 +552,7 @@ def write_experts(tmp: Path, cfg: ModelConfig, load_expert, eq: dict, dev, tick)
     fields, stride = store.expert_layout(cfg, eq)
     shape = (cfg.num_moe_layers, cfg.num_experts, stride)
     w = StreamingWriter(tmp / "experts.safetensors", [("experts", torch.uint8, shape)],
-                        {"format": store.FORMAT})
+                        {"format": FORMAT})
     for layer in cfg.moe_layer_ids:
         for e in range(cfg.num_experts):
             mats = load_expert(layer, e)
@@ -582,7 +583,7 @@ def write_manifest(tmp: Path, cfg, hf, src: Path, eq, aq, hashes: dict) -> None:
         files[p.name] = {"size": p.stat().st_size,
                          "sha256": hashes.get(p.name) or store.sha256_file(p)}
     manifest = {
-        "format": store.FORMAT, "version": store.VERSION,
+        "format": FORMAT, "version": VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "source": source_info(src),
         "quantization": {"experts": eq, "attention": aq},

@@ -31,6 +31,7 @@ import torch
 from moeferry.engine.errors import UserError
 from moeferry.engine.runtime.model import ModelConfig
 from moeferry.engine.storage import convert, quant, store
+from moeferry.engine.storage.manifest import FORMAT
 from moeferry.engine.storage.safetensors_io import DTYPES, StreamingWriter
 
 TOKENIZER_REPO = "mistralai/Mixtral-8x7B-Instruct-v0.1"
@@ -453,7 +454,7 @@ def store_bytes(ck: Checkpoint, plan: Plan) -> int:
 
 def write_dense(tmp: Path, ck: Checkpoint, plan: Plan, tick) -> str:
     entries = dense_entries(ck, plan)
-    w = StreamingWriter(tmp / "dense.safetensors", entries, {"format": store.FORMAT})
+    w = StreamingWriter(tmp / "dense.safetensors", entries, {"format": FORMAT})
     for dst, src in plan.dense:
         w.write(dst, ck.refs[src].load())
         tick(f"copying {dst}")
@@ -470,7 +471,7 @@ def write_experts(tmp: Path, ck: Checkpoint, plan: Plan, tick) -> str:
     fields, stride = store.expert_layout(cfg, plan.eq)
     w = StreamingWriter(tmp / "experts.safetensors",
                         [("experts", torch.uint8, (cfg.num_layers, cfg.num_experts, stride))],
-                        {"format": store.FORMAT})
+                        {"format": FORMAT})
     for layer in range(cfg.num_layers):
         for e in range(cfg.num_experts):
             refs = ck.expert(layer, e)
