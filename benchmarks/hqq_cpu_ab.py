@@ -6,7 +6,7 @@ The old kernel is the module's source at --old, imported from a temporary file. 
 same random Mixtral-shaped matrices (benchmarks/cpu_experts.random_hqq: w1/w3 14336x4096,
 w2 4096x14336) for each bit width and batch size T, interleaved call by call (old, new, old,
 new, ...), each call on the next of enough copies that the L3 cannot serve them; a noisy shared
-box then slows both alike. Prints medians in ms and GB/s of the bytes each product reads, of
+box then slows both alike. Prints medians in ms and GB/s (of the stored matrix's bytes), of
 wall time and of process CPU time (steadier where other processes take turns on the cores;
 meaningful with --threads 1), the new/old speedup, the first-call time of each (the old one
 compiles; the new one compiles or loads numba's cache), and the relative error of the new
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.cpu_experts import random_hqq
+from benchmarks.cpu_experts import random_qmatrix
 from engine import hqq_cpu
 
 SHAPES = {"w1": (14336, 4096), "w2": (4096, 14336)}
@@ -61,26 +61,27 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     old = load_old(args.old, tmp)
     gen = torch.Generator().manual_seed(0)
-    probe = random_hqq(2, 64, 64, gen)
+    probe = random_qmatrix(2, 64, 64, gen)
     x = np.random.default_rng(0).standard_normal((1, 64), dtype=np.float32)
-    print(f"first call (compile or cache load): old {first_call_s(old, probe, x):.2f} s, "
-          f"new {first_call_s(hqq_cpu, probe, x):.2f} s", flush=True)
+    print(f"first call (compile or cache load): old {first_call_s(old, old.from_qmatrix(probe), x):.2f} s, "
+          f"new {first_call_s(hqq_cpu, hqq_cpu.from_qmatrix(probe), x):.2f} s", flush=True)
     old.set_threads(args.threads)
     hqq_cpu.set_threads(args.threads)
     rng = np.random.default_rng(1)
     for bits in args.bits:
         for name, (N, K) in SHAPES.items():
-            first = random_hqq(bits, N, K, gen)
+            first = random_qmatrix(bits, N, K, gen)
             copies = max(2, int(args.rotate_gib * (1 << 30) // first.nbytes()) + 1)
-            mats = [first] + [random_hqq(bits, N, K, gen) for _ in range(copies - 1)]
+            mats = [first] + [random_qmatrix(bits, N, K, gen) for _ in range(copies - 1)]
+            views = {"old": [old.from_qmatrix(m) for m in mats], "new": [hqq_cpu.from_qmatrix(m) for m in mats]}
             for T in args.tokens:
                 x = rng.standard_normal((T, K), dtype=np.float32)
-                ref, got = old.matmul(x, first), hqq_cpu.matmul(x, first)
+                ref, got = old.matmul(x, views['old'][0]), hqq_cpu.matmul(x, views['new'][0])
                 rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
                 wall, cpu = {"old": [], "new": []}, {"old": [], "new": []}
                 for i in range(args.rounds):
                     for label, mod in (("old", old), ("new", hqq_cpu)):
-                        m = mats[(2 * i + (label == "new")) % copies]
+                        m = views[label][(2 * i + (label == "new")) % copies]
                         t0, c0 = time.perf_counter(), time.process_time()
                         mod.matmul(x, m)
                         wall[label].append(time.perf_counter() - t0)

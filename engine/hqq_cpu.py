@@ -2,18 +2,26 @@
 
 The CPU+GPU hybrid (engine/cpu_experts.py) computes some missed experts on the CPU. This
 kernel reads an expert where it already lies, in the host copy of the experts file (the
-layout of engine/quant.py, 2, 3 or 4 bits with 8-bit scales and zeros): no second copy of
-the codes in RAM, no conversion at load, and at 2 bits it reads 3 bits per weight where an int4 copy
-reads 4.25. It is compiled by numba (LLVM, bundled with the wheel: no compiler needed on
-the user's machine) the first time it runs, and cached on disk where numba can cache.
+layout of engine/quant.py, 2, 3 or 4 bits with 8-bit scales and zeros and their float16
+metadata): no second copy in RAM, no conversion at load, and at 2 bits it reads 3 bits per
+weight where an int4 copy reads 4.25. It is compiled by numba (LLVM, bundled with the wheel:
+no compiler needed on the user's machine) the first time it runs, and cached on disk where
+numba can cache. It needs AVX2 (available() says so where it is missing).
 
 One matrix W [rows, cols] (groups of g rows n = j, j + G, ..., G = rows / g, share the
-scale and zero of column k): W[n, k] = (code[n, k] - z[n % G, k]) * s[n % G, k], so
-    y[n] = sum_k code[n, k] * xs[n % G, k]  -  sum_k z[n % G, k] * xs[n % G, k]
-with xs[j, k] = s[j, k] * x[k]. A thread takes a few groups j at a time: it decodes s and z
-of group j once (a row of K values), then streams the group's g rows of codes against it.
-The codes of one plane byte belong to rows r, r + rows/p, ... (p codes per byte, the same
-group), so each byte is loaded once and feeds p accumulators.
+scale and zero of column k): W[n, k] = (code[n, k] - z[n % G, k]) * s[n % G, k], so with
+xs[j, k] = s[j, k] * x[k] and any constant c (the middle of the code range),
+    y[n] = sum_k (code[n, k] - c) * xs[n % G, k]  -  sum_k (z[n % G, k] - c) * xs[n % G, k].
+A thread takes a few groups j at a time: it decodes s and z of group j once (a row of K
+values), computes the second sum in float32, and rounds xs to int8 per block of BLOCK = 32
+inputs, as llama.cpp's Q8_0 activations: xs[k] ~ D * m_b * q[k], D one float per row, m_b
+<= MMAX an integer per block, |q| <= 127. Then it streams the group's g rows of codes against
+q in integers, 32 bytes at a time: pmaddubsw (u8 codes x s8 q, pairs summed into s16) and
+pmaddwd (x m_b, into s32 lanes), flushed to float32 every FLUSH blocks; the codes of one
+plane byte belong to rows r, r + rows/p, ... (p codes per byte, the same group), so each
+byte is loaded once and feeds p accumulators. Only the rounding of xs is inexact: each xs[k]
+moves by at most half its block's step (its block's max |xs| / 127, plus D), about 0.5 % of
+|y| (rms) for Gaussian inputs (tests/test_hqq_cpu.py holds it to the exact bound).
 """
 
 from __future__ import annotations
@@ -43,11 +51,14 @@ def kernels():
 
 
 def available() -> str:
-    """"" when numba can run here, else why not (one sentence)."""
+    """"" when numba can run the kernel here, else why not (one sentence)."""
     try:
         import numba  # noqa: F401
+        from llvmlite import binding
     except ImportError as e:
         return f"numba is not installed ({e}); the CPU experts use torch's int4 kernel instead."
+    if not binding.get_host_cpu_features().get("avx2"):
+        return "the processor has no AVX2 (the kernel's integer dot products); the CPU experts use torch's int4 kernel instead."
     return ""
 
 
