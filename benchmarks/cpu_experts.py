@@ -57,14 +57,13 @@ def random_matrix(fmt: str, N: int, K: int, gen) -> CpuMatrix:
     raise ValueError(fmt)
 
 
+def random_qmatrix(bits: int, N: int, K: int, gen) -> quant.QMatrix:
+    """A random N x K matrix at the engine's expert spec for `bits` (quant.random_qmatrix)."""
+    return quant.random_qmatrix(N, K, quant.EXPERT_SPECS[bits], gen, plausible=True)
+
+
 def random_hqq(bits: int, N: int, K: int, gen) -> hqq_cpu.CpuQMatrix:
-    """Random codes and 8-bit scales/zeros in the store's layout (the engine's expert specs)."""
-    spec = quant.EXPERT_SPECS[bits]
-    fields = quant.field_shapes(N, K, spec)
-    t = {name: (torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen) if dtype == torch.uint8
-                else torch.rand(shape, generator=gen).half()) for name, (dtype, shape) in fields.items()}
-    return hqq_cpu.from_qmatrix(quant.QMatrix.from_tensors({"rows": N, "cols": K, "bits": bits,
-                                                             "group_size": spec.group_size}, t))
+    return hqq_cpu.from_qmatrix(random_qmatrix(bits, N, K, gen))
 
 
 class HqqMatrix:

@@ -2,18 +2,26 @@
 
 The CPU+GPU hybrid (engine/runtime/cpu_experts.py) computes some missed experts on the CPU. This
 kernel reads an expert where it already lies, in the host copy of the experts file (the
-layout of engine/storage/quant.py, 2, 3 or 4 bits with 8-bit scales and zeros): no second copy of
-the codes in RAM, no conversion at load, and at 2 bits it reads 3 bits per weight where an int4 copy
-reads 4.25. It is compiled by numba (LLVM, bundled with the wheel: no compiler needed on
-the user's machine) the first time it runs, and cached on disk where numba can cache.
+layout of engine/storage/quant.py, 2, 3 or 4 bits with 8-bit scales and zeros and their float16
+metadata): no second copy in RAM, no conversion at load, and at 2 bits it reads 3 bits per
+weight where an int4 copy reads 4.25. It is compiled by numba (LLVM, bundled with the wheel:
+no compiler needed on the user's machine) the first time it runs, and cached on disk where
+numba can cache. It needs AVX2 (available() says so where it is missing).
 
 One matrix W [rows, cols] (groups of g rows n = j, j + G, ..., G = rows / g, share the
-scale and zero of column k): W[n, k] = (code[n, k] - z[n % G, k]) * s[n % G, k], so
-    y[n] = sum_k code[n, k] * xs[n % G, k]  -  sum_k z[n % G, k] * xs[n % G, k]
-with xs[j, k] = s[j, k] * x[k]. A thread takes a few groups j at a time: it decodes s and z
-of group j once (a row of K values), then streams the group's g rows of codes against it.
-The codes of one plane byte belong to rows r, r + rows/p, ... (p codes per byte, the same
-group), so each byte is loaded once and feeds p accumulators.
+scale and zero of column k): W[n, k] = (code[n, k] - z[n % G, k]) * s[n % G, k], so with
+xs[j, k] = s[j, k] * x[k] and any constant c (the middle of the code range),
+    y[n] = sum_k (code[n, k] - c) * xs[n % G, k]  -  sum_k (z[n % G, k] - c) * xs[n % G, k].
+A thread takes a few groups j at a time: it decodes s and z of group j once (a row of K
+values), computes the second sum in float32, and rounds xs to int8 per block of BLOCK = 32
+inputs, as llama.cpp's Q8_0 activations: xs[k] ~ D * m_b * q[k], D one float per row, m_b
+<= MMAX an integer per block, |q| <= 127. Then it streams the group's g rows of codes against
+q in integers, 32 bytes at a time: pmaddubsw (u8 codes x s8 q, pairs summed into s16) and
+pmaddwd (x m_b, into s32 lanes), flushed to float32 every FLUSH blocks; the codes of one
+plane byte belong to rows r, r + rows/p, ... (p codes per byte, the same group), so each
+byte is loaded once and feeds p accumulators. Only the rounding of xs is inexact: each xs[k]
+moves by at most half its block's step (its block's max |xs| / 127, plus D), about 0.5 % of
+|y| (rms) for Gaussian inputs (tests/engine/kernels/test_hqq_cpu.py holds it to the exact bound).
 """
 
 from __future__ import annotations
@@ -29,6 +37,9 @@ import torch
 from moeferry.engine.storage.quant import PLANES, QMatrix
 
 _JIT = None
+BLOCK = 32  # inputs per int8 block (one 32-byte vector of codes)
+MMAX = 1 << 14  # largest block multiplier
+FLUSH = 16  # blocks summed in int32 lanes before a float32 flush: 4 * 15 * 127 * MMAX * FLUSH < 2**31
 
 
 def kernels():
@@ -40,19 +51,21 @@ def kernels():
 
 
 def available() -> str:
-    """"" when numba can run here, else why not (one sentence)."""
+    """"" when numba can run the kernel here, else why not (one sentence)."""
     try:
         import numba  # noqa: F401
+        from llvmlite import binding
     except ImportError as e:
         return f"numba is not installed ({e}); the CPU experts use torch's int4 kernel instead."
+    if not binding.get_host_cpu_features().get("avx2"):
+        return "the processor has no AVX2 (the kernel's integer dot products); the CPU experts use torch's int4 kernel instead."
     return ""
 
 
 @dataclass
 class CpuQMatrix:
-    """A QMatrix's arrays as the kernel takes them: numpy views of the same bytes, but for the
-    float16 scale/zero metadata, copied as float32 (numba has no float16): about 2 % of the
-    stored bytes at 2 bits."""
+    """A QMatrix's arrays as the kernel takes them: numpy views of the same bytes (the float16
+    scale/zero metadata viewed as int16: numba has no float16)."""
     rows: int
     cols: int
     bits: int
@@ -60,7 +73,7 @@ class CpuQMatrix:
     planes: tuple  # uint8 [rows * w / 8, cols] per plane width w of PLANES[bits]
     scale: np.ndarray  # uint8 [G, cols]
     zero: np.ndarray
-    scale_meta: np.ndarray  # float32 [2, M]
+    scale_meta: np.ndarray  # int16 [2, M]: float16 bits
     zero_meta: np.ndarray
 
     def nbytes(self) -> int:
@@ -68,19 +81,19 @@ class CpuQMatrix:
         return sum(a.nbytes for a in (*self.planes, self.scale, self.zero, self.scale_meta, self.zero_meta))
 
     def copied_bytes(self) -> int:
-        """The float32 metadata: RAM taken beyond the stored bytes."""
-        return self.scale_meta.nbytes + self.zero_meta.nbytes
+        """RAM taken beyond the stored bytes: none, every array is a view."""
+        return 0
 
 
 def supported(w) -> bool:
     return (isinstance(w, QMatrix) and w.bits in PLANES and w.bits != 8 and w.scale_meta is not None
-            and w.zero_meta is not None and w.scale.dtype == torch.uint8)
+            and w.zero_meta is not None and w.scale.dtype == torch.uint8 and w.scale_meta.dtype == torch.float16)
 
 
 def from_qmatrix(w: QMatrix) -> CpuQMatrix:
     """Views of w's tensors (which must lie in host memory)."""
     return CpuQMatrix(w.rows, w.cols, w.bits, w.group_size, tuple(p.numpy() for p in w.planes),
-                      w.scale.numpy(), w.zero.numpy(), w.scale_meta.float().numpy(), w.zero_meta.float().numpy())
+                      w.scale.numpy(), w.zero.numpy(), w.scale_meta.view(torch.int16).numpy(), w.zero_meta.view(torch.int16).numpy())
 
 
 def _args(w: CpuQMatrix) -> tuple:
@@ -89,10 +102,16 @@ def _args(w: CpuQMatrix) -> tuple:
     return p0, PLANES[w.bits][0], p1, w.group_size, w.scale, w.scale_meta, w.zero, w.zero_meta
 
 
+def _chunks(k) -> int:
+    """Chunks of groups for the parallel loops: a few per thread, each allocating its buffers once."""
+    return 4 * k.numba.get_num_threads()
+
+
 def matmul(x: np.ndarray, w: CpuQMatrix) -> np.ndarray:
     """x float32 [T, cols] -> float32 [T, rows] = x @ W.T."""
     out = np.empty((x.shape[0], w.rows), dtype=np.float32)
-    kernels().qmatmul(np.ascontiguousarray(x, dtype=np.float32), *_args(w), out)
+    k = kernels()
+    k.qmatmul(np.ascontiguousarray(x, dtype=np.float32), *_args(w), out, _chunks(k))
     return out
 
 
@@ -102,36 +121,155 @@ def swiglu_expert(x: np.ndarray, w1: CpuQMatrix, w3: CpuQMatrix, w2: CpuQMatrix)
     gate = np.empty((T, w1.rows), dtype=np.float32)
     up = np.empty((T, w3.rows), dtype=np.float32)
     out = np.empty((T, w2.rows), dtype=np.float32)
-    kernels().swiglu(np.ascontiguousarray(x, dtype=np.float32), *_args(w1), *_args(w3), *_args(w2), gate, up, out)
+    k = kernels()
+    k.swiglu(np.ascontiguousarray(x, dtype=np.float32), *_args(w1), *_args(w3), *_args(w2), gate, up, out, _chunks(k))
     return out
 
 
 def _compile():
+    # Module globals, not closure variables: numba keys its disk cache on a pickle of the
+    # closure, and intrinsics and dispatchers pickle with a fresh uuid in every process.
+    global prange, u8_f32, half, block_absmax, quantize_block, dot_2bit, dot_4bit, dot_1bit
+    global group_inputs, add_plane, scratch, group_rows, qmatmul, swiglu
     import numba
     from llvmlite import ir
     from numba import njit, prange, types
+    from numba.core import cgutils
     from numba.extending import intrinsic
 
     # A frozen app has no source files for numba's cache; compile once per run there.
     cache = not getattr(sys, "frozen", False) and os.access(os.path.dirname(__file__), os.W_OK)
     jit = njit(parallel=True, fastmath=True, nogil=True, cache=cache)
-    serial = njit(fastmath=True, nogil=True, cache=cache, inline="always")
+    serial = njit(fastmath=True, nogil=True, cache=cache)
+    f32, i1, i8, i16, i32 = ir.FloatType(), ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32)
+
+    def vec(t, n):
+        return ir.VectorType(t, n)
+
+    def declare(builder, name, ret, args):
+        return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
+
+    def at(builder, p, off, t):
+        """Pointer to a vector of type t at element off of p."""
+        return builder.bitcast(builder.gep(p, [off]), t.as_pointer())
+
+    def splat(builder, v, t):
+        return builder.shuffle_vector(builder.insert_element(ir.Constant(t, None), v, i32(0)), ir.Constant(t, None),
+                                      ir.Constant(vec(i32, t.count), None))
+
+    def data(context, builder, ty, arr):
+        return context.make_array(ty)(context, builder, arr).data
 
     @intrinsic
-    def code(typingctx, b, shift, mask):
-        """float32((b >> shift) & mask) on 8-bit lanes: numba's own integer maths widens to
-        64 bits, which keeps LLVM from vectorizing the loops over bytes (about 3x slower on
-        the CI box)."""
+    def u8_f32(typingctx, b):
+        """float32(b) straight from 8 bits: numba's own integer maths widens to 64 bits,
+        which keeps LLVM from vectorizing the loops over bytes."""
         def codegen(context, builder, signature, args):
-            return builder.uitofp(builder.and_(builder.lshr(args[0], args[1]), args[2]), ir.FloatType())
-        return types.float32(types.uint8, types.uint8, types.uint8), codegen
+            return builder.uitofp(args[0], f32)
+        return types.float32(types.uint8), codegen
 
-    zero8, all8 = np.uint8(0), np.uint8(255)
+    @intrinsic
+    def half(typingctx, h):
+        """The float16 with bits h (int16) as float32 (vcvtph2ps where LLVM vectorizes it)."""
+        def codegen(context, builder, signature, args):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), f32)
+        return types.float32(types.int16), codegen
+
+    @intrinsic
+    def block_absmax(typingctx, xs, b):
+        """max |xs[k]| over block b, in vector IR (numba's max loop stays scalar)."""
+        def codegen(context, builder, signature, args):
+            vf = vec(f32, BLOCK)
+            x = builder.load(at(builder, data(context, builder, signature.args[0], args[0]),
+                                builder.mul(args[1], args[1].type(BLOCK)), vf), align=4)
+            x = builder.call(declare(builder, f"llvm.fabs.v{BLOCK}f32", vf, [vf]), [x])
+            return builder.call(declare(builder, f"llvm.vector.reduce.fmax.v{BLOCK}f32", f32, [vf]), [x], fastmath=("fast",))
+        return types.float32(xs, b), codegen
+
+    @intrinsic
+    def quantize_block(typingctx, xs, q, b, inv):
+        """q = rint(xs * inv) as int8 over block b; returns the block's sum of q (float32)."""
+        def codegen(context, builder, signature, args):
+            vf, vq = vec(f32, BLOCK), vec(i8, BLOCK)
+            k = builder.mul(args[2], args[2].type(BLOCK))
+            x = builder.load(at(builder, data(context, builder, signature.args[0], args[0]), k, vf), align=4)
+            r = builder.fmul(x, splat(builder, args[3], vf), flags=("fast",))
+            r = builder.call(declare(builder, f"llvm.rint.v{BLOCK}f32", vf, [vf]), [r])
+            builder.store(builder.fptosi(r, vq), at(builder, data(context, builder, signature.args[1], args[1]), k, vq), align=1)
+            return builder.call(declare(builder, f"llvm.vector.reduce.fadd.v{BLOCK}f32", f32, [f32, vf]),
+                                [f32(0.0), r], fastmath=("fast",))
+        return types.float32(xs, q, b, inv), codegen
+
+    def block_dot(width):
+        """An intrinsic (row, q, m, K) -> the 8 // width sums over k < K of code_s[k] * q[k] *
+        m[k // BLOCK] (float32: exact integer sums but for the rounding of the float32 flushes),
+        code_s the code of slot s in row byte k; q is zero-padded to whole blocks. AVX2's
+        pmaddubsw (u8 codes x s8 inputs -> s16 pairs, which never saturate here) and pmaddwd (x
+        the block multiplier -> s32); with AVX-512 VNNI, LLVM fuses pmaddwd and its sum into
+        vpdpwssd. A row's last partial block is read with a masked load (never past K)."""
+        slots = 8 // width
+        shifts = [8 - width * (s + 1) for s in range(slots)]
+        v8i32, v8f32, v16i16, v32i8 = vec(i32, 8), vec(f32, 8), vec(i16, 16), vec(i8, 32)
+
+        def codegen(context, builder, signature, args):
+            row, q, m = (data(context, builder, t, a) for t, a in zip(signature.args[:3], args[:3]))
+            K = args[3]
+            n = K.type
+            nb = builder.sdiv(K, n(BLOCK))
+            pmaddubsw = declare(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8])
+            pmaddwd = declare(builder, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16])
+            acc = [cgutils.alloca_once_value(builder, ir.Constant(v8f32, None)) for _ in range(slots)]
+            isum = [cgutils.alloca_once_value(builder, ir.Constant(v8i32, None)) for _ in range(slots)]
+
+            def add_block(codes, b):
+                qv = builder.load(at(builder, q, builder.mul(b, n(BLOCK)), v32i8), align=1)
+                mv = splat(builder, builder.trunc(builder.load(builder.gep(m, [b])), i16), v16i16)
+                for s in range(slots):
+                    c = builder.and_(builder.lshr(codes, ir.Constant(v32i8, [shifts[s]] * 32)),
+                                     ir.Constant(v32i8, [(1 << width) - 1] * 32))
+                    total = builder.add(builder.load(isum[s]), builder.call(pmaddwd, [builder.call(pmaddubsw, [c, qv]), mv]))
+                    builder.store(total, isum[s])
+
+            def flush():
+                for s in range(slots):
+                    builder.store(builder.fadd(builder.load(acc[s]), builder.sitofp(builder.load(isum[s]), v8f32)), acc[s])
+                    builder.store(ir.Constant(v8i32, None), isum[s])
+
+            with cgutils.for_range(builder, builder.sdiv(builder.add(nb, n(FLUSH - 1)), n(FLUSH))) as chunk:
+                start = builder.mul(chunk.index, n(FLUSH))
+                end = builder.add(start, n(FLUSH))
+                with cgutils.for_range(builder, builder.select(builder.icmp_signed("<", end, nb), end, nb), start=start) as blk:
+                    add_block(builder.load(at(builder, row, builder.mul(blk.index, n(BLOCK)), v32i8), align=1), blk.index)
+                flush()
+            tail = builder.trunc(builder.sub(K, builder.mul(nb, n(BLOCK))), i8)
+            with builder.if_then(builder.icmp_unsigned("!=", tail, i8(0))):
+                mask = builder.icmp_unsigned("<", ir.Constant(v32i8, list(range(32))), splat(builder, tail, v32i8))
+                masked_load = declare(builder, "llvm.masked.load.v32i8.p0", v32i8, [row.type, i32, vec(i1, 32), v32i8])
+                codes = builder.call(masked_load, [builder.gep(row, [builder.mul(nb, n(BLOCK))]), i32(1), mask,
+                                                   ir.Constant(v32i8, None)])
+                add_block(codes, nb)
+                flush()
+            sums = []
+            for s in range(slots):
+                v = builder.load(acc[s])
+                sums.append(builder.call(declare(builder, "llvm.vector.reduce.fadd.v8f32", f32, [f32, v8f32]),
+                                         [f32(0.0), v], fastmath=("fast",)))
+            return context.make_tuple(builder, signature.return_type, sums)
+
+        @intrinsic
+        def dot(typingctx, row, q, m, K):
+            return types.UniTuple(types.float32, slots)(row, q, m, K), codegen
+        return dot
+
+    dot_2bit, dot_4bit, dot_1bit = block_dot(2), block_dot(4), block_dot(1)
 
     @serial
-    def group_inputs(x, t, j, scale, smeta, zero, zmeta, xs):
-        """xs = s[j, :] * x[t, :]; returns sum_k z[j, k] * xs[k]. Value f = j * K + k of
-        scale and zero has its meta pair at f % M: runs of k without a wrap are vectorized."""
+    def group_inputs(x, t, j, scale, smeta, zero, zmeta, center, xs, amax, q, m):
+        """xs = s[j, :] * x[t, :] in float32, and per block of BLOCK inputs in int8: xs[k] ~
+        D * m[k // BLOCK] * q[k], D for the whole row, m the block's multiplier (<= MMAX),
+        |q| <= 127. Returns (sum_k (z[j, k] - center) * xs[k] + center * sum_k D * m * q, D).
+        Value f = j * K + k of scale and zero has its meta pair at f % M: runs of k without a
+        wrap are vectorized."""
         K = x.shape[1]
         ms, mz = smeta.shape[1], zmeta.shape[1]
         si, zi = (j * K) % ms, (j * K) % mz
@@ -144,116 +282,107 @@ def _compile():
             sq, zq, xk, out = srow[k0:k0 + n], zrow[k0:k0 + n], xrow[k0:k0 + n], xs[k0:k0 + n]
             ss, so, zs, zo = s_scale[si:si + n], s_zero[si:si + n], z_scale[zi:zi + n], z_zero[zi:zi + n]
             for d in range(n):  # slices, so that indices are known non-negative (no gathers)
-                v = xk[d] * ((code(sq[d], zero8, all8) - so[d]) * ss[d])
+                v = xk[d] * ((u8_f32(sq[d]) - half(so[d])) * half(ss[d]))
                 out[d] = v
-                zsum += v * ((code(zq[d], zero8, all8) - zo[d]) * zs[d])
+                zsum += v * ((u8_f32(zq[d]) - half(zo[d])) * half(zs[d]) - center)
             k0 += n
             si = (si + n) % ms
             zi = (zi + n) % mz
-        return zsum
-
-    # One function per code width, each with its accumulators written out: LLVM vectorizes the
-    # loop over a row's bytes only when the per-code sums are plain scalars.
-    @serial
-    def rows_2bit(row, xs):
-        a0 = a1 = a2 = a3 = np.float32(0.0)
-        m = np.uint8(3)
-        for k in range(xs.shape[0]):
-            b, v = row[k], xs[k]
-            a0 += code(b, np.uint8(6), m) * v
-            a1 += code(b, np.uint8(4), m) * v
-            a2 += code(b, np.uint8(2), m) * v
-            a3 += code(b, zero8, m) * v
-        return a0, a1, a2, a3
-
-    @serial
-    def rows_4bit(row, xs):
-        a0 = a1 = np.float32(0.0)
-        m = np.uint8(15)
-        for k in range(xs.shape[0]):
-            b, v = row[k], xs[k]
-            a0 += code(b, np.uint8(4), m) * v
-            a1 += code(b, zero8, m) * v
-        return a0, a1
+        nb = amax.shape[0]
+        top = np.float32(0.0)
+        for b in range(nb):
+            amax[b] = block_absmax(xs, b)
+            top = max(top, amax[b])
+        D = top / np.float32(127 * MMAX)
+        per_top = np.float32(MMAX) / top if top > 0 else np.float32(0.0)
+        for b in range(nb):  # vectorized: amax becomes 1 / (D * m)
+            mb = min(np.ceil(amax[b] * per_top), np.float32(MMAX))
+            m[b] = np.int32(mb)
+            amax[b] = np.float32(1.0) / (D * mb) if mb > 0 else np.float32(0.0)
+        qsum = np.float32(0.0)
+        for b in range(nb):
+            qsum += np.float32(m[b]) * quantize_block(xs, q, b, amax[b])
+        return zsum + center * D * qsum, D
 
     @serial
-    def rows_1bit(row, xs):
-        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
-        m = np.uint8(1)
-        for k in range(xs.shape[0]):
-            b, v = row[k], xs[k]
-            a0 += code(b, np.uint8(7), m) * v
-            a1 += code(b, np.uint8(6), m) * v
-            a2 += code(b, np.uint8(5), m) * v
-            a3 += code(b, np.uint8(4), m) * v
-            a4 += code(b, np.uint8(3), m) * v
-            a5 += code(b, np.uint8(2), m) * v
-            a6 += code(b, np.uint8(1), m) * v
-            a7 += code(b, zero8, m) * v
-        return a0, a1, a2, a3, a4, a5, a6, a7
-
-    @serial
-    def add_plane(plane, width, mult, j, G, xs, out, t):
+    def add_plane(plane, width, mult, j, G, q, m, D, out, t):
         """The rows of group j held by one plane of codes of this width: byte (r, k) holds
         the codes of rows r, r + stride, ... (stride = the plane's row count)."""
-        stride = plane.shape[0]
+        stride, K = plane.shape
         o = out[t]
         for r in range(j, stride, G):
             if width == 2:
-                c = rows_2bit(plane[r], xs)
+                c = dot_2bit(plane[r], q, m, K)
                 for s in range(4):
-                    o[r + s * stride] += mult * c[s]
+                    o[r + s * stride] += mult * D * c[s]
             elif width == 4:
-                c2 = rows_4bit(plane[r], xs)
+                c2 = dot_4bit(plane[r], q, m, K)
                 for s in range(2):
-                    o[r + s * stride] += mult * c2[s]
+                    o[r + s * stride] += mult * D * c2[s]
             else:
-                c8 = rows_1bit(plane[r], xs)
+                c8 = dot_1bit(plane[r], q, m, K)
                 for s in range(8):
-                    o[r + s * stride] += mult * c8[s]
+                    o[r + s * stride] += mult * D * c8[s]
 
     @serial
-    def group_rows(x, j, plane0, width0, plane1, group_size, scale, smeta, zero, zmeta, out, xs):
+    def scratch(K):
+        """One thread's buffers for group_inputs: xs (its padding to whole blocks stays 0), amax, q, m."""
+        nb = (K + BLOCK - 1) // BLOCK
+        return (np.zeros(nb * BLOCK, dtype=np.float32), np.empty(nb, dtype=np.float32),
+                np.empty(nb * BLOCK, dtype=np.int8), np.empty(nb, dtype=np.int32))
+
+    @serial
+    def group_rows(x, j, plane0, width0, plane1, group_size, scale, smeta, zero, zmeta, out, buf):
         """Rows j, j + G, ... of out [T, rows] = x [T, K] @ W.T (one group of rows).
         plane1 (the 1-bit low plane) is empty but for 3 bits."""
         G = scale.shape[0]
         rows = G * group_size
         low = plane1.shape[0] > 0
         mult0 = np.float32(2.0) if low else np.float32(1.0)  # 3 bits: code = 2 * high + low
+        center = np.float32(((1 << width0) * (2 if low else 1) - 1) / 2)
+        xs, amax, q, m = buf
         for t in range(x.shape[0]):
-            zsum = group_inputs(x, t, j, scale, smeta, zero, zmeta, xs)
+            shared, D = group_inputs(x, t, j, scale, smeta, zero, zmeta, center, xs, amax, q, m)
             for n in range(j, rows, G):
-                out[t, n] = -zsum
-            add_plane(plane0, width0, mult0, j, G, xs, out, t)
+                out[t, n] = -shared
+            add_plane(plane0, width0, mult0, j, G, q, m, D, out, t)
             if low:
-                add_plane(plane1, 1, np.float32(1.0), j, G, xs, out, t)
+                add_plane(plane1, 1, np.float32(1.0), j, G, q, m, D, out, t)
 
     @jit
-    def qmatmul(x, plane0, width0, plane1, group_size, scale, smeta, zero, zmeta, out):
-        for j in prange(scale.shape[0]):
-            xs = np.empty(x.shape[1], dtype=np.float32)
-            group_rows(x, j, plane0, width0, plane1, group_size, scale, smeta, zero, zmeta, out, xs)
+    def qmatmul(x, plane0, width0, plane1, group_size, scale, smeta, zero, zmeta, out, chunks):
+        G = scale.shape[0]
+        nc = min(G, chunks)
+        for c in prange(nc):
+            buf = scratch(x.shape[1])
+            for j in range(c * G // nc, (c + 1) * G // nc):
+                group_rows(x, j, plane0, width0, plane1, group_size, scale, smeta, zero, zmeta, out, buf)
 
     @jit
     def swiglu(x, a0, aw, a1, ag, a_s, a_sm, a_z, a_zm, b0, bw, b1, bg, b_s, b_sm, b_z, b_zm,
-               c0, cw, c1, cg, c_s, c_sm, c_z, c_zm, gate, up, out):
+               c0, cw, c1, cg, c_s, c_sm, c_z, c_zm, gate, up, out, chunks):
         """out = w2 (silu(w1 x) * w3 x): a = w1, b = w3, c = w2 (planes, width, low plane,
         group size, scale, its meta, zero, its meta). Three parallel loops in one call: gate
         and up, the activation, down."""
-        Ga = a_s.shape[0]
-        for j in prange(Ga + b_s.shape[0]):
-            xs = np.empty(x.shape[1], dtype=np.float32)
-            if j < Ga:
-                group_rows(x, j, a0, aw, a1, ag, a_s, a_sm, a_z, a_zm, gate, xs)
-            else:
-                group_rows(x, j - Ga, b0, bw, b1, bg, b_s, b_sm, b_z, b_zm, up, xs)
+        Ga, G = a_s.shape[0], a_s.shape[0] + b_s.shape[0]
+        nc = min(G, chunks)
+        for c in prange(nc):
+            buf = scratch(x.shape[1])
+            for j in range(c * G // nc, (c + 1) * G // nc):
+                if j < Ga:
+                    group_rows(x, j, a0, aw, a1, ag, a_s, a_sm, a_z, a_zm, gate, buf)
+                else:
+                    group_rows(x, j - Ga, b0, bw, b1, bg, b_s, b_sm, b_z, b_zm, up, buf)
         for n in prange(gate.shape[1]):
             for t in range(gate.shape[0]):
                 g = gate[t, n]
                 gate[t, n] = g / (np.float32(1.0) + np.exp(-g)) * up[t, n]
-        for j in prange(c_s.shape[0]):
-            xs = np.empty(gate.shape[1], dtype=np.float32)
-            group_rows(gate, j, c0, cw, c1, cg, c_s, c_sm, c_z, c_zm, out, xs)
+        Gc = c_s.shape[0]
+        nc = min(Gc, chunks)
+        for c in prange(nc):
+            buf = scratch(gate.shape[1])
+            for j in range(c * Gc // nc, (c + 1) * Gc // nc):
+                group_rows(gate, j, c0, cw, c1, cg, c_s, c_sm, c_z, c_zm, out, buf)
 
     return SimpleNamespace(qmatmul=qmatmul, swiglu=swiglu, numba=numba)
 

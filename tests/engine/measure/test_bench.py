@@ -65,6 +65,5 @@ def test_the_hybrid_mode_reports_its_cpu_experts():
     assert hybrid["misses_cpu"] > 0 and lru["misses_cpu"] == 0
     cpu = r["cpu_experts"]
     assert cpu["format"] == "hqq" and cpu["experts"] == 2 * 8
-    stored = 2 * 8 * s.host.shape[2]  # it reads the stored experts; only their metadata is copied
-    assert 0 < cpu["extra_ram_bytes"] < 0.1 * stored
+    assert cpu["extra_ram_bytes"] == 0  # it reads the stored experts, metadata included, in place
     assert 2.5 < cpu["bits_per_weight"] < 3.5  # 2-bit codes + 8-bit scales and zeros per 16
