@@ -20,6 +20,10 @@ rounded once to x's dtype, as F.linear does.
   T <= 16       GEMM: the same tiles dequantized in registers into [BR, 16 NB] halves (even and
                 odd columns) that feed two tl.dot with x's even and odd columns.
   T > 16        dequantized once into the workspace, then cuBLAS.
+
+`moe_decode` runs one token through a layer's routed gpt-oss experts (biases, clamped SwiGLU)
+in two launches that read each expert's cache slot on the device, as hqq_gpu.moe_decode does
+for HQQ's SwiGLU experts; it rounds where the eager per-expert path rounds.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ import torch.nn.functional as F
 
 from moeferry.engine.kernels import hqq_gpu
 from moeferry.engine.kernels.hqq_gpu import KERNEL_CHOICES, tl, triton
+
+if triton is not None:
+    from moeferry.engine.kernels.hqq_gpu import _at_slot, _position_of_rank, _routed_slot
 from moeferry.engine.storage.mxfp4 import BLOCK, Mxfp4Matrix, dequantize
 
 # Set when these kernels failed at run time: "auto" then dequantizes for the rest of the process.
@@ -110,6 +117,38 @@ def gemm(x: torch.Tensor, w: Mxfp4Matrix, out: torch.Tensor) -> torch.Tensor:
     _gemm_kernel[(triton.cdiv(w.rows, br), triton.cdiv(T, 16))](
         x, out, w.blocks, w.scales, T, w.rows, w.cols // BLOCK, x.stride(0), out.stride(0),
         BT=16, BR=br, NB=nb, num_warps=4, num_stages=2)
+    return out
+
+
+def moe_supported(experts: dict) -> bool:
+    """True when moe_decode can run these expert views (of one cache slot): MXFP4 w1, w3, w2
+    with the biases b1, b3, b2 (gpt-oss's experts as imported)."""
+    w1, w3, w2 = (experts.get(m) for m in ("w1", "w3", "w2"))
+    return (all(isinstance(w, Mxfp4Matrix) for w in (w1, w3, w2)) and all(b in experts for b in ("b1", "b3", "b2"))
+            and (w1.rows, w1.cols) == (w3.rows, w3.cols) == (w2.cols, w2.rows))
+
+
+def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tensor, weights: torch.Tensor,
+               table: torch.Tensor, out: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """One token through its routed experts, no host sync: out [1, H] = sum over k of
+    weights[k] * (w2 clamped_swiglu(w1 h + b1, w3 h + b3) + b2) of expert ids[k], added in
+    ascending expert order (the eager path's, step for step in out's dtype).
+
+    experts: the views (w1, w3, w2, b1, b3, b2) of cache slot 0 of a layer; the expert in slot s
+    lies s * slot_bytes bytes further. table [E] int32 (device): each expert's slot, read with
+    ids [k] (device), so one CUDA graph of this serves any routing.
+    """
+    w1, w3, w2 = experts["w1"], experts["w3"], experts["w2"]
+    topk = ids.numel()
+    act = hqq_gpu._scratch.get("mxfp4_act", topk * w1.rows, h.dtype, h.device)
+    up = gemv_config(w1.rows, w1.cols)
+    _moe_up_kernel[(triton.cdiv(w1.rows, up["BR"]), topk)](
+        h, act, ids, table, slot_bytes, w1.blocks, w1.scales, experts["b1"], w3.blocks, w3.scales, experts["b3"],
+        w1.rows, w1.cols // BLOCK, alpha, limit, BR=up["BR"], NB=up["NB"], num_warps=up["num_warps"])
+    down = gemv_config(w2.rows, w2.cols)
+    _moe_down_kernel[(triton.cdiv(w2.rows, down["BR"]),)](
+        act, out, ids, weights, table, slot_bytes, w2.blocks, w2.scales, experts["b2"], w2.rows, w2.cols // BLOCK,
+        TOPK=topk, BR=down["BR"], NB=down["NB"], num_warps=down["num_warps"])
     return out
 
 
@@ -218,3 +257,59 @@ if triton is not None:
         dt: tl.constexpr = out_ptr.dtype.element_ty
         tl.store(out_ptr + off, lo.to(dt), mask=mask)
         tl.store(out_ptr + off + 1, hi.to(dt), mask=mask)
+
+    # -- one token through a layer's routed experts, with the expert chosen on the device ---------
+
+    @triton.jit
+    def _round(v, dt: tl.constexpr):
+        return v.to(dt).to(tl.float32)
+
+    @triton.jit
+    def _biased(y, bias_ptr, r, mask, dt: tl.constexpr):
+        """linear(...) + bias as the eager path rounds: the product in dt, then the sum."""
+        return _round(_round(y, dt) + tl.load(bias_ptr + r, mask=mask, other=0.0).to(tl.float32), dt)
+
+    @triton.jit
+    def _clamped_swiglu(gate, up, alpha, limit, dt: tl.constexpr):
+        """model.clamped_swiglu, each operation's result rounded to dt as in torch."""
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        glu = _round(gate * _round(tl.sigmoid(_round(gate * alpha, dt)), dt), dt)
+        return _round(_round(up + 1.0, dt) * glu, dt)
+
+    @triton.jit
+    def _moe_up_kernel(x_ptr, act_ptr, ids_ptr, table_ptr, slot_bytes, b1_ptr, s1_ptr, bias1_ptr,
+                       b3_ptr, s3_ptr, bias3_ptr, rows, nblk, alpha, limit, BR: tl.constexpr, NB: tl.constexpr):
+        """act[kpos] = clamped_swiglu(x W1.T + b1, x W3.T + b3) of the expert at top-k position
+        kpos (grid axis 1), rows [pid BR, +BR)."""
+        kpos = tl.program_id(1)
+        slot = _routed_slot(ids_ptr, table_ptr, kpos)
+        dt: tl.constexpr = act_ptr.dtype.element_ty
+        r = tl.program_id(0) * BR + tl.arange(0, BR)
+        mask = r < rows
+        gate = _gemv_rows(x_ptr, _at_slot(b1_ptr, slot, slot_bytes), _at_slot(s1_ptr, slot, slot_bytes),
+                          r, rows, nblk, NB)
+        up = _gemv_rows(x_ptr, _at_slot(b3_ptr, slot, slot_bytes), _at_slot(s3_ptr, slot, slot_bytes),
+                        r, rows, nblk, NB)
+        gate = _biased(gate, _at_slot(bias1_ptr, slot, slot_bytes), r, mask, dt)
+        up = _biased(up, _at_slot(bias3_ptr, slot, slot_bytes), r, mask, dt)
+        tl.store(act_ptr + kpos * rows + r, _clamped_swiglu(gate, up, alpha, limit, dt).to(dt), mask=mask)
+
+    @triton.jit
+    def _moe_down_kernel(act_ptr, out_ptr, ids_ptr, weights_ptr, table_ptr, slot_bytes, b_ptr, s_ptr, bias_ptr,
+                         rows, nblk, TOPK: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr):
+        """out rows [pid BR, +BR) = the weighted sum over the top-k of act[kpos] W2.T + b2, each
+        expert's output rounded to out's dtype, times its weight, rounded, added in ascending
+        expert order (the eager path's order: out starts at zero)."""
+        dt: tl.constexpr = out_ptr.dtype.element_ty
+        r = tl.program_id(0) * BR + tl.arange(0, BR)
+        mask = r < rows
+        total = tl.zeros((BR,), tl.float32)
+        for rank in tl.static_range(TOPK):
+            kr = _position_of_rank(ids_ptr, rank, TOPK)
+            slot = _routed_slot(ids_ptr, table_ptr, kr)
+            y = _gemv_rows(act_ptr + kr * (nblk * _B), _at_slot(b_ptr, slot, slot_bytes),
+                           _at_slot(s_ptr, slot, slot_bytes), r, rows, nblk, NB)
+            y = _biased(y, _at_slot(bias_ptr, slot, slot_bytes), r, mask, dt)
+            total = _round(total + _round(y * tl.load(weights_ptr + kr), dt), dt)
+        tl.store(out_ptr + r, total.to(dt), mask=mask)

@@ -120,3 +120,70 @@ def test_the_model_uses_the_kernels_for_mxfp4_experts(monkeypatch):
     assert_float32_close(y, F.linear(x, mxfp4.dequantize(w)))
     OffloadedMixtral.linear(SimpleNamespace(kernels="reference"), x, w)
     assert len(calls) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Routed experts of one token (moe_decode), against the per-expert eager path
+
+
+def gpt_oss_slots(hidden, ffn, n_slots, device, seed=0):
+    """Cache slots [n_slots, stride] of random gpt-oss experts (MXFP4 matrices, bf16 biases) as
+    ExpertCache keeps them, and a function slot -> that slot's expert views."""
+    from types import SimpleNamespace
+
+    from moeferry.engine.measure import bench
+    from moeferry.engine.storage import store
+    cfg = SimpleNamespace(hidden_size=hidden, intermediate_size=ffn, expert_act="clamped_swiglu")
+    eq = {"bits": 4, "method": "mxfp4", "group_size": 32, "bias_dtype": "BF16"}
+    fields, stride = store.expert_layout(cfg, eq)
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.stack([bench.random_expert(cfg, eq, fields, stride, "cpu", gen) for _ in range(n_slots)]).to(device)
+    return slots, lambda s: store.view_expert(slots[s], fields, eq, cfg)
+
+
+def eager_experts(h, ids, weights, slot_of, views, alpha, limit):
+    """The model's decode arithmetic: experts in ascending id order, out.add_((y * w).to(dtype)),
+    each through OffloadedMixtral's own clamped-SwiGLU expert on the reference linear."""
+    from types import SimpleNamespace
+
+    from moeferry.engine.runtime.model import OffloadedMixtral
+    model = SimpleNamespace(linear=lambda x, w: M.mxfp4_linear(x, w, "reference"),
+                            cfg=SimpleNamespace(swiglu_alpha=alpha, swiglu_limit=limit))
+    model.clamped_swiglu_expert = lambda w, x: OffloadedMixtral.clamped_swiglu_expert(model, w, x)
+    out = torch.zeros_like(h)
+    ids_host = ids.tolist()
+    for e in sorted(ids_host):
+        k = ids_host.index(e)
+        out.add_((OffloadedMixtral.expert(model, views(slot_of[e]), h) * weights[k:k + 1]).to(out.dtype))
+    return out
+
+
+@fused
+@pytest.mark.parametrize("topk", [1, 2, 4])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_decode_matches_the_per_expert_path(topk, dtype):
+    hidden, ffn, n_experts, n_slots, alpha, limit = 96, 160, 8, 6, 1.702, 1.0
+    slots, views = gpt_oss_slots(hidden, ffn, n_slots, DEVICE, seed=topk)
+    gen = torch.Generator().manual_seed(topk)
+    table = torch.randperm(n_experts, generator=gen) % n_slots  # expert -> slot
+    ids = torch.randperm(n_experts, generator=gen)[:topk]
+    while len(set(table[ids].tolist())) < topk:  # routed experts sit in distinct slots
+        ids = torch.randperm(n_experts, generator=gen)[:topk]
+    weights = torch.softmax(torch.randn(topk, generator=gen), 0)
+    h = (torch.randn(1, hidden, generator=gen) * 8).to(DEVICE, dtype)
+    gate = F.linear(h.float(), mxfp4.dequantize(views(0)["w1"])) + views(0)["b1"].float()
+    assert (gate > limit).any() and (gate < limit).any()  # the clamp takes part
+    assert M.moe_supported(views(0))
+    out = torch.full_like(h, float("nan"))
+    M.moe_decode(h, views(0), slots.shape[1], ids.to(DEVICE), weights.to(DEVICE), table.to(DEVICE, torch.int32),
+                 out, alpha, limit)
+    assert not torch.isnan(out).any()
+    want = eager_experts(h, ids, weights.to(DEVICE), table.tolist(), views, alpha, limit)
+    if dtype == torch.float32:
+        assert_float32_close(out, want)
+    else:  # the same roundings; float32 sums in another order can move one of them by an ulp
+        assert rel_err(out, want) < 2e-2
+    want64 = eager_experts(h.double(), ids, weights.double().to(DEVICE), table.tolist(),
+                           lambda s: {k: v.double() if isinstance(v, torch.Tensor) else v
+                                      for k, v in views(s).items()}, alpha, limit)
+    assert rel_err(out, want64) < (1e-5 if dtype == torch.float32 else 3e-2)
