@@ -17,8 +17,9 @@ dependent launch, 2-3 us on an H200, more than the work. These kernels do the sa
 FusedOps is engine/runtime/model.EagerOps with these kernels. Every family's attention runs on them
 (any head size: the kernel masks a non-power-of-two one; an o bias is added after the o GEMV),
 so an attention graph depends only on the position on the device. Its `experts` is the grouped
-expert kernel (hqq_gpu.moe_decode), which the graph runner enables when the cache's expert
-format supports it. Each kernel rounds its intermediate results to the model's dtype where
+expert kernel (hqq_gpu.moe_decode for HQQ SwiGLU experts, mxfp4_gpu.moe_decode for gpt-oss's
+MXFP4 ones), which the graph runner enables when the cache's expert format supports it
+(grouped_supported). Each kernel rounds its intermediate results to the model's dtype where
 the eager path does, so the two paths agree up to float32 summation order
 (tests/engine/kernels/test_decode.py; with sinks the eager path also rounds the softmax's
 probabilities, which an online softmax cannot); the eager operations remain the reference,
@@ -29,9 +30,10 @@ from __future__ import annotations
 
 import torch
 
-from moeferry.engine.kernels import hqq_gpu
+from moeferry.engine.kernels import hqq_gpu, mxfp4_gpu
 from moeferry.engine.kernels.hqq_gpu import tl, triton
 from moeferry.engine.runtime.model import ATTN_PROJECTIONS, EagerOps, Step
+from moeferry.engine.storage.mxfp4 import Mxfp4Matrix
 
 
 class FusedOps(EagerOps):
@@ -96,8 +98,21 @@ class FusedOps(EagerOps):
             torch.index_select(ids, 0, self.at[:n], out=self.at_ids[:n])
             torch.index_select(weights, 0, self.at[:n], out=self.at_weights[:n])
             ids, weights = self.at_ids[:n], self.at_weights[:n]
-        hqq_gpu.moe_decode(s.h, cache.slot_weights(mi, 0), cache.slot_bytes, ids, weights,
-                           cache.device_table(mi), s.out)
+        self.moe_decode(s.h, cache.slot_weights(mi, 0), cache.slot_bytes, ids, weights, cache.device_table(mi), s.out)
+
+    def grouped_supported(self, experts: dict) -> bool:
+        """Whether a grouped kernel runs these expert views (of one cache slot) in this family."""
+        if isinstance(experts["w1"], Mxfp4Matrix):
+            return self.m.cfg.expert_act == "clamped_swiglu" and mxfp4_gpu.moe_supported(experts)
+        return self.m.cfg.expert_act == "silu" and hqq_gpu.moe_supported(experts)
+
+    def moe_decode(self, h, experts: dict, slot_bytes: int, ids, weights, table, out) -> None:
+        """The grouped kernel of the experts' format (grouped_supported): out = their weighted sum."""
+        if isinstance(experts["w1"], Mxfp4Matrix):
+            cfg = self.m.cfg
+            mxfp4_gpu.moe_decode(h, experts, slot_bytes, ids, weights, table, out, cfg.swiglu_alpha, cfg.swiglu_limit)
+        else:
+            hqq_gpu.moe_decode(h, experts, slot_bytes, ids, weights, table, out)
 
 
 

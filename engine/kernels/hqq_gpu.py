@@ -808,6 +808,17 @@ if triton is not None:
                      ws_ptr + kpos * n_split * 2 * rows, cnt, pid_k, n_split, rows, SPLIT, True)
 
     @triton.jit
+    def _position_of_rank(ids_ptr, r, TOPK: tl.constexpr):
+        """The top-k position of the expert with the r-th smallest id (ids distinct)."""
+        kr = 0
+        for m in tl.static_range(TOPK):
+            rank = 0
+            for m2 in tl.static_range(TOPK):
+                rank += (tl.load(ids_ptr + m2) < tl.load(ids_ptr + m)).to(tl.int32)
+            kr += tl.where(rank == r, m, 0)
+        return kr
+
+    @triton.jit
     def _moe_down_kernel(act_ptr, out_ptr, ids_ptr, weights_ptr, table_ptr, slot_bytes,
                          p0, p1, s_ptr, z_ptr, sm_ptr, zm_ptr, ws_ptr, cnt_ptr,
                          G, rows, cols, Ms, Mz, k_per_split, n_split,
@@ -836,13 +847,8 @@ if triton is not None:
         if tl.atomic_add(cnt, 1) == parts - 1:
             dt: tl.constexpr = out_ptr.dtype.element_ty
             total = tl.zeros(y.shape, tl.float32)
-            for r in tl.static_range(TOPK):  # the expert with the r-th smallest id
-                kr = 0
-                for m in tl.static_range(TOPK):
-                    rank = 0
-                    for m2 in tl.static_range(TOPK):
-                        rank += (tl.load(ids_ptr + m2) < tl.load(ids_ptr + m)).to(tl.int32)
-                    kr += tl.where(rank == r, m, 0)
+            for r in tl.static_range(TOPK):
+                kr = _position_of_rank(ids_ptr, r, TOPK)
                 ye = tl.load(ws_ptr + kr * n_split * rows + n, mask=mask, other=0.0, cache_modifier=".cg")
                 for s in range(1, n_split):
                     ye += tl.load(ws_ptr + (kr * n_split + s) * rows + n, mask=mask, other=0.0,

@@ -1,7 +1,9 @@
 """`moeferry bench`: the offloading benchmark on a synthetic full-size Mixtral-8x7B.
 
 Weights are generated directly in packed form (random codes, 8-bit scales/zeros in
-realistic ranges), so a run starts in seconds. In ONE run, on the same weights and prompt,
+realistic ranges), so a run starts in seconds. The experts are in the format users run
+(`--expert-format`): MXFP4 as gpt-oss ships them (4.25 bits per weight) for gpt-oss-20b,
+HQQ at `--expert-bits` for the others; every report states the format and its bits per weight. In ONE run, on the same weights and prompt,
 it measures the paper's Table 2 ladder: naive (every expert copied on demand, synchronously,
 no cache), lru (cache, no prefetch), full (cache + prefetch), each with the reference kernels
 (dequantize then matmul) and the fused ones, under a VRAM budget that emulates a gaming GPU.
@@ -32,15 +34,16 @@ import torch
 
 from moeferry.engine.errors import UserError
 from moeferry.engine.measure import routing as routing_mod
-from moeferry.engine.measure.bench_shapes import MODEL_SHAPES, family_dense, shape_config
+from moeferry.engine.measure.bench_shapes import MODEL_SHAPES, family_dense, native_expert_format, shape_config
 from moeferry.engine.runtime.cpu_experts import HqqExpert
 from moeferry.engine.runtime.decode_graphs import use_cuda_graphs
 from moeferry.engine.runtime.expert_cache import ExpertCache, pace_cycles, pin, sleep_cycles_per_s
 from moeferry.engine.runtime.generate import compute_ready, cpu_copies_of, cpu_experts_for, device_bytes, parse_size
 from moeferry.engine.runtime.model import ModelConfig, OffloadedMixtral
-from moeferry.engine.storage import quant, store as store_mod
+from moeferry.engine.storage import mxfp4, quant, store as store_mod
 from moeferry.engine.units import GiB, fmt_bytes
 
+EXPERT_FORMATS = ("hqq", "mxfp4")
 MIXTRAL = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                num_kv_heads=8, head_dim=128, num_experts=8, top_k=2, rms_norm_eps=1e-5, rope_theta=1e6,
                max_position_embeddings=32768, sliding_window=None, tie_word_embeddings=False)
@@ -74,12 +77,38 @@ class ModeResult:
 # Synthetic weights in packed form
 
 
+def random_mxfp4(rows: int, cols: int, device, gen, exponents: tuple[int, int] = (-8, -6)) -> mxfp4.Mxfp4Matrix:
+    """Random codes (their values' std is 2.9) and block scales 2^lo..2^hi (e8m0): the scales
+    MXFP4 gives weights of std ~0.01-0.03 (a block's largest weight, ~2.1 std, over the largest
+    code 6, rounded down to a power of two), like gpt-oss's experts."""
+    f = mxfp4.field_shapes(rows, cols)
+    blocks = torch.randint(0, 256, f["blocks"][1], dtype=torch.uint8, device=device, generator=gen)
+    scales = torch.randint(127 + exponents[0], 128 + exponents[1], f["scales"][1], dtype=torch.uint8,
+                           device=device, generator=gen)
+    return mxfp4.Mxfp4Matrix(rows, cols, blocks, scales)
+
+
+def expert_quantization(expert_format: str, expert_bits: int) -> dict:
+    """The store manifest's expert quantization of a format (MXFP4 as convert.py imports it)."""
+    if expert_format == "mxfp4":
+        return {"bits": 4, "method": "mxfp4", "group_size": mxfp4.BLOCK}
+    es = quant.EXPERT_SPECS[expert_bits]
+    return {"bits": expert_bits, "group_size": es.group_size, "meta_group": es.meta_group}
+
+
+def random_matrix(rows: int, cols: int, eq: dict, device, gen):
+    """A random expert matrix in the quantization eq (expert_quantization)."""
+    if eq.get("method") == "mxfp4":
+        return random_mxfp4(rows, cols, device, gen)
+    return quant.random_qmatrix(rows, cols, quant.QuantSpec.from_dict(eq), gen, device, plausible=True)
+
+
 def synthetic_model(cfg: ModelConfig, expert_bits: int, attn_bits: int, device, seed: int = 0,
-                    dtype=torch.bfloat16):
+                    dtype=torch.bfloat16, expert_format: str = "hqq"):
     """(dense weights on device, host experts uint8 [L, E, stride] (pinned on CUDA), expert fields, quantization)."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    es, as_ = quant.EXPERT_SPECS[expert_bits], quant.ATTN_SPECS[attn_bits]
-    eq = {"bits": expert_bits, "group_size": es.group_size, "meta_group": es.meta_group}
+    as_ = quant.ATTN_SPECS[attn_bits]
+    eq = expert_quantization(expert_format, expert_bits)
     dense = {"model.embed_tokens.weight": torch.randn(cfg.vocab_size, cfg.hidden_size, device=device,
                                                       dtype=dtype, generator=gen) * 0.02,
              "model.norm.weight": torch.ones(cfg.hidden_size, device=device, dtype=dtype),
@@ -102,18 +131,18 @@ def synthetic_model(cfg: ModelConfig, expert_bits: int, attn_bits: int, device, 
     host = torch.empty((cfg.num_moe_layers, cfg.num_experts, stride), dtype=torch.uint8,
                        pin_memory=torch.device(device).type == "cuda")
     for layer in range(cfg.num_moe_layers):
-        host[layer].copy_(torch.stack([random_expert(cfg, es, fields, stride, device, gen)
+        host[layer].copy_(torch.stack([random_expert(cfg, eq, fields, stride, device, gen)
                                        for _ in range(cfg.num_experts)]))
     return dense, dense_bytes, host, fields, eq
 
 
-def random_expert(cfg: ModelConfig, spec: quant.QuantSpec, fields: list[dict], stride: int, device,
-                  gen) -> torch.Tensor:
-    """One random expert packed as the store lays it out: uint8 [stride] on `device`."""
+def random_expert(cfg: ModelConfig, eq: dict, fields: list[dict], stride: int, device, gen) -> torch.Tensor:
+    """One random expert in the quantization eq, packed as the store lays it out: uint8 [stride]
+    on `device`."""
     buf = torch.zeros(stride, dtype=torch.uint8, device=device)
     tensors = {}
     for m in store_mod.EXPERT_MATRICES:
-        qm = quant.random_qmatrix(*store_mod.expert_shape(cfg, m), spec, gen, device, plausible=True)
+        qm = random_matrix(*store_mod.expert_shape(cfg, m), eq, device, gen)
         tensors.update({f"{m}.{k}": v for k, v in qm.tensors().items()})
     for b in store_mod.EXPERT_BIASES if cfg.expert_act == "clamped_swiglu" else ():  # gpt_oss
         bias = torch.randn(store_mod.expert_shape(cfg, b), device=device, generator=gen) * 0.02
@@ -243,6 +272,15 @@ class Synthetic:
     shape: str = "mixtral-8x7b"  # the MODEL_SHAPES key it was built from
     cpu_copies: dict | None = None  # the hybrid mode's CPU experts (cpu_copies_of), made on first use
 
+    @property
+    def expert_format(self) -> str:
+        return "mxfp4" if self.eq.get("method") == "mxfp4" else "hqq"
+
+    def expert_bits_per_weight(self) -> float:
+        """Bits the expert matrices take per weight, their scales included (biases not)."""
+        matrix_bytes = sum(f["nbytes"] for f in self.fields if f["name"].split(".")[0] in store_mod.EXPERT_MATRICES)
+        return matrix_bytes * 8 / (3 * self.cfg.hidden_size * self.cfg.intermediate_size)
+
     def model(self, policy: str, k: int, prefetch: int, kernels: str, pace: int = 0) -> OffloadedMixtral:
         # the CPU (tests) dequantizes an expert once per load, as the engine does there
         decode = None if self.device.type == "cuda" else lambda w: {m: compute_ready(v, self.dtype) for m, v in w.items()}
@@ -297,9 +335,14 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
 
 
 def build(layers: int | None = 32, expert_bits: int = 2, attn_bits: int = 4, seed: int = 0, log=print,
-          device=None, config: dict | None = None, model: str = "mixtral-8x7b") -> Synthetic:
+          device=None, config: dict | None = None, model: str = "mixtral-8x7b",
+          expert_format: str | None = None) -> Synthetic:
     """The synthetic model. device None = the CUDA GPU (the command's case); a CPU device with a
-    small `config` (ModelConfig fields over MIXTRAL's) is for tests."""
+    small `config` (ModelConfig fields over the shape's) is for tests. expert_format: "hqq" (at
+    expert_bits) or "mxfp4" (expert_bits unused); None = the model's own (native_expert_format)."""
+    expert_format = expert_format or native_expert_format(model)
+    if expert_format not in EXPERT_FORMATS:
+        raise UserError(f"Unknown expert format {expert_format!r}; choose one of {', '.join(EXPERT_FORMATS)}.")
     if device is None:
         if not torch.cuda.is_available():
             raise UserError("moeferry bench measures GPU offloading and needs a CUDA GPU; none is visible.")
@@ -307,9 +350,15 @@ def build(layers: int | None = 32, expert_bits: int = 2, attn_bits: int = 4, see
     device = torch.device(device)
     cfg = replace(shape_config(model, layers), **(config or {}))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    log(f"building a synthetic {model} ({cfg.num_layers} layers, {expert_bits}-bit experts, {attn_bits}-bit attention)")
+    if expert_format == "mxfp4":
+        expert_bits = 4
+        if cfg.hidden_size % mxfp4.BLOCK or cfg.intermediate_size % mxfp4.BLOCK:
+            raise UserError(f"MXFP4 experts need hidden and intermediate sizes that are multiples of {mxfp4.BLOCK}.")
+    label = "MXFP4" if expert_format == "mxfp4" else f"{expert_bits}-bit HQQ"
+    log(f"building a synthetic {model} ({cfg.num_layers} layers, {label} experts, {attn_bits}-bit attention)")
     t = time.perf_counter()
-    dense, dense_bytes, host, fields, eq = synthetic_model(cfg, expert_bits, attn_bits, device, seed, dtype)
+    dense, dense_bytes, host, fields, eq = synthetic_model(cfg, expert_bits, attn_bits, device, seed, dtype,
+                                                           expert_format)
     if device.type == "cpu":
         dense = {n: compute_ready(w, dtype) for n, w in dense.items()}
     log(f"  built in {time.perf_counter() - t:.1f} s; one expert = {host.shape[2] / 1e6:.1f} MB, "
@@ -357,6 +406,8 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
     """The ladder under one budget, on the weights of `s`; a report (see markdown_table)."""
     cond = cond or Conditions()
     cfg, device, bw = s.cfg, s.device, s.pinned_bytes_per_s
+    if "hybrid" in modes and s.expert_format != "hqq":  # as the engine (generate.make_cpu_experts)
+        raise UserError("The hybrid mode runs experts on the CPU only in HQQ; use --expert-format hqq.")
     budget = parse_size(vram_budget)
     stride = s.host.shape[2]
     # each kernel path gets the cache its workspace leaves room for under the budget
@@ -411,7 +462,8 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
         "date": time.strftime("%Y-%m-%d"), "model": s.shape,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "layers": cfg.num_layers, "vram_budget": vram_budget, "vram_budget_bytes": budget,
-        "expert_bits": s.expert_bits, "attn_bits": s.attn_bits, "prompt_len": prompt_len,
+        "expert_format": s.expert_format, "expert_bits": s.expert_bits,
+        "expert_bits_per_weight": s.expert_bits_per_weight(), "attn_bits": s.attn_bits, "prompt_len": prompt_len,
         "new_tokens": new_tokens, "expert_bytes": stride, "resident_bytes": s.dense_bytes,
         "pinned_gb_per_s": bw / 1e9, "cache_experts": k,
         "routing": routing, "link": link, "cpu_threads": torch.get_num_threads(),
@@ -454,7 +506,7 @@ def mode_result(mode, kern, kk, depth, first, decode, d, peak, recall, new_token
 
 
 def markdown_table(report: dict) -> str:
-    lines = [f"Budget {report['vram_budget']}, {report['expert_bits']}-bit experts "
+    lines = [f"Budget {report['vram_budget']}, {expert_words(report)} "
              f"({report['expert_bytes'] / 1e6:.1f} MB each), {report['attn_bits']}-bit attention, "
              f"{report['layers']} layers, P={report['prompt_len']}, T={report['new_tokens']}, "
              f"{report['cache_experts']} experts cached per layer, pinned H2D {report['pinned_gb_per_s']:.1f} GB/s, "
@@ -473,6 +525,16 @@ def markdown_table(report: dict) -> str:
             f"{r['peak_vram_bytes'] / GiB:.2f}{'' if r['under_budget'] else ' (over!)'} | "
             f"{r['misses_cpu']} (+{r['misses_both']}) | {r['cpu_gb_per_s']:.1f} | {r['cpu_wait_ms_per_token']:.2f} |")
     return "\n".join(lines)
+
+
+def expert_words(report: dict) -> str:
+    """The experts' format and bits per weight (reports from before the format was stated: HQQ)."""
+    if report.get("expert_format") == "mxfp4":
+        name = "MXFP4 experts"
+    else:
+        name = f"{report['expert_bits']}-bit HQQ experts"
+    bpw = report.get("expert_bits_per_weight")
+    return name if bpw is None else f"{name}, {bpw:.2f} bits/weight"
 
 
 def recall_text(recall: dict) -> str:
@@ -503,7 +565,10 @@ def cli_bench(argv: list[str]) -> int:
     p.add_argument("--layers", type=int, default=None, help="the model's first N layers (default: all)")
     p.add_argument("--vram-budget", default="12GiB",
                    help="e.g. 12GiB (RTX 3060), 16GiB, none; several, comma-separated, share one build")
-    p.add_argument("--expert-bits", type=int, default=2, choices=(2, 3, 4), help="bits per expert weight")
+    p.add_argument("--expert-format", choices=EXPERT_FORMATS,
+                   help="the experts' format: mxfp4 (gpt-oss's own, 4.25 bits/weight) or hqq (at --expert-bits); "
+                        "default: the model's own (mxfp4 for gpt-oss-20b, hqq for the others)")
+    p.add_argument("--expert-bits", type=int, choices=(2, 3, 4), help="bits per HQQ expert weight (default 2)")
     p.add_argument("--attn-bits", type=int, default=4, choices=(4, 8), help="bits per attention weight")
     p.add_argument("--prompt-len", default="128", help="one or several, comma-separated")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per measurement")
@@ -523,6 +588,11 @@ def cli_bench(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="print the report(s) as JSON")
     p.add_argument("--json-dir", help="also write one JSON report per budget and prompt length here")
     a = p.parse_args(argv)
+    expert_format = a.expert_format or native_expert_format(a.model)
+    if expert_format == "mxfp4" and a.expert_bits is not None:
+        raise UserError(f"--expert-bits sets HQQ experts' width, and {a.model}'s experts are MXFP4 here; "
+                        f"add --expert-format hqq to bench HQQ experts.")
+    expert_bits = a.expert_bits or 2
     if a.new_tokens < 2 or (a.layers is not None and a.layers < 1):
         raise UserError("--new-tokens must be 2 or more and --layers 1 or more.")
     if not 0 <= a.guess_recall <= 1 or (a.h2d_gbps is not None and a.h2d_gbps <= 0) \
@@ -539,7 +609,7 @@ def cli_bench(argv: list[str]) -> int:
     if a.cpu_threads:
         torch.set_num_threads(a.cpu_threads)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    s = build(a.layers, a.expert_bits, a.attn_bits, log=log, model=a.model)
+    s = build(a.layers, expert_bits, a.attn_bits, log=log, model=a.model, expert_format=expert_format)
     reports = []
     for budget in a.vram_budget.split(","):  # one set of weights, several budgets: one build
         for plen in (int(x) for x in str(a.prompt_len).split(",")):
@@ -549,7 +619,8 @@ def cli_bench(argv: list[str]) -> int:
             if a.json_dir:
                 Path(a.json_dir).mkdir(parents=True, exist_ok=True)
                 stem = "bench" if a.model == "mixtral-8x7b" else f"bench-{a.model}"
-                name = f"{stem}-{a.expert_bits}bit-{budget}-p{plen}-{cond.routing.split(':')[0]}.json"
+                experts = "mxfp4" if expert_format == "mxfp4" else f"{expert_bits}bit"
+                name = f"{stem}-{experts}-{budget}-p{plen}-{cond.routing.split(':')[0]}.json"
                 (Path(a.json_dir) / name).write_text(json.dumps(r, indent=1))
     if a.json:
         print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=1))

@@ -1,7 +1,8 @@
 """The shapes `moeferry bench --model` builds, and the random dense weights of each family.
 
 MODEL_SHAPES holds each model as the config.json fields the engine reads (ModelConfig.from_hf),
-so a family's options come with its shape; shape_config(model, layers) keeps its first layers.
+so a family's options come with its shape; shape_config(model, layers) keeps its first layers;
+native_expert_format(model) is the format its experts are in as users run them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ MODEL_SHAPES = {
                         num_experts_per_tok=8, norm_topk_prob=False, rms_norm_eps=1e-5, rope_theta=10000.0,
                         max_position_embeddings=4096),
 }
+
+
+def native_expert_format(model: str) -> str:
+    """The format a model's experts are in as users run them: gpt-oss ships MXFP4 (imported as it
+    is by engine/storage/convert.py), the others are HQQ-quantized at conversion."""
+    return "mxfp4" if MODEL_SHAPES.get(model, {}).get("model_type") == "gpt_oss" else "hqq"
 
 
 def shape_config(model: str, layers: int | None = None) -> ModelConfig:

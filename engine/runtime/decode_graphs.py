@@ -11,7 +11,7 @@ run, else on the eager operations. The routed experts run in one of three ways, 
   * every expert resident (the cache holds all of them): nothing is ever copied, so the MoE
     layers have no host part and the whole token - all layers and the head - is ONE graph,
     with no host sync until the logits;
-  * the grouped expert kernel (hqq_gpu.moe_decode, where the cache's expert format allows it):
+  * the grouped expert kernel (FusedOps.moe_decode, where the cache's expert format allows it):
     one graph per layer runs all routed experts (reading each one's slot from the cache's
     device table) after the host's routing sync has made sure they are in place;
   * otherwise one graph per (layer, cache slot, top-k position) and expert.
@@ -246,14 +246,14 @@ class GraphedDecode:
             hqq_gpu.gemv_pair(s.x, layer["k_proj"], layer["v_proj"], out, torch.empty_like(out))
 
     def can_group(self) -> bool:
-        """Whether hqq_gpu.moe_decode can run this model's experts from this cache."""
+        """Whether a grouped expert kernel (FusedOps.moe_decode) can run this model's experts from this cache."""
         m, cache = self.m, self.m.cache
         if (not m.moe_layers or cache.decode is not None or cache.slots_per_layer < m.cfg.top_k
-                or m.cfg.expert_act != "silu" or not hqq_gpu.moe_supported(cache.slot_weights(0, 0))):
+                or not self.ops.grouped_supported(cache.slot_weights(0, 0))):
             return False
         # slot 0 for every expert: a valid address whatever the slots hold
         s = self.s
-        return self.works(lambda: hqq_gpu.moe_decode(
+        return self.works(lambda: self.ops.moe_decode(
             s.h, cache.slot_weights(0, 0), cache.slot_bytes, torch.arange(m.cfg.top_k, device=m.device),
             s.weights[0], torch.zeros(m.cfg.num_experts, dtype=torch.int32, device=m.device),
             torch.empty_like(s.out)), "grouped expert kernels")

@@ -35,9 +35,10 @@ import torch
 import torch.nn.functional as F
 
 from moeferry.engine.kernels.hqq_gpu import qlinear
+from moeferry.engine.kernels.mxfp4_gpu import mxfp4_linear
 from moeferry.engine.runtime.expert_cache import SERIALS
 from moeferry.engine.runtime.prefetch import Prefetcher
-from moeferry.engine.storage.mxfp4 import Mxfp4Matrix, dequantize as mxfp4_dequantize
+from moeferry.engine.storage.mxfp4 import Mxfp4Matrix
 
 ATTN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -497,8 +498,8 @@ class OffloadedMixtral:
         return torch.topk(probs, m or self.cfg.top_k, dim=-1).indices
 
     def linear(self, x: torch.Tensor, w) -> torch.Tensor:
-        if isinstance(w, Mxfp4Matrix):  # gpt_oss's experts as imported: no fused kernel yet
-            return F.linear(x, mxfp4_dequantize(w, x.dtype))
+        if isinstance(w, Mxfp4Matrix):  # gpt_oss's experts as imported
+            return mxfp4_linear(x, w, self.kernels)
         return qlinear(x, w, self.kernels)
 
 

@@ -1,7 +1,9 @@
 """moeferry.engine.measure.bench's synthetic model, the part that runs without a GPU."""
 
+import pytest
 import torch
 
+from moeferry.engine.errors import UserError
 from moeferry.engine.measure import bench
 from moeferry.engine.storage import quant, store
 
@@ -11,7 +13,7 @@ def test_a_random_expert_unpacks_to_mixtral_like_weights():
     for bits, spec in quant.EXPERT_SPECS.items():
         eq = {"bits": bits, "group_size": spec.group_size, "meta_group": spec.meta_group}
         fields, stride = store.expert_layout(cfg, eq)
-        buf = bench.random_expert(cfg, spec, fields, stride, "cpu", torch.Generator().manual_seed(bits))
+        buf = bench.random_expert(cfg, eq, fields, stride, "cpu", torch.Generator().manual_seed(bits))
         assert buf.shape == (stride,) and buf.dtype == torch.uint8
         views = bench.expert_views(cfg, fields, eq)(buf)
         for name in store.EXPERT_MATRICES:
@@ -19,6 +21,44 @@ def test_a_random_expert_unpacks_to_mixtral_like_weights():
             w = quant.dequantize(views[name], torch.float32)
             # HQQ on weights of std ~0.01 (Mixtral's are 0.01-0.02): zero-centred, similar spread
             assert 0.005 < float(w.std()) < 0.015 and abs(float(w.mean())) < 0.003, (bits, name)
+
+
+def test_gpt_oss_benches_mxfp4_experts_by_default():
+    """A tiny gpt-oss: its experts are MXFP4 (4.25 bits per weight, gpt-oss's spread), the
+    cache's slots are MXFP4 experts' size, the model decodes from them, and the report says so."""
+    from moeferry.engine.measure.bench_shapes import native_expert_format
+    from moeferry.engine.storage import mxfp4
+
+    assert native_expert_format("gpt-oss-20b") == "mxfp4" and native_expert_format("mixtral-8x7b") == "hqq"
+    tiny = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_heads": 4,
+            "num_kv_heads": 4, "head_dim": 16, "max_position_embeddings": 256}
+    s = bench.build(2, 2, 8, device="cpu", config=tiny, log=lambda m: None, model="gpt-oss-20b")
+    assert s.expert_format == "mxfp4" and s.expert_bits_per_weight() == 4.25
+    eq = {"bits": 4, "method": "mxfp4", "group_size": 32, "bias_dtype": "BF16"}
+    fields, stride = store.expert_layout(s.cfg, eq)
+    assert s.host.shape == (2, 32, stride) and s.fields == fields
+    views = bench.expert_views(s.cfg, s.fields, s.eq)(s.host[1, 5])
+    w1 = views["w1"]
+    assert isinstance(w1, mxfp4.Mxfp4Matrix) and (w1.rows, w1.cols) == (96, 64)
+    assert 0.005 < float(mxfp4.dequantize(w1).std()) < 0.06
+    model = s.model("lru", 8, 1, "reference")
+    assert model.cache.slot_bytes == stride and model.cache.slots.shape == (2, 8, stride)
+    r = bench.measure(s, None, 8, 6, ("lru",), ("reference",), 1, log=lambda m: None)
+    assert r["expert_format"] == "mxfp4" and r["expert_bits_per_weight"] == 4.25 and r["expert_bytes"] == stride
+    (result,) = r["results"]
+    assert result["decode_tokens_per_s"] > 0 and result["hit_rate"] == 1.0  # no budget: every expert cached
+    assert "MXFP4 experts, 4.25 bits/weight" in bench.markdown_table(r)
+    with pytest.raises(UserError):  # the CPU experts run HQQ only
+        bench.measure(s, None, 8, 6, ("hybrid",), ("reference",), 1, log=lambda m: None)
+
+
+def test_the_expert_format_is_explicit_on_the_command_line():
+    with pytest.raises(UserError, match="--expert-format hqq"):
+        bench.cli_bench(["--model", "gpt-oss-20b", "--expert-bits", "4"])
+    hqq = bench.build(1, 3, 8, device="cpu", log=lambda m: None, model="gpt-oss-20b", expert_format="hqq",
+                      config={"vocab_size": 128, "hidden_size": 64, "intermediate_size": 64, "num_heads": 4,
+                              "num_kv_heads": 4, "head_dim": 16, "max_position_embeddings": 256})
+    assert hqq.expert_format == "hqq" and hqq.eq["bits"] == 3 and 3.25 < hqq.expert_bits_per_weight() < 3.3  # + 16 bits per 64
 
 
 def test_a_replayed_trace_is_reported_with_its_own_statistics(tmp_path):
