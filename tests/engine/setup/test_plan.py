@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from moeferry.engine.errors import UserError
 from moeferry.engine.setup import plan as P
 from moeferry.engine.setup.plan import MIXTRAL_8X7B_CONFIG, GiB, ModelSizes, make_plan
 
@@ -244,11 +245,18 @@ def write_header(path: Path, entries: dict) -> None:
     path.write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(offset))
 
 
+def store_manifest(quantization: dict, **sections) -> dict:
+    """A manifest the loader accepts (its file list is not checked against files here)."""
+    listed = {f: {"size": 0, "sha256": "0" * 64}
+              for f in ("config.json", "dense.safetensors", "experts.safetensors", "tokenizer.json")}
+    return {"format": "moeferry-store", "version": 1, "files": listed, "quantization": quantization,
+            "experts": {}, **sections}
+
+
 def test_sizes_from_a_store(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(MIXTRAL_8X7B_CONFIG))
-    manifest = {"format": "moeferry-store", "quantization": {"experts": {"bits": 2, "group_size": 16},
-                                                           "attention": {"bits": 4}},
-                "experts": {"stride": 66_749_000}}
+    manifest = store_manifest({"experts": {"bits": 2, "group_size": 16}, "attention": {"bits": 4}},
+                              experts={"stride": 66_749_000})
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     # quantized fields count as stored; other tensors in bfloat16, as the engine moves them
     write_header(tmp_path / "dense.safetensors", {
@@ -257,6 +265,10 @@ def test_sizes_from_a_store(tmp_path):
         "model.norm.weight": ("F32", (32,), 4), "model.layers.0.self_attn.sinks": ("BF16", (8,), 2)})
     m = ModelSizes.from_store(tmp_path)
     assert (m.expert_bytes, m.dense_bytes, m.expert_bits, m.attn_bits) == (66_749_000, 64 * 32 + 16 + 64 + 16, 2, 4)
+    # the manifest is read as the loader reads it: one it refuses is refused here too
+    (tmp_path / "manifest.json").write_text(json.dumps({**manifest, "version": 99}))
+    with pytest.raises(UserError, match="format version 99"):
+        ModelSizes.from_store(tmp_path)
 
 
 def test_defaults_reproduce_the_published_measurements():
@@ -339,8 +351,8 @@ def test_demo_entry_sizes_come_from_its_store(tmp_path, monkeypatch):
     cfg = dict(MIXTRAL_8X7B_CONFIG, num_hidden_layers=2, hidden_size=64, intermediate_size=128,
                vocab_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    (tmp_path / "manifest.json").write_text(json.dumps({"quantization": {"experts": {"bits": 4},
-                                                                          "attention": {"bits": 16}}}))
+    (tmp_path / "manifest.json").write_text(json.dumps(store_manifest({"experts": {"bits": 4},
+                                                                       "attention": {"bits": 16}})))
     write_header(tmp_path / "dense.safetensors", {"model.embed_tokens.weight": ("BF16", (256, 64), 2)})
     monkeypatch.setattr(P, "demo_store_path", lambda: tmp_path)
     m = ModelSizes.from_catalog(demo)
