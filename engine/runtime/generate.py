@@ -455,9 +455,7 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad folder
         raise UserError(f"Cannot load the tokenizer from {st.path} ({type(e).__name__}); "
                         f"run `moeferry verify {st.path}`.") from None
-    if dev.type == "cpu" and cfg.hidden_size * cfg.intermediate_size < (1 << 22) and not cpu_threads:
-        # Small matrices (the demo) gain nothing from threads, and OpenMP's spinning threads
-        # collapse when another process holds a core: measured 1.4 vs 130 tokens/s on 2 cores.
+    if dev.type == "cpu" and vram.cpu_one_thread(cfg.hidden_size * cfg.intermediate_size) and not cpu_threads:
         torch.set_num_threads(1)
     dense, dense_b = move_dense(store_mod.read_dense(st), dev, dtype)
     sizing = device_bytes(cfg, dense_b, st.expert_bytes, context, dtype, dev, kernels)

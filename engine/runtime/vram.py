@@ -75,6 +75,17 @@ class DeviceBytes:
 
 # The CPU engine's expert cache: as many experts per layer as fit in this many packed bytes
 # (the cached ones are kept dequantized; all of them for the demo model).
+# Below this many weights per expert matrix (the demo), the CPU engine runs on one thread: small
+# matrices gain nothing from threads, and OpenMP's spinning threads collapse when another
+# process holds a core (measured 1.4 vs 130 tokens/s on 2 cores). The planner predicts with it.
+CPU_ONE_THREAD_MATRIX_PARAMS = 1 << 22
+
+
+def cpu_one_thread(matrix_params: int) -> bool:
+    """True when the CPU engine runs a model whose expert matrices have this many weights on one thread."""
+    return matrix_params < CPU_ONE_THREAD_MATRIX_PARAMS
+
+
 CPU_EXPERT_CACHE_BYTES = 4 * GiB
 
 

@@ -40,7 +40,7 @@ def probe(measure_bandwidth: bool = True) -> dict:
     if measure_bandwidth:
         hw.update(_measure_cpu())
     else:
-        hw.update(cpu_matvec_params_per_s=None, cpu_matmul_flops=None)
+        hw.update(cpu_matvec_params_per_s=None, cpu_matmul_flops=None, cpu_small_matvec_params_per_s=None)
     hw["h2d_gb_per_s"] = round(hw["h2d_bytes_per_s"] / 1e9, 2) if hw.get("h2d_bytes_per_s") else None
     return hw
 
@@ -289,7 +289,7 @@ def _measure_cpu() -> dict:
     try:
         import torch
     except ImportError:
-        return {"cpu_matvec_params_per_s": None, "cpu_matmul_flops": None}
+        return {"cpu_matvec_params_per_s": None, "cpu_matmul_flops": None, "cpu_small_matvec_params_per_s": None}
     w = torch.randn(4096, 4096)
     x = torch.randn(4096)
     a = torch.randn(512, 512)
@@ -303,7 +303,28 @@ def _measure_cpu() -> dict:
         t = time.perf_counter()
         a @ a
         mm.append(2 * 512**3 / (time.perf_counter() - t))
-    return {"cpu_matvec_params_per_s": _median(mv), "cpu_matmul_flops": max(mm)}
+    return {"cpu_matvec_params_per_s": _median(mv), "cpu_matmul_flops": max(mm),
+            "cpu_small_matvec_params_per_s": _small_matvec_rate(torch)}
+
+
+def _small_matvec_rate(torch) -> float:
+    """fp32 weights/s of one thread over many small matrices read from RAM (64 MB of 384x256, the
+    demo's expert size), as the engine runs a small model: below the big matvec's rate, as each
+    short matrix restarts the memory prefetch."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ws = [torch.randn(384, 256) for _ in range(170)]
+        x = torch.randn(1, 256)
+        rates = []
+        for _ in range(4):
+            t = time.perf_counter()
+            for w in ws:
+                torch.nn.functional.linear(x, w)
+            rates.append(len(ws) * ws[0].numel() / (time.perf_counter() - t))
+        return _median(rates[1:])
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------------------------------------

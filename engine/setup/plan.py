@@ -364,6 +364,8 @@ def predict_cpu(hw: dict, m: ModelSizes, coeffs: Coefficients = DEFAULT,
     misses the CPU's expert cache is dequantized first (cpu_kernel_factor per weight)."""
     cores = hw.get("cpu_cores_physical") or hw.get("cpu_cores_logical") or 2
     rate = hw.get("cpu_matvec_params_per_s") or 0.5e9 * cores  # fp32 weights per second
+    if vram.cpu_one_thread(m.expert_params // 3) and hw.get("cpu_small_matvec_params_per_s"):
+        rate = hw["cpu_small_matvec_params_per_s"]  # one thread over small matrices, as the engine runs it
     flops = hw.get("cpu_matmul_flops") or 15e9 * cores
     h = hit_rate(cpu_cache_experts(m), m.num_experts, coeffs)
     misses = m.num_layers * m.top_k * (1.0 - h)

@@ -87,6 +87,7 @@ def test_probe_on_this_machine_is_json_and_honest():
 def test_cpu_measurement_is_quick_and_positive():
     out = hardware._measure_cpu()
     assert out["cpu_matvec_params_per_s"] > 1e7 and out["cpu_matmul_flops"] > 1e8
+    assert 1e6 < out["cpu_small_matvec_params_per_s"]
 
 
 def test_no_pynvml_library(monkeypatch):

@@ -343,6 +343,19 @@ def test_fit_coefficients_refits_the_published_runs():
                                       rel=0.05)
 
 
+def test_a_small_model_on_the_cpu_is_priced_at_the_small_matrices_rate():
+    """The engine runs a model of small matrices (the demo) on one thread, where each short
+    matrix is read from RAM slower than one big one: the probe's small-matrix rate prices it;
+    Mixtral keeps the multi-threaded big-matrix rate."""
+    small = ModelSizes.from_config(dict(MIXTRAL_8X7B_CONFIG, hidden_size=256, intermediate_size=384, num_hidden_layers=8,
+                                        num_attention_heads=4, num_key_value_heads=1, head_dim=64, vocab_size=8192),
+                                   4, 4)
+    big = ModelSizes.from_config(MIXTRAL_8X7B_CONFIG, 2, 4)
+    slow_small = dict(CPU_ONLY, cpu_small_matvec_params_per_s=0.25e9)
+    assert P.predict_cpu(slow_small, small)["tokens_per_s"] < 0.6 * P.predict_cpu(CPU_ONLY, small)["tokens_per_s"]
+    assert P.predict_cpu(slow_small, big)["tokens_per_s"] == P.predict_cpu(CPU_ONLY, big)["tokens_per_s"]
+
+
 def test_demo_entry_sizes_come_from_its_store(tmp_path, monkeypatch):
     demo = {"id": "demo", "kind": "embedded", "name": "Demo"}
     monkeypatch.setattr(P, "demo_store_path", lambda: None)
