@@ -35,9 +35,12 @@ SHAPES = {"w1": (14336, 4096), "w2": (4096, 14336)}
 def load_old(rev: str, where: Path):
     """The kernel module of an older revision; one from before the moeferry.* layout (engine/hqq_cpu.py)
     gets its quant import rewritten to today's."""
-    show = lambda path: subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True)  # noqa: E731
-    got = show("engine/kernels/hqq_cpu.py")
-    src = got.stdout if got.returncode == 0 else show("engine/hqq_cpu.py").stdout
+    if Path(rev).is_file():  # a kernel file itself (a machine without the git history)
+        src = Path(rev).read_text()
+    else:
+        show = lambda path: subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True)  # noqa: E731
+        got = show("engine/kernels/hqq_cpu.py")
+        src = got.stdout if got.returncode == 0 else show("engine/hqq_cpu.py").stdout
     src = src.replace("from engine.quant import", "from moeferry.engine.storage.quant import")
     path = where / "hqq_cpu_old.py"
     path.write_text(src)
@@ -56,7 +59,7 @@ def first_call_s(mod, m, x) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--old", default="HEAD")
+    ap.add_argument("--old", default="HEAD", help="a git revision, or the path of an older hqq_cpu.py")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--bits", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 3])
