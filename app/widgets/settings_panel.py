@@ -77,6 +77,7 @@ class SettingsPanel(QScrollArea):
 
         self.speed = speed = QGroupBox("Speed")
         form = QFormLayout(speed)
+        form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)  # a narrow side panel: fields under labels
         self.prefetch = QSpinBox()
         self.prefetch.setRange(0, 4)
         self.prefetch.setToolTip("How many layers ahead experts are guessed and copied early (0 = off)")
@@ -94,6 +95,9 @@ class SettingsPanel(QScrollArea):
         self.cpu_experts = QComboBox()
         for label, value in CPU_EXPERT_CHOICES:
             self.cpu_experts.addItem(label, value)
+        # its longest choice would otherwise set the panel's width: the side dock then scrolls sideways
+        self.cpu_experts.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.cpu_experts.setMinimumContentsLength(12)
         self.cpu_experts.setToolTip("Whether experts that are not on the GPU are computed by the processor "
                                     "instead of being copied to the GPU; changing it reloads the model")
         form.addRow("Prefetch depth", self.prefetch)

@@ -285,3 +285,22 @@ def test_run_gui_explains_an_unwritable_data_folder(qapp, monkeypatch):
     monkeypatch.setattr(QMessageBox, "critical", lambda parent, title, text: shown.append(text))
     assert app_main.run_gui(["moeferry"]) == 1
     assert shown and "/nope/moeferry" in shown[0] and "MOEFERRY_DATA_DIR" in shown[0]
+
+
+def test_the_settings_panel_fits_the_side_panel_without_scrolling_sideways(ready, qtbot):
+    """In a side panel of its preferred width every group of the settings (the longest combo box
+    choices included) fits: nothing is cut off behind a horizontal scroll bar."""
+    from PySide6.QtWidgets import QTabWidget
+
+    from moeferry.app.main_window import SIDE_W
+    from moeferry.app.widgets.settings_panel import SettingsPanel
+
+    side, panel = QTabWidget(), SettingsPanel()
+    qtbot.addWidget(side)
+    panel.load(ready.settings)
+    side.addTab(panel, "Settings")
+    side.resize(SIDE_W, 800)
+    side.show()
+    qtbot.waitUntil(lambda: panel.viewport().width() > 200)
+    assert panel.horizontalScrollBar().maximum() == 0, (panel.widget().minimumSizeHint().width(),
+                                                        panel.viewport().width())
