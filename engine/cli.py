@@ -120,7 +120,7 @@ def add_generate_parser(sub) -> None:
                    help="compute missed experts on the CPU too: off, all of them, or auto (a cost model)")
     s.add_argument("--cpu-format", choices=("hqq", "int4", "int8", "dense"),
                    help="how the CPU runs experts: hqq (default for 2-4 bit stores: the stored bytes in "
-                        "place, about 2 %% more RAM) or a CPU copy in int4 (default for 16-bit stores), int8, dense")
+                        "place, no extra RAM) or a CPU copy in int4 (default for 16-bit stores), int8, dense")
     s.add_argument("--cpu-threads", type=int, help="threads of the CPU experts (default: torch's)")
     s.add_argument("--ram-budget", help="RAM for the CPU copies, e.g. 24GiB (default: what is available)")
     s.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, stats")

@@ -2,10 +2,10 @@
 
 No compiler is needed on the user's machine. The default, "hqq", is not a copy at all: the
 kernel of engine/kernels/hqq_cpu.py (numba) reads an HQQ expert (2, 3 or 4 bits) in the host memory
-the GPU cache copies it from, so every expert can run on the CPU for about 2 % more RAM (its metadata in float32). The other
-formats are copies in their own layout for torch's prebuilt CPU ops (AVX2 / AVX-512), derived
+the GPU cache copies it from, metadata included, so every expert can run on the CPU at no RAM
+cost. The other formats are copies in their own layout for torch's prebuilt CPU ops (AVX2 / AVX-512), derived
 from the dequantized expert (the store's HQQ layout groups along OUTPUT rows, these kernels
-group along the INPUT dimension): for 16-bit stores, or where numba is missing. One
+group along the INPUT dimension): for 16-bit stores, or where numba or AVX2 is missing. One
 CpuMatrix W [N, K] (N outputs, K inputs) is one of:
 
   "int4"  torch.ops.aten._weight_int4pack_mm_for_cpu: codes q in [0, 16), groups of g input
