@@ -2,6 +2,7 @@
 
     python3 benchmarks/hybrid_suite.py OUT.json 2     # 2-bit GPU experts
     python3 benchmarks/hybrid_suite.py OUT.json 4     # 4-bit GPU experts
+    python3 benchmarks/hybrid_suite.py OUT.json 2g32  # 2-bit in groups of 32 (2.5 bits/weight)
     python3 benchmarks/hybrid_suite.py OUT.json 2 hybrid-12GiB    # only the runs named
 
 Uniform routing (the headline), fused kernels, P=128, T=64. Each budget runs lru, full (cache +
@@ -36,14 +37,22 @@ RUNS = {
     4: [("hybrid-12GiB-4bit", "12GiB", LADDER, bench.Conditions(), None),
         ("hybrid-12GiB-4bit-prefetch0", "12GiB", ("hybrid",), bench.Conditions(), None, 0),
         ("hybrid-12GiB-4bit-25GBps-8threads", "12GiB", LADDER, bench.Conditions(h2d_gbps=25.0), 8)],
+    # 2-bit in groups of 32 rows: 2.5 bits per weight (Q2_K: 2.6), so a budget caches more experts
+    "2g32": [("hybrid-12GiB-g32", "12GiB", LADDER, bench.Conditions(), None),
+             ("hybrid-12GiB-g32-prefetch0", "12GiB", ("hybrid",), bench.Conditions(), None, 0),
+             ("hybrid-12GiB-g32-25GBps-8threads", "12GiB", LADDER, bench.Conditions(h2d_gbps=25.0), 8),
+             ("none-g32", "none", ("lru",), bench.Conditions(), None)],
 }
 
 
-def main(out: str, bits: int, only: list[str]) -> int:
-    reports = run_all(bits, [r for r in RUNS[bits] if not only or r[0] in only])
+def main(out: str, width: str, only: list[str]) -> int:
+    """width: "2", "4", or "2g32" (bits, then the group size where it is not the default)."""
+    bits, _, group = width.partition("g")
+    runs = RUNS[width if group else int(bits)]
+    reports = run_all(int(bits), [r for r in runs if not only or r[0] in only], int(group) if group else None)
     Path(out).write_text(json.dumps(reports, indent=1))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], int(sys.argv[2]), sys.argv[3:]))
+    sys.exit(main(sys.argv[1], sys.argv[2], sys.argv[3:]))

@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bits per expert weight (16 keeps the source precision)")
     s.add_argument("--attn-bits", type=int, choices=(4, 8, 16),
                    help="bits per attention weight (16 keeps the source precision)")
+    s.add_argument("--expert-group-size", type=int,
+                   help="rows sharing one scale and zero (default 16 at 2 bits, 64 at 3 and 4; 32 at 2 bits "
+                        "takes 2.5 bits per weight instead of 3.0: more experts fit the GPU, a little less accurate)")
     s.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="where to quantize (default: the GPU if there is one)")
     s.add_argument("--tokenizer", help="folder (or cached repo) to take the tokenizer files from")
@@ -188,6 +191,9 @@ def cmd_convert(args) -> int:
     from moeferry.engine.storage.convert import convert_checkpoint, detect_format
     kind = detect_format(args.src)
     if kind == "paper":
+        if args.expert_group_size is not None:
+            raise UserError("--expert-group-size applies to Hugging Face checkpoints; the paper's format "
+                            "keeps its own groups.")
         from moeferry.engine.storage.paper_format import import_paper_checkpoint
         dest = import_paper_checkpoint(args.src, args.dest, expert_bits=args.expert_bits,
                                        attn_bits=args.attn_bits, tokenizer=args.tokenizer,
@@ -197,7 +203,8 @@ def cmd_convert(args) -> int:
             raise UserError("convert needs --expert-bits {2,3,4,16} and --attn-bits {4,8,16} "
                             "(16 keeps the source precision).")
         dest = convert_checkpoint(args.src, args.dest, args.expert_bits, args.attn_bits, args.device,
-                                  tokenizer=args.tokenizer, progress=ProgressLine())
+                                  tokenizer=args.tokenizer, progress=ProgressLine(),
+                                  expert_group_size=args.expert_group_size)
     print(f"Wrote and verified the store {dest}.", file=sys.stderr)
     return 0
 

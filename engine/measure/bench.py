@@ -88,12 +88,13 @@ def random_mxfp4(rows: int, cols: int, device, gen, exponents: tuple[int, int] =
     return mxfp4.Mxfp4Matrix(rows, cols, blocks, scales)
 
 
-def expert_quantization(expert_format: str, expert_bits: int) -> dict:
-    """The store manifest's expert quantization of a format (MXFP4 as convert.py imports it)."""
+def expert_quantization(expert_format: str, expert_bits: int, group_size: int | None = None) -> dict:
+    """The store manifest's expert quantization of a format (MXFP4 as convert.py imports it);
+    group_size: HQQ's rows per scale and zero (None = quant.EXPERT_SPECS's)."""
     if expert_format == "mxfp4":
         return {"bits": 4, "method": "mxfp4", "group_size": mxfp4.BLOCK}
     es = quant.EXPERT_SPECS[expert_bits]
-    return {"bits": expert_bits, "group_size": es.group_size, "meta_group": es.meta_group}
+    return {"bits": expert_bits, "group_size": group_size or es.group_size, "meta_group": es.meta_group}
 
 
 def random_matrix(rows: int, cols: int, eq: dict, device, gen):
@@ -104,11 +105,11 @@ def random_matrix(rows: int, cols: int, eq: dict, device, gen):
 
 
 def synthetic_model(cfg: ModelConfig, expert_bits: int, attn_bits: int, device, seed: int = 0,
-                    dtype=torch.bfloat16, expert_format: str = "hqq"):
+                    dtype=torch.bfloat16, expert_format: str = "hqq", group_size: int | None = None):
     """(dense weights on device, host experts uint8 [L, E, stride] (pinned on CUDA), expert fields, quantization)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     as_ = quant.ATTN_SPECS[attn_bits]
-    eq = expert_quantization(expert_format, expert_bits)
+    eq = expert_quantization(expert_format, expert_bits, group_size)
     dense = {"model.embed_tokens.weight": torch.randn(cfg.vocab_size, cfg.hidden_size, device=device,
                                                       dtype=dtype, generator=gen) * 0.02,
              "model.norm.weight": torch.ones(cfg.hidden_size, device=device, dtype=dtype),
@@ -336,10 +337,11 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
 
 def build(layers: int | None = 32, expert_bits: int = 2, attn_bits: int = 4, seed: int = 0, log=print,
           device=None, config: dict | None = None, model: str = "mixtral-8x7b",
-          expert_format: str | None = None) -> Synthetic:
+          expert_format: str | None = None, group_size: int | None = None) -> Synthetic:
     """The synthetic model. device None = the CUDA GPU (the command's case); a CPU device with a
     small `config` (ModelConfig fields over the shape's) is for tests. expert_format: "hqq" (at
-    expert_bits) or "mxfp4" (expert_bits unused); None = the model's own (native_expert_format)."""
+    expert_bits, in groups of group_size rows; None = quant.EXPERT_SPECS's) or "mxfp4"
+    (expert_bits unused); None = the model's own (native_expert_format)."""
     expert_format = expert_format or native_expert_format(model)
     if expert_format not in EXPERT_FORMATS:
         raise UserError(f"Unknown expert format {expert_format!r}; choose one of {', '.join(EXPERT_FORMATS)}.")
@@ -354,11 +356,17 @@ def build(layers: int | None = 32, expert_bits: int = 2, attn_bits: int = 4, see
         expert_bits = 4
         if cfg.hidden_size % mxfp4.BLOCK or cfg.intermediate_size % mxfp4.BLOCK:
             raise UserError(f"MXFP4 experts need hidden and intermediate sizes that are multiples of {mxfp4.BLOCK}.")
+    if group_size is not None and (expert_format == "mxfp4" or group_size < 8 or group_size & (group_size - 1)
+                                   or any(r % group_size for r in (cfg.intermediate_size, cfg.hidden_size))):
+        raise UserError(f"--expert-group-size must be a power of two from 8 that divides the expert's rows "
+                        f"({cfg.intermediate_size} and {cfg.hidden_size}), for HQQ experts; {group_size} is not.")
     label = "MXFP4" if expert_format == "mxfp4" else f"{expert_bits}-bit HQQ"
+    if group_size is not None:
+        label += f" (groups of {group_size})"
     log(f"building a synthetic {model} ({cfg.num_layers} layers, {label} experts, {attn_bits}-bit attention)")
     t = time.perf_counter()
     dense, dense_bytes, host, fields, eq = synthetic_model(cfg, expert_bits, attn_bits, device, seed, dtype,
-                                                           expert_format)
+                                                           expert_format, group_size)
     if device.type == "cpu":
         dense = {n: compute_ready(w, dtype) for n, w in dense.items()}
     log(f"  built in {time.perf_counter() - t:.1f} s; one expert = {host.shape[2] / 1e6:.1f} MB, "
@@ -462,7 +470,7 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
         "date": time.strftime("%Y-%m-%d"), "model": s.shape,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "layers": cfg.num_layers, "vram_budget": vram_budget, "vram_budget_bytes": budget,
-        "expert_format": s.expert_format, "expert_bits": s.expert_bits,
+        "expert_format": s.expert_format, "expert_bits": s.expert_bits, "expert_group_size": s.eq["group_size"],
         "expert_bits_per_weight": s.expert_bits_per_weight(), "attn_bits": s.attn_bits, "prompt_len": prompt_len,
         "new_tokens": new_tokens, "expert_bytes": stride, "resident_bytes": s.dense_bytes,
         "pinned_gb_per_s": bw / 1e9, "cache_experts": k,
@@ -533,6 +541,8 @@ def expert_words(report: dict) -> str:
         name = "MXFP4 experts"
     else:
         name = f"{report['expert_bits']}-bit HQQ experts"
+        if report.get("expert_group_size"):
+            name += f" in groups of {report['expert_group_size']}"
     bpw = report.get("expert_bits_per_weight")
     return name if bpw is None else f"{name}, {bpw:.2f} bits/weight"
 
@@ -569,6 +579,9 @@ def cli_bench(argv: list[str]) -> int:
                    help="the experts' format: mxfp4 (gpt-oss's own, 4.25 bits/weight) or hqq (at --expert-bits); "
                         "default: the model's own (mxfp4 for gpt-oss-20b, hqq for the others)")
     p.add_argument("--expert-bits", type=int, choices=(2, 3, 4), help="bits per HQQ expert weight (default 2)")
+    p.add_argument("--expert-group-size", type=int,
+                   help="rows sharing one HQQ scale and zero (default 16 at 2 bits, 64 at 3 and 4); "
+                        "32 at 2 bits takes 2.5 bits per weight, near llama.cpp's Q2_K (2.6)")
     p.add_argument("--attn-bits", type=int, default=4, choices=(4, 8), help="bits per attention weight")
     p.add_argument("--prompt-len", default="128", help="one or several, comma-separated")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per measurement")
@@ -609,7 +622,8 @@ def cli_bench(argv: list[str]) -> int:
     if a.cpu_threads:
         torch.set_num_threads(a.cpu_threads)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    s = build(a.layers, expert_bits, a.attn_bits, log=log, model=a.model, expert_format=expert_format)
+    s = build(a.layers, expert_bits, a.attn_bits, log=log, model=a.model, expert_format=expert_format,
+              group_size=a.expert_group_size)
     reports = []
     for budget in a.vram_budget.split(","):  # one set of weights, several budgets: one build
         for plen in (int(x) for x in str(a.prompt_len).split(",")):
@@ -620,6 +634,7 @@ def cli_bench(argv: list[str]) -> int:
                 Path(a.json_dir).mkdir(parents=True, exist_ok=True)
                 stem = "bench" if a.model == "mixtral-8x7b" else f"bench-{a.model}"
                 experts = "mxfp4" if expert_format == "mxfp4" else f"{expert_bits}bit"
+                experts += f"-g{a.expert_group_size}" if a.expert_group_size else ""
                 name = f"{stem}-{experts}-{budget}-p{plen}-{cond.routing.split(':')[0]}.json"
                 (Path(a.json_dir) / name).write_text(json.dumps(r, indent=1))
     if a.json:

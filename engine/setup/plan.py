@@ -378,7 +378,7 @@ def predict_cpu(hw: dict, m: ModelSizes, coeffs: Coefficients = DEFAULT,
 
 CPU_INT4_BITS = 4.25  # the CPU copies of 16-bit stores: int4 in groups of 128, bfloat16 scale + zero
 CPU_INT4_OF_RAM = 0.9  # the int4 kernel's share of RAM read speed (issue 16: 68-78 of 80-83 GB/s)
-HQQ_CPU_OF_RAM = 0.3  # the in-place HQQ kernel's (quantized stores; docs/BENCHMARKS.md: 0.24-0.34)
+HQQ_CPU_OF_RAM = 0.35  # the in-place HQQ kernel's, 2 bits (docs/BENCHMARKS.md, 2026-12-02 Xeon: 0.37 on 16 threads, 0.30 on 8)
 
 
 def predict_hybrid(hw: dict, m: ModelSizes, k: int, coeffs: Coefficients = DEFAULT,

@@ -344,17 +344,26 @@ def check_present(refs: dict, names: list[str]) -> None:
                         f"it is incomplete or not the model its config.json names.")
 
 
-def quantization_of(bits: int, specs: dict, source_dtype: str, allowed, rows: list[int]) -> dict:
+def quantization_of(bits: int, specs: dict, source_dtype: str, allowed, rows: list[int],
+                    group_size: int | None = None) -> dict:
     """The quantization of one kind of matrix (experts or attention) as the manifest records it.
 
     Small models whose row counts the default group size does not divide get the largest
-    power-of-two group that divides them all (Mixtral-8x7B keeps the defaults).
+    power-of-two group that divides them all (Mixtral-8x7B keeps the defaults). group_size,
+    where given, is taken as it is or refused.
     """
     if bits not in allowed:
         raise UserError(f"{bits}-bit is not offered here; choose one of {', '.join(map(str, allowed))}.")
     if bits == 16:
+        if group_size is not None:
+            raise UserError("--expert-group-size is for quantized experts; 16-bit experts have no groups.")
         return {"bits": 16, "dtype": source_dtype}
     s = specs[bits]
+    if group_size is not None:
+        if group_size < 8 or group_size & (group_size - 1) or any(r % group_size for r in rows):
+            raise UserError(f"--expert-group-size must be a power of two from 8 that divides every expert "
+                            f"matrix's rows ({', '.join(map(str, sorted(set(rows))))}); {group_size} does not.")
+        return {"bits": bits, "group_size": group_size, "meta_group": s.meta_group, "method": "hqq"}
     g = s.group_size
     while g > 8 and any(r % g for r in rows):
         g //= 2
@@ -380,8 +389,9 @@ def copy_tokenizer(src: Path, tok_dir: Path | None, dest: Path) -> None:
 
 def convert_checkpoint(src, dest, expert_bits: int, attn_bits: int, device: str = "auto",
                        tokenizer: str | Path | None = None, progress=None,
-                       cancel: threading.Event | None = None) -> Path:
-    """Convert and install atomically; returns dest. progress(fraction, message)."""
+                       cancel: threading.Event | None = None, expert_group_size: int | None = None) -> Path:
+    """Convert and install atomically; returns dest. progress(fraction, message).
+    expert_group_size: HQQ rows per scale and zero of the experts (None = quant.EXPERT_SPECS's)."""
     src, dest = Path(src).expanduser(), Path(dest).expanduser()
     hf = read_hf_config(src)
     cfg = ModelConfig.from_hf(hf)
@@ -395,7 +405,8 @@ def convert_checkpoint(src, dest, expert_bits: int, attn_bits: int, device: str 
         eq = {"bits": 4, "method": "mxfp4", "group_size": mxfp4.BLOCK}
     else:
         eq = quantization_of(expert_bits, quant.EXPERT_SPECS, "BF16" if src_dtype == "mxfp4" else src_dtype,
-                             (2, 3, 4, 16), [store.expert_shape(cfg, m)[0] for m in store.EXPERT_MATRICES])
+                             (2, 3, 4, 16), [store.expert_shape(cfg, m)[0] for m in store.EXPERT_MATRICES],
+                             expert_group_size)
     if bias_dtype is not None:
         eq["bias_dtype"] = bias_dtype
     aq = quantization_of(attn_bits, quant.ATTN_SPECS, refs["model.layers.0.self_attn.q_proj.weight"].entry["dtype"],

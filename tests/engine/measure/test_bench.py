@@ -61,6 +61,25 @@ def test_the_expert_format_is_explicit_on_the_command_line():
     assert hqq.expert_format == "hqq" and hqq.eq["bits"] == 3 and 3.25 < hqq.expert_bits_per_weight() < 3.3  # + 16 bits per 64
 
 
+def test_a_group_size_of_32_takes_fewer_bits_and_still_decodes():
+    """--expert-group-size 32 at 2 bits: 2.5 bits per weight (16 bits of scale and zero per 32
+    rows) against the default's 3.0, a smaller cache slot, the report names the groups, and the
+    model decodes from them."""
+    tiny = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4,
+            "num_kv_heads": 4, "head_dim": 16, "max_position_embeddings": 256}
+    g16 = bench.build(1, 2, 8, device="cpu", config=tiny, log=lambda m: None)
+    g32 = bench.build(1, 2, 8, device="cpu", config=tiny, log=lambda m: None, group_size=32)
+    assert g16.eq["group_size"] == 16 and g32.eq["group_size"] == 32
+    assert 2.95 < g16.expert_bits_per_weight() < 3.1 and 2.45 < g32.expert_bits_per_weight() < 2.6
+    assert g32.host.shape[2] < g16.host.shape[2]
+    r = bench.measure(g32, None, 8, 6, ("lru", "hybrid"), ("reference",), 1, log=lambda m: None)
+    assert r["expert_group_size"] == 32 and "2-bit HQQ experts in groups of 32" in bench.markdown_table(r)
+    assert all(res["decode_tokens_per_s"] > 0 for res in r["results"])
+    for bad in (24, 256):  # not a power of two; does not divide the hidden size 64
+        with pytest.raises(UserError, match="--expert-group-size"):
+            bench.build(1, 2, 8, device="cpu", config=tiny, log=lambda m: None, group_size=bad)
+
+
 def test_a_replayed_trace_is_reported_with_its_own_statistics(tmp_path):
     """measure() on the CPU with the shipped demo trace (8 layers onto 3: mapped by
     moeferry.engine.measure.routing.map_trace's rule, layer l of the target from layer l mod 8), the report

@@ -191,3 +191,29 @@ def test_a_verify_hashes_each_file_once_and_a_load_parses_the_config_once(monkey
         parsed.clear(), hashed.clear()
         opened()
         assert parsed["config.json"] == 1 and not hashed
+
+
+def test_convert_takes_an_expert_group_size_or_refuses_it_in_one_sentence(tiny_checkpoint, tmp_path):
+    """--expert-group-size 32 at 2 bits: the manifest records it, the experts file shrinks against
+    the default groups of 16, and the store generates; a size that does not divide the rows, or
+    one for 16-bit experts, gets one sentence and writes nothing."""
+    from moeferry.engine.storage.manifest import read_manifest
+
+    dest = tmp_path / "g32"
+    r = run_cli("convert", str(tiny_checkpoint[0]), str(dest), "--expert-bits", "2", "--attn-bits", "4",
+                "--device", "cpu", "--expert-group-size", "32")
+    assert r.returncode == 0, r.stderr
+    eq = read_manifest(dest)[1]["quantization"]["experts"]
+    assert eq["bits"] == 2 and eq["group_size"] == 32
+    g16 = tmp_path / "g16"
+    convert_checkpoint(tiny_checkpoint[0], g16, 2, 4, "cpu")
+    assert (dest / "experts.safetensors").stat().st_size < (g16 / "experts.safetensors").stat().st_size
+    out = run_cli("generate", str(dest), "--prompt", "hi", "--max-new-tokens", "3", "--temperature", "0", "--json")
+    assert out.returncode == 0, out.stderr
+    for bits, size, expected in (("2", "48", "power of two"), ("2", "256", "divides every expert"),
+                                 ("16", "32", "16-bit experts have no groups")):
+        bad = tmp_path / f"bad{bits}-{size}"
+        r = run_cli("convert", str(tiny_checkpoint[0]), str(bad), "--expert-bits", bits, "--attn-bits", "16",
+                    "--device", "cpu", "--expert-group-size", size)
+        assert r.returncode == 2 and expected in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
+        assert not bad.exists()
