@@ -20,7 +20,7 @@ class LoadOptions:
     cache_experts: int | None = None   # None: from the VRAM budget
     vram_budget: int | None = None     # bytes; None: the engine decides
     prefetch: int = 1
-    cpu_experts: str = "off"           # off | auto | all (engine/runtime/cpu_experts.py)
+    cpu_experts: str = "off"           # off | auto | all (engine/runtime/cpu_experts.py), on a GPU
 
 
 @dataclass
@@ -29,10 +29,13 @@ class EngineBackend:
 
 
 def real_load(opts: LoadOptions, progress: Progress) -> EngineProtocol:
-    from moeferry.engine.runtime.generate import load_engine
+    from moeferry.engine.runtime.generate import load_engine, resolve_device
 
+    # Without a GPU the settings hide this choice: the engine's default runs a model too big for
+    # the CPU's expert cache on the CPU kernels (generate.default_cpu_experts).
+    cpu_experts = None if resolve_device(opts.device).type == "cpu" else opts.cpu_experts
     return load_engine(opts.store, device=opts.device, cache_experts=opts.cache_experts,
-                       vram_budget=opts.vram_budget, prefetch=opts.prefetch, cpu_experts=opts.cpu_experts,
+                       vram_budget=opts.vram_budget, prefetch=opts.prefetch, cpu_experts=cpu_experts,
                        progress=progress)
 
 

@@ -119,8 +119,9 @@ def add_generate_parser(sub) -> None:
     s.add_argument("--prefetch", type=int, default=1, help="layers ahead to guess and copy experts (0 = off)")
     s.add_argument("--kernels", default="auto", choices=("auto", "reference", "fused"),
                    help="fused = the Triton GPU kernels; reference = dequantize then matmul")
-    s.add_argument("--cpu-experts", default="off", choices=("auto", "off", "all"),
-                   help="compute missed experts on the CPU too: off, all of them, or auto (a cost model)")
+    s.add_argument("--cpu-experts", choices=("auto", "off", "all"),
+                   help="compute missed experts on the CPU too: off, all of them, or auto (a cost model); "
+                        "default: off on a GPU; on a CPU, all unless every expert fits the CPU's 4 GiB expert cache")
     s.add_argument("--cpu-format", choices=("hqq", "int4", "int8", "dense"),
                    help="how the CPU runs experts: hqq (default for 2-4 bit stores: the stored bytes in "
                         "place, no extra RAM) or a CPU copy in int4 (default for 16-bit stores), int8, dense")

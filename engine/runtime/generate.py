@@ -419,7 +419,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = None,
                 cache_experts: int | None = None, vram_budget: int | str | None = None,
                 prefetch: int = 1, kernels: str = "auto", max_context: int | None = None,
-                progress=None, cuda_graphs: bool = True, cpu_experts: str = "off",
+                progress=None, cuda_graphs: bool = True, cpu_experts: str | None = None,
                 cpu_format: str | None = None, cpu_threads: int | None = None,
                 ram_budget: int | str | None = None) -> Engine:
     """Open a store and put it on the device. progress(fraction, message).
@@ -428,7 +428,8 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
     experts computed on the CPU, by default ("hqq") from the experts' own bytes in host memory
     where they are HQQ-quantized, else from CPU copies in cpu_format (int4, int8, dense;
     default int4 where the shapes allow) within ram_budget for those copies. On a CPU device without
-    cache_experts, every expert runs on the CPU kernels."""
+    cache_experts, every expert runs on the CPU kernels. None: "off" on a GPU and for a model whose
+    experts fit the CPU's expert cache whole (the demo), else "all" (default_cpu_experts)."""
     from transformers import AutoTokenizer
 
     st = store_mod.open_store(store)
@@ -444,8 +445,8 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
         check_cache_size(cache_experts, cfg)
     if prefetch < 0:
         raise UserError("--prefetch must be 0 (off) or more.")
-    check_cpu_options(cpu_experts, cpu_format, cfg)
-    every_expert = cpu_experts != "off" and dev.type == "cpu" and cache_experts is None
+    if cpu_experts is not None:
+        check_cpu_options(cpu_experts, cpu_format, cfg)
     check_kernels(kernels, dev)
     context = min(max_context or 4096, cfg.max_position_embeddings)
     report = progress or (lambda f, m: None)
@@ -466,6 +467,10 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
         limit = sizing.needed(vram.cpu_cache_slots(sizing.per_slot, cfg.num_experts))
     else:
         limit = budget
+    if cpu_experts is None:
+        cpu_experts = default_cpu_experts(dev, st, sizing.per_slot, cache_experts)
+        check_cpu_options(cpu_experts, cpu_format, cfg)
+    every_expert = cpu_experts != "off" and dev.type == "cpu" and cache_experts is None
     k = cache_experts if cache_experts is not None else sizing.slots(limit)
     k = 1 if every_expert else k  # the CPU kernels run every expert: the cache is never read
     if k < 1 or (budget is not None):
@@ -498,6 +503,17 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
 
 # ---------------------------------------------------------------------------------------------
 # Experts computed on the CPU (engine/runtime/cpu_experts.py)
+
+
+def default_cpu_experts(dev: torch.device, st: store_mod.Store, per_slot: int, cache_experts: int | None) -> str:
+    """--cpu-experts when none is given: on a CPU device, "all" (every expert on the CPU kernels,
+    read where it lies) unless every expert fits the CPU's expert cache (vram.CPU_EXPERT_CACHE_BYTES;
+    the demo: one dequantization each, then float32 products, is faster for small matrices) or a
+    cache size was asked for; with a smaller cache most experts would be dequantized again for
+    every token; "off" on a GPU (docs/BENCHMARKS.md: the hybrid is not faster there yet)."""
+    if dev.type != "cpu" or cache_experts is not None:
+        return "off"
+    return "off" if vram.cpu_cache_slots(per_slot, st.config.num_experts) >= st.config.num_experts else "all"
 
 
 def check_cpu_options(mode: str, fmt: str | None, cfg: ModelConfig) -> None:

@@ -86,3 +86,17 @@ def test_the_apps_worker_reads_the_engine_by_its_own_fields(backend, qapp):
     assert type(reply.stats) is GenerationStats and type(reply.trace) is ExpertTrace
     assert reply.stats.new_tokens >= 1
     worker._close_engine()
+
+
+def test_without_a_gpu_the_hidden_cpu_experts_setting_leaves_the_choice_to_the_engine(monkeypatch):
+    """The settings hide *Experts not on the GPU* on a CPU device, so what they hold (default
+    off) must not keep a model too big for the CPU's expert cache off the CPU kernels: the
+    engine's default decides there; on a GPU the setting is passed as it is."""
+    from moeferry.engine.runtime import generate
+
+    seen = []
+    monkeypatch.setattr(generate, "load_engine", lambda store, **kw: seen.append(kw["cpu_experts"]))
+    real_load(LoadOptions("demo", device="cpu", cpu_experts="off"), lambda f, m: None)
+    monkeypatch.setattr(generate, "resolve_device", lambda device: generate.torch.device("cuda"))
+    real_load(LoadOptions("demo", device="cuda", cpu_experts="auto"), lambda f, m: None)
+    assert seen == [None, "auto"]

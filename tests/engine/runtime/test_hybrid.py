@@ -235,3 +235,27 @@ def test_quantized_store_runs_its_own_bytes_on_the_cpu_by_default(tmp_path, bits
         assert len(copies) == engine.model.cfg.num_moe_layers * 4 and all(isinstance(c, HqqExpert) for c in copies.values())
         assert greedy(engine) == want, kw
         assert engine.last_stats.cpu_expert_runs > 0
+
+
+def test_a_cpu_machine_runs_a_model_too_big_for_its_float_cache_on_the_cpu_kernels(tmp_path, monkeypatch):
+    """No --cpu-experts on a CPU device: a model whose experts fit the CPU cache whole keeps it
+    (the demo's fast path, no CPU kernels); one that does not fit (Mixtral on a CPU-only PC; here
+    the cache is shrunk to a third of the tiny model's experts) runs every expert on the CPU
+    kernels from the stored bytes, as --cpu-experts all does (whose tokens the test above holds
+    to the dequantized model's), where before it dequantized most experts again for every token. A cache size is taken as asked."""
+    from moeferry.engine.runtime import vram
+
+    make_checkpoint(tmp_path / "ck", seed=6, num_local_experts=4, hidden_size=64, intermediate_size=128)
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st", 2, 16, "cpu")
+    want = reference_greedy(load_dequantized_hf_model(tmp_path / "st"), PROMPT, 16)
+    small = load_engine(tmp_path / "st", device="cpu", dtype="float32")
+    assert small.model.hybrid is None and small.model.cache.K == 4
+    assert greedy(small) == want
+    per_slot = small.model.cfg.num_moe_layers * small.store.expert_bytes  # one cache slot in every layer
+    monkeypatch.setattr(vram, "CPU_EXPERT_CACHE_BYTES", 4 * per_slot // 3)
+    big = load_engine(tmp_path / "st", device="cpu", dtype="float32")
+    assert big.model.hybrid is not None and big.model.hybrid.every_expert
+    explicit = load_engine(tmp_path / "st", device="cpu", dtype="float32", cpu_experts="all")
+    assert greedy(big) == greedy(explicit) and big.last_stats.cpu_expert_runs > 0
+    asked = load_engine(tmp_path / "st", device="cpu", dtype="float32", cache_experts=2)
+    assert asked.model.hybrid is None and greedy(asked) == want
