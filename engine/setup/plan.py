@@ -353,6 +353,11 @@ def predict_gpu(hw: dict, m: ModelSizes, k: int, coeffs: Coefficients = DEFAULT,
             "bytes_h2d": misses * m.expert_bytes, "bound": bound, "h2d_bytes_per_s": bw}
 
 
+CPU_INT4_BITS = 4.25  # the CPU copies of 16-bit stores: int4 in groups of 128, bfloat16 scale + zero
+CPU_INT4_OF_RAM = 0.9  # the int4 kernel's share of RAM read speed (issue 16: 68-78 of 80-83 GB/s)
+HQQ_CPU_OF_RAM = 0.35  # the in-place HQQ kernel's, 2 bits (docs/BENCHMARKS.md, 2026-12-02 Xeon: 0.37 on 16 threads, 0.30 on 8)
+
+
 def cpu_cache_experts(m: ModelSizes) -> int:
     """Experts per layer the CPU engine keeps dequantized (all of them for the demo model)."""
     return vram.cpu_cache_slots(m.num_moe_layers * m.expert_bytes, m.num_experts)
@@ -360,25 +365,33 @@ def cpu_cache_experts(m: ModelSizes) -> int:
 
 def predict_cpu(hw: dict, m: ModelSizes, coeffs: Coefficients = DEFAULT,
                 prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> dict:
-    """Decode on the CPU: every active weight is one fp32 matvec from RAM, and an expert that
-    misses the CPU's expert cache is dequantized first (cpu_kernel_factor per weight)."""
+    """Decode on the CPU. A model whose experts all fit the CPU's expert cache (the demo): every
+    active weight is one fp32 matvec from RAM, an expert dequantized once. A bigger one runs its
+    experts on the CPU kernels (generate.default_cpu_experts): each routed expert's stored bytes
+    (the int4 copy's for a 16-bit store) read at the kernel's share of RAM speed, the dense
+    weights as fp32 matvecs."""
     cores = hw.get("cpu_cores_physical") or hw.get("cpu_cores_logical") or 2
     rate = hw.get("cpu_matvec_params_per_s") or 0.5e9 * cores  # fp32 weights per second
+    big_rate = rate
     if vram.cpu_one_thread(m.expert_params // 3) and hw.get("cpu_small_matvec_params_per_s"):
         rate = hw["cpu_small_matvec_params_per_s"]  # one thread over small matrices, as the engine runs it
     flops = hw.get("cpu_matmul_flops") or 15e9 * cores
-    h = hit_rate(cpu_cache_experts(m), m.num_experts, coeffs)
-    misses = m.num_layers * m.top_k * (1.0 - h)
-    t = ((m.active_params + misses * m.expert_params * (coeffs.cpu_kernel_factor - 1)) / rate
-         + m.num_layers * coeffs.cpu_layer_overhead_s + coeffs.token_overhead_s)
+    uses = m.num_moe_layers * m.top_k
+    overhead = m.num_layers * coeffs.cpu_layer_overhead_s + coeffs.token_overhead_s
+    if cpu_cache_experts(m) < m.num_experts:
+        in_place = bits_per_param(m) < 16
+        read = m.expert_bytes if in_place else m.expert_params * CPU_INT4_BITS / 8
+        share = HQQ_CPU_OF_RAM if in_place else CPU_INT4_OF_RAM
+        t = (uses * read / (share * 4.0 * big_rate) + (m.active_params - uses * m.expert_params) / rate
+             + overhead)
+        h, misses = 0.0, 0.0
+    else:
+        h = hit_rate(cpu_cache_experts(m), m.num_experts, coeffs)
+        misses = uses * (1.0 - h)
+        t = (m.active_params + misses * m.expert_params * (coeffs.cpu_kernel_factor - 1)) / rate + overhead
     first = t + 2.0 * m.active_params * prompt_tokens / flops
     return {"tokens_per_s": 1.0 / t, "first_token_s": first, "hit_rate": h, "misses": misses,
             "bytes_h2d": 0.0, "bound": "cpu", "h2d_bytes_per_s": None}
-
-
-CPU_INT4_BITS = 4.25  # the CPU copies of 16-bit stores: int4 in groups of 128, bfloat16 scale + zero
-CPU_INT4_OF_RAM = 0.9  # the int4 kernel's share of RAM read speed (issue 16: 68-78 of 80-83 GB/s)
-HQQ_CPU_OF_RAM = 0.35  # the in-place HQQ kernel's, 2 bits (docs/BENCHMARKS.md, 2026-12-02 Xeon: 0.37 on 16 threads, 0.30 on 8)
 
 
 def predict_hybrid(hw: dict, m: ModelSizes, k: int, coeffs: Coefficients = DEFAULT,
@@ -498,9 +511,18 @@ def _cpu_plan(hw: dict, m: ModelSizes, reason: str, coeffs: Coefficients, prompt
     return Plan(device="cpu", cache_experts_per_layer=0, predicted_tokens_per_s=speed,
                 predicted_first_token_s=p["first_token_s"], bound="cpu", verdict=verdict,
                 fits=fits, hit_rate=p["hit_rate"], host_ram_needed_bytes=needed,
-                notes=["CPU speed estimated from the measured fp32 matrix-vector rate, "
-                       f"{coeffs.cpu_kernel_factor:g}x for dequantizing an expert that is not "
-                       f"cached and {coeffs.cpu_layer_overhead_s * 1e3:g} ms per layer."], **common)
+                notes=[cpu_note(m, coeffs)], **common)
+
+
+def cpu_note(m: ModelSizes, coeffs: Coefficients) -> str:
+    """How predict_cpu priced this model, in one sentence."""
+    if cpu_cache_experts(m) < m.num_experts:
+        share = HQQ_CPU_OF_RAM if bits_per_param(m) < 16 else CPU_INT4_OF_RAM
+        return (f"CPU speed estimated from the measured fp32 matrix-vector rate: the experts run on the CPU "
+                f"kernels, reading {m.top_k} experts per layer at {share:g} of the RAM's read speed.")
+    return ("CPU speed estimated from the measured fp32 matrix-vector rate, "
+            f"{coeffs.cpu_kernel_factor:g}x for dequantizing an expert that is not "
+            f"cached and {coeffs.cpu_layer_overhead_s * 1e3:g} ms per layer.")
 
 
 def _speed_words(tokens_per_s: float) -> str:

@@ -137,7 +137,8 @@ def test_budget_too_small_for_one_cached_expert_falls_back_to_the_cpu():
 def test_no_gpu_is_an_honest_cpu_plan():
     p = make_plan(CPU_ONLY, mixtral(2))
     assert p.device == "cpu" and p.bound == "cpu" and p.cache_experts_per_layer == 0
-    assert p.predicted_tokens_per_s < 0.1
+    assert p.predicted_tokens_per_s < 0.5  # 2 cores reading 4 GB/s: 4.3 GB of experts per token
+    assert "CPU kernels" in p.notes[0]
     assert "no usable NVIDIA GPU" in p.verdict and "demo model" in p.verdict
     assert p.fits  # 18 GB of weights in 24 GB of RAM
     tiny = replace(mixtral(2), num_layers=2, num_experts=4, expert_bytes=1 << 20, dense_bytes=1 << 20,
@@ -420,3 +421,20 @@ def test_the_plan_predicts_the_benchmarks_gpu_speed():
         pytest.skip("no GPU report in tests/fixtures/bench-routing.json yet (bash .ci/gpu routing writes one)")
     for row in C.compare(gpu, "full", "fused"):
         assert abs(row["ratio"] - 1) <= C.TOLERANCE, row
+
+
+def test_mixtral_without_a_gpu_is_priced_on_the_cpu_kernels():
+    """Mixtral's experts do not fit the CPU's expert cache, so the engine runs them on the
+    in-place kernel (generate.default_cpu_experts): a token reads top_k stored experts per layer
+    at the kernel's share of RAM speed, plus the dense weights; a 2-bit store is therefore
+    faster than a 4-bit one, and a faster RAM makes it faster in proportion."""
+    two, four = ModelSizes.from_config(MIXTRAL_8X7B_CONFIG, 2, 4), ModelSizes.from_config(MIXTRAL_8X7B_CONFIG, 4, 4)
+    assert P.cpu_cache_experts(two) < 8
+    p2 = P.predict_cpu(CPU_ONLY, two)
+    rate = CPU_ONLY["cpu_matvec_params_per_s"]
+    experts_s = 32 * 2 * two.expert_bytes / (P.HQQ_CPU_OF_RAM * 4 * rate)
+    dense_s = (two.active_params - 64 * two.expert_params) / rate
+    assert 1 / p2["tokens_per_s"] == pytest.approx(experts_s + dense_s, rel=0.05)
+    assert p2["tokens_per_s"] > P.predict_cpu(CPU_ONLY, four)["tokens_per_s"]
+    fast = dict(CPU_ONLY, cpu_matvec_params_per_s=2 * rate)
+    assert P.predict_cpu(fast, two)["tokens_per_s"] > 1.8 * p2["tokens_per_s"]
