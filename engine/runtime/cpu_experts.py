@@ -39,7 +39,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +52,7 @@ FORMATS = ("hqq",) + COPY_FORMATS  # "hqq": the stored expert, in place
 GROUPS = (128, 64, 32)  # int4 groups used, largest (fewest bytes) first; the kernel also takes 256
 CLIPS = (1.0, 0.96, 0.92, 0.88, 0.84)  # int4 range shrink factors tried per group
 SWITCH_INTERVAL_S = 1e-4  # the GIL's switch interval while a CPU worker runs
+LEARN = 0.2  # weight of each decoded layer's CPU rate in the cost model's (learned_costs)
 
 
 @dataclass
@@ -236,6 +237,8 @@ class CpuRunStats:
     bytes_read: int = 0
     seconds: float = 0.0  # the CPU computing
     waited_s: float = 0.0  # the main thread waiting for the CPU after queuing the device's work
+    last_bytes: int = 0  # the last run_jobs call's, for learned_costs
+    last_seconds: float = 0.0
 
     @property
     def gb_per_s(self) -> float:
@@ -249,8 +252,9 @@ def run_jobs(jobs: list[tuple[CpuExpert, torch.Tensor]], stats: CpuRunStats, loc
         out = [e.forward(x) for e, x in jobs]
     dt = time.perf_counter() - t0
     with lock or contextlib.nullcontext():
+        stats.last_bytes, stats.last_seconds = sum(e.nbytes() for e, _ in jobs), dt
         stats.experts += len(jobs)
-        stats.bytes_read += sum(e.nbytes() for e, _ in jobs)
+        stats.bytes_read += stats.last_bytes
         stats.seconds += dt
     return out
 
@@ -288,6 +292,17 @@ class CpuWorker:
         self.pool.shutdown(wait=True)
 
 
+def learned_costs(costs, bytes_read: int, seconds: float):
+    """costs with its CPU rate moved LEARN of the way to what one decoded layer's CPU work just
+    achieved (hand-off included). The load-time measurement (generate.measure_costs) times the
+    CPU alone; while the link and the GPU work beside it, the CPU can be several times slower
+    (docs/BENCHMARKS.md), and a cost model that kept the idle rate would send it misses that
+    the link serves sooner."""
+    if bytes_read <= 0 or seconds <= 0:
+        return costs
+    return replace(costs, cpu_gbps=(1 - LEARN) * costs.cpu_gbps + LEARN * bytes_read / seconds / 1e9)
+
+
 # ---------------------------------------------------------------------------------------------
 # The engine's side: which experts of a step run here, and adding their results
 
@@ -320,6 +335,7 @@ class CpuExperts:
                 hqq_cpu.set_threads(threads)
         self.stats = CpuRunStats() if every_expert else self.worker.stats
         self.stage: torch.Tensor | None = None  # pinned [top_k, H]: results on their way up
+        self.learning = False  # the running step was placed by choose_in_time: its CPU rate is learned
 
     def nbytes(self) -> int:
         return sum(c.nbytes() for c in self.copies.values())
@@ -354,7 +370,8 @@ class CpuExperts:
         clock (when each copy lands), so an expert whose copy would land later than the CPU
         could compute it runs on the CPU, a miss or a prefetched expert still in flight alike
         (the copy goes on and serves a later token). Prefetch pauses while the link is backed
-        up further than two copies."""
+        up further than two copies. The CPU's rate is relearned from every layer it works
+        (learned_costs)."""
         from moeferry.engine.runtime import placement
 
         # told every layer: the costs are final by the first decoded token, and the cache may be
@@ -365,6 +382,7 @@ class CpuExperts:
         run = sorted(placement.choose_by_finish(self.costs, self.sizes, time.perf_counter(), cache.link_free_time(),
                                                 experts, able))
         cache.count_cpu_misses(len(run), 0)
+        self.learning = bool(run)
         return {e: uses[e] for e in run}, []
 
     def start(self, layer: int, rows: dict, h: torch.Tensor, weights: torch.Tensor, out: torch.Tensor):
@@ -383,6 +401,9 @@ class CpuExperts:
             t0 = time.perf_counter()
             ys = result if self.worker is None else future.result()
             self.stats.waited_s += time.perf_counter() - t0  # the CPU was this layer's critical path
+            if self.learning:  # this layer's job is the last the worker ran
+                self.costs = learned_costs(self.costs, self.stats.last_bytes, self.stats.last_seconds)
+                self.learning = False
             decode = h.shape[0] == 1
             up = self._up(ys, out) if decode else [y.to(out.device, out.dtype) for y in ys]
             for e, y in zip(experts, up):

@@ -259,3 +259,39 @@ def test_a_cpu_machine_runs_a_model_too_big_for_its_float_cache_on_the_cpu_kerne
     assert greedy(big) == greedy(explicit) and big.last_stats.cpu_expert_runs > 0
     asked = load_engine(tmp_path / "st", device="cpu", dtype="float32", cache_experts=2)
     assert asked.model.hybrid is None and greedy(asked) == want
+
+
+def test_the_cpu_rate_of_the_cost_model_is_learned_from_decoded_layers(store16):
+    """learned_costs moves the CPU rate LEARN of the way to what a layer's CPU work achieved,
+    without touching the costs it was given; a layer placed by choose_in_time (learning set)
+    updates the engine's costs when its CPU experts finish, and a slower learned CPU sends
+    choose_by_finish's lone miss to the link instead."""
+    from moeferry.engine.runtime import cpu_experts as ce
+    from moeferry.engine.runtime.placement import ExpertSizes, choose_by_finish
+
+    idle = Costs(link_gbps=10.0, cpu_gbps=40.0, gpu_expert_s=0.0, cpu_overhead_s=0.0)
+    busy = ce.learned_costs(idle, 16_000_000, 1e-3)  # 16 GB/s achieved
+    assert busy.cpu_gbps == pytest.approx(0.8 * 40 + 0.2 * 16) and idle.cpu_gbps == 40.0
+    assert ce.learned_costs(idle, 0, 0.0) is idle
+    for _ in range(40):
+        busy = ce.learned_costs(busy, 16_000_000, 1e-3)
+    assert busy.cpu_gbps == pytest.approx(16, rel=1e-3)
+    sizes = ExpertSizes(gpu_bytes=20_000_000, cpu_bytes=20_000_000, params=1)  # 2 ms on the link
+    assert choose_by_finish(idle, sizes, 0.0, 0.0, [(3, None)], {3}) == {3}  # 0.5 ms on the idle CPU
+    assert choose_by_finish(busy, sizes, 0.0, 0.0, [(3, None)], {3}) == {3}  # 1.25 ms: still the CPU
+    slow = busy
+    for _ in range(40):  # 4 GB/s achieved: 5 ms on the CPU
+        slow = ce.learned_costs(slow, 4_000_000, 1e-3)
+    assert choose_by_finish(slow, sizes, 0.0, 0.0, [(3, None)], {3}) == set()
+
+    path, _ = store16
+    engine = load_engine(path, device="cpu", dtype="float32", cache_experts=2, cpu_experts="auto", cpu_format="dense")
+    hybrid = engine.model.hybrid
+    hybrid.costs = idle
+    h, out = torch.randn(1, 64), torch.zeros(1, 64)
+    hybrid.learning = True
+    hybrid.start(0, {5: [(0, 0)]}, h, torch.ones(1, 2), out)()
+    assert hybrid.costs is not idle and hybrid.costs.cpu_gbps != 40.0 and not hybrid.learning
+    want = hybrid.copies[0, 5].forward(h)
+    assert torch.allclose(out, want, atol=1e-6)
+    hybrid.close()
