@@ -464,18 +464,17 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
         free, _ = torch.cuda.mem_get_info(dev)
         limit = vram.auto_budget(free + dense_b)  # the dense weights are already on the device
     elif budget is None:
-        limit = sizing.needed(vram.cpu_cache_slots(sizing.per_slot, cfg.num_experts))
+        limit = sizing.needed(max(1, vram.cpu_cache_slots(sizing.per_slot, cfg.num_experts)))
     else:
         limit = budget
+    host = store_mod.experts_array(st)
     if cpu_experts is None:
-        cpu_experts = default_cpu_experts(dev, st, sizing.per_slot, cache_experts)
-        check_cpu_options(cpu_experts, cpu_format, cfg)
+        cpu_experts = default_cpu_experts(dev, st, host, sizing.per_slot, cache_experts, cpu_format)
     every_expert = cpu_experts != "off" and dev.type == "cpu" and cache_experts is None
     k = cache_experts if cache_experts is not None else sizing.slots(limit)
     k = 1 if every_expert else k  # the CPU kernels run every expert: the cache is never read
     if k < 1 or (budget is not None):
         check_budget(limit, sizing, max(k, 1))
-    host = store_mod.experts_array(st)
     cache = make_cache(st, host, k, dev, dtype, lambda f, m: report(0.1 + 0.9 * f, m))
     model = OffloadedMixtral(cfg, dense, cache, dev, dtype, kernels)
     model.dense_bytes = dense_b
@@ -505,15 +504,23 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
 # Experts computed on the CPU (engine/runtime/cpu_experts.py)
 
 
-def default_cpu_experts(dev: torch.device, st: store_mod.Store, per_slot: int, cache_experts: int | None) -> str:
-    """--cpu-experts when none is given: on a CPU device, "all" (every expert on the CPU kernels,
-    read where it lies) unless every expert fits the CPU's expert cache (vram.CPU_EXPERT_CACHE_BYTES;
-    the demo: one dequantization each, then float32 products, is faster for small matrices) or a
-    cache size was asked for; with a smaller cache most experts would be dequantized again for
-    every token; "off" on a GPU (docs/BENCHMARKS.md: the hybrid is not faster there yet)."""
-    if dev.type != "cpu" or cache_experts is not None:
+def default_cpu_experts(dev: torch.device, st: store_mod.Store, host: torch.Tensor, per_slot: int,
+                        cache_experts: int | None, cpu_format: str | None) -> str:
+    """--cpu-experts when none is given: on a CPU device, "all" (every expert on the CPU kernel,
+    read in place) where the store's experts can run in place and do not all fit the CPU's expert
+    cache (vram.CPU_EXPERT_CACHE_BYTES), which would otherwise dequantize most of them again for
+    every token. "off" for the demo (one dequantization each, then float32 products, is faster for
+    its small matrices), when a cache size or a copy format was asked for, and on a GPU
+    (docs/BENCHMARKS.md: the hybrid is not faster there yet)."""
+    from moeferry.engine.runtime import cpu_experts as ce
+
+    if dev.type != "cpu" or cache_experts is not None or cpu_format not in (None, "hqq"):
         return "off"
-    return "off" if vram.cpu_cache_slots(per_slot, st.config.num_experts) >= st.config.num_experts else "all"
+    if vram.cpu_cache_slots(per_slot, st.config.num_experts) >= st.config.num_experts:
+        return "off"
+    in_place = st.expert_quant.get("method", "hqq") == "hqq" and ce.hqq_supported(
+        store_mod.view_expert(host[0, 0], st.expert_fields, st.expert_quant, st.config))
+    return "all" if in_place else "off"
 
 
 def check_cpu_options(mode: str, fmt: str | None, cfg: ModelConfig) -> None:

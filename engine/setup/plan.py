@@ -365,11 +365,11 @@ def cpu_cache_experts(m: ModelSizes) -> int:
 
 def predict_cpu(hw: dict, m: ModelSizes, coeffs: Coefficients = DEFAULT,
                 prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> dict:
-    """Decode on the CPU. A model whose experts all fit the CPU's expert cache (the demo): every
-    active weight is one fp32 matvec from RAM, an expert dequantized once. A bigger one runs its
-    experts on the CPU kernels (generate.default_cpu_experts): each routed expert's stored bytes
-    (the int4 copy's for a 16-bit store) read at the kernel's share of RAM speed, the dense
-    weights as fp32 matvecs."""
+    """Decode on the CPU. A quantized model whose experts do not all fit the CPU's expert cache
+    (Mixtral) runs them on the in-place kernel (generate.default_cpu_experts): each routed
+    expert's stored bytes read at the kernel's share of RAM speed, the dense weights as fp32
+    matvecs. Otherwise (the demo, 16-bit stores) every active weight is one fp32 matvec from
+    RAM, and an expert that misses the CPU's expert cache is dequantized first."""
     cores = hw.get("cpu_cores_physical") or hw.get("cpu_cores_logical") or 2
     rate = hw.get("cpu_matvec_params_per_s") or 0.5e9 * cores  # fp32 weights per second
     big_rate = rate
@@ -378,15 +378,12 @@ def predict_cpu(hw: dict, m: ModelSizes, coeffs: Coefficients = DEFAULT,
     flops = hw.get("cpu_matmul_flops") or 15e9 * cores
     uses = m.num_moe_layers * m.top_k
     overhead = m.num_layers * coeffs.cpu_layer_overhead_s + coeffs.token_overhead_s
-    if cpu_cache_experts(m) < m.num_experts:
-        in_place = bits_per_param(m) < 16
-        read = m.expert_bytes if in_place else m.expert_params * CPU_INT4_BITS / 8
-        share = HQQ_CPU_OF_RAM if in_place else CPU_INT4_OF_RAM
-        t = (uses * read / (share * 4.0 * big_rate) + (m.active_params - uses * m.expert_params) / rate
-             + overhead)
+    if on_cpu_kernels(m):
+        t = (uses * m.expert_bytes / (HQQ_CPU_OF_RAM * 4.0 * big_rate)
+             + (m.active_params - uses * m.expert_params) / rate + overhead)
         h, misses = 0.0, 0.0
     else:
-        h = hit_rate(cpu_cache_experts(m), m.num_experts, coeffs)
+        h = hit_rate(max(1, cpu_cache_experts(m)), m.num_experts, coeffs)
         misses = uses * (1.0 - h)
         t = (m.active_params + misses * m.expert_params * (coeffs.cpu_kernel_factor - 1)) / rate + overhead
     first = t + 2.0 * m.active_params * prompt_tokens / flops
@@ -514,12 +511,17 @@ def _cpu_plan(hw: dict, m: ModelSizes, reason: str, coeffs: Coefficients, prompt
                 notes=[cpu_note(m, coeffs)], **common)
 
 
+def on_cpu_kernels(m: ModelSizes) -> bool:
+    """Whether a CPU-only engine runs this model's experts on the in-place kernel (as
+    generate.default_cpu_experts decides: quantized, and too big for the CPU's expert cache)."""
+    return bits_per_param(m) < 16 and cpu_cache_experts(m) < m.num_experts
+
+
 def cpu_note(m: ModelSizes, coeffs: Coefficients) -> str:
     """How predict_cpu priced this model, in one sentence."""
-    if cpu_cache_experts(m) < m.num_experts:
-        share = HQQ_CPU_OF_RAM if bits_per_param(m) < 16 else CPU_INT4_OF_RAM
+    if on_cpu_kernels(m):
         return (f"CPU speed estimated from the measured fp32 matrix-vector rate: the experts run on the CPU "
-                f"kernels, reading {m.top_k} experts per layer at {share:g} of the RAM's read speed.")
+                f"kernel, reading {m.top_k} experts per layer at {HQQ_CPU_OF_RAM:g} of the RAM's read speed.")
     return ("CPU speed estimated from the measured fp32 matrix-vector rate, "
             f"{coeffs.cpu_kernel_factor:g}x for dequantizing an expert that is not "
             f"cached and {coeffs.cpu_layer_overhead_s * 1e3:g} ms per layer.")

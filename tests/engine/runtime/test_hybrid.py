@@ -241,7 +241,7 @@ def test_a_cpu_machine_runs_a_model_too_big_for_its_float_cache_on_the_cpu_kerne
     """No --cpu-experts on a CPU device: a model whose experts fit the CPU cache whole keeps it
     (the demo's fast path, no CPU kernels); one that does not fit (Mixtral on a CPU-only PC; here
     the cache is shrunk to a third of the tiny model's experts) runs every expert on the CPU
-    kernels from the stored bytes, as --cpu-experts all does (whose tokens the test above holds
+    kernel from the stored bytes, as --cpu-experts all does (whose tokens the test above holds
     to the dequantized model's), where before it dequantized most experts again for every token. A cache size is taken as asked."""
     from moeferry.engine.runtime import vram
 
@@ -259,6 +259,11 @@ def test_a_cpu_machine_runs_a_model_too_big_for_its_float_cache_on_the_cpu_kerne
     assert greedy(big) == greedy(explicit) and big.last_stats.cpu_expert_runs > 0
     asked = load_engine(tmp_path / "st", device="cpu", dtype="float32", cache_experts=2)
     assert asked.model.hybrid is None and greedy(asked) == want
+    # a 16-bit store has no in-place kernel (its CPU copies would need RAM): the default stays off
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st16", 16, 16, "cpu")
+    monkeypatch.setattr(vram, "CPU_EXPERT_CACHE_BYTES", 1)
+    plain = load_engine(tmp_path / "st16", device="cpu", dtype="float32")
+    assert plain.model.hybrid is None and plain.model.cache.K >= 1
 
 
 def test_the_cpu_rate_of_the_cost_model_is_learned_from_decoded_layers(store16):

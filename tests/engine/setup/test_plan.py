@@ -138,7 +138,7 @@ def test_no_gpu_is_an_honest_cpu_plan():
     p = make_plan(CPU_ONLY, mixtral(2))
     assert p.device == "cpu" and p.bound == "cpu" and p.cache_experts_per_layer == 0
     assert p.predicted_tokens_per_s < 0.5  # 2 cores reading 4 GB/s: 4.3 GB of experts per token
-    assert "CPU kernels" in p.notes[0]
+    assert "CPU kernel" in p.notes[0]
     assert "no usable NVIDIA GPU" in p.verdict and "demo model" in p.verdict
     assert p.fits  # 18 GB of weights in 24 GB of RAM
     tiny = replace(mixtral(2), num_layers=2, num_experts=4, expert_bytes=1 << 20, dense_bytes=1 << 20,
