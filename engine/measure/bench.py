@@ -69,8 +69,9 @@ class ModeResult:
     guess_recall: dict  # distance -> share of true experts the prefetch guesses held (decode)
     misses_cpu: int = 0  # hybrid: misses computed on the CPU (the rest were copied)
     misses_both: int = 0
-    cpu_gb_per_s: float = 0.0
+    cpu_gb_per_s: float = 0.0  # the CPU experts' bytes over their time, decode only
     cpu_wait_ms_per_token: float = 0.0  # the CPU's share of the critical path
+    cpu_decode_experts: int = 0  # experts the CPU ran while decoding
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,6 +317,7 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
     tok = int(logits[-1].argmax())
     first = time.perf_counter() - t0
     before = asdict(model.cache.stats)
+    cpu_before = asdict(model.hybrid.stats) if model.hybrid is not None else None
     t1 = time.perf_counter()
     for n in range(new_tokens - 1):
         logits = model.forward(torch.tensor([tok], device=device), len(prompt) + n)
@@ -326,9 +328,12 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
     d = {key: after[key] - before[key] for key in after}
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else model.cache.device_bytes()
     recall = routing.recall() if routing is not None else {}
-    if model.hybrid is not None:
-        d["cpu_gb_per_s"] = model.hybrid.stats.gb_per_s
-        d["cpu_wait_s"] = model.hybrid.stats.waited_s  # the host waiting on the CPU (prefill included)
+    if model.hybrid is not None:  # the decode's CPU work alone (a prefill job reads its expert once for many tokens)
+        cpu = {key: v - cpu_before[key] for key, v in asdict(model.hybrid.stats).items()
+               if key in ("experts", "bytes_read", "seconds", "waited_s")}
+        d["cpu_decode_experts"] = cpu["experts"]
+        d["cpu_gb_per_s"] = cpu["bytes_read"] / cpu["seconds"] / 1e9 if cpu["seconds"] > 0 else 0.0
+        d["cpu_wait_s"] = cpu["waited_s"]  # the host waiting on the CPU
         model.hybrid.close()
     model.graphs = None  # break the model <-> graphs cycle so the slots go now
     del model
@@ -510,7 +515,8 @@ def mode_result(mode, kern, kk, depth, first, decode, d, peak, recall, new_token
         achieved_over_bound=per_tok / bound, peak_vram_bytes=peak,
         under_budget=budget is None or peak <= budget, guess_recall=recall,
         misses_cpu=d.get("misses_cpu", 0), misses_both=d.get("misses_both", 0),
-        cpu_gb_per_s=d.get("cpu_gb_per_s", 0.0), cpu_wait_ms_per_token=d.get("cpu_wait_s", 0.0) / new_tokens * 1e3)
+        cpu_gb_per_s=d.get("cpu_gb_per_s", 0.0), cpu_wait_ms_per_token=d.get("cpu_wait_s", 0.0) / steps * 1e3,
+        cpu_decode_experts=d.get("cpu_decode_experts", 0))
 
 
 def markdown_table(report: dict) -> str:

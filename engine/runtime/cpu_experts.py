@@ -295,9 +295,9 @@ class CpuWorker:
 def learned_costs(costs, bytes_read: int, seconds: float):
     """costs with its CPU rate moved LEARN of the way to what one decoded layer's CPU work just
     achieved (hand-off included). The load-time measurement (generate.measure_costs) times the
-    CPU alone; while the link and the GPU work beside it, the CPU can be several times slower
-    (docs/BENCHMARKS.md), and a cost model that kept the idle rate would send it misses that
-    the link serves sooner."""
+    CPU alone; beside the link's copies (which read the same RAM) and the host's queuing of GPU
+    work it can be slower, and a cost model that kept the idle rate would then send it misses
+    that the link serves sooner."""
     if bytes_read <= 0 or seconds <= 0:
         return costs
     return replace(costs, cpu_gbps=(1 - LEARN) * costs.cpu_gbps + LEARN * bytes_read / seconds / 1e9)

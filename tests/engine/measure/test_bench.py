@@ -122,6 +122,8 @@ def test_the_hybrid_mode_reports_its_cpu_experts():
     lru, hybrid = r["results"]
     assert lru["cache_experts"] == hybrid["cache_experts"] == 2
     assert hybrid["misses_cpu"] > 0 and lru["misses_cpu"] == 0
+    # its CPU figures are the decode's alone: as many CPU runs as decoded misses on the CPU
+    assert hybrid["cpu_decode_experts"] == hybrid["misses_cpu"] and hybrid["cpu_gb_per_s"] > 0
     cpu = r["cpu_experts"]
     assert cpu["format"] == "hqq" and cpu["experts"] == 2 * 8
     assert cpu["extra_ram_bytes"] == 0  # it reads the stored experts, metadata included, in place
