@@ -26,17 +26,17 @@ from moeferry.engine.measure import bench  # noqa: E402
 
 LADDER = ("lru", "full", "hybrid")
 RUNS = {
-    2: [("hybrid-12GiB", "12GiB", LADDER, bench.Conditions(), None),
-        ("hybrid-12GiB-prefetch0", "12GiB", ("hybrid",), bench.Conditions(), None, 0),
-        ("hybrid-12GiB-prefetch2", "12GiB", ("full", "hybrid"), bench.Conditions(), None, 2),
-        ("hybrid-12GiB-25GBps-8threads", "12GiB", LADDER, bench.Conditions(h2d_gbps=25.0), 8),
-        ("hybrid-12GiB-25GBps-8threads-prefetch0", "12GiB", ("hybrid",), bench.Conditions(h2d_gbps=25.0), 8, 0),
-        ("none", "none", ("lru",), bench.Conditions(), None),
-        ("hybrid-8GiB", "8GiB", ("full", "hybrid"), bench.Conditions(), None),
-        ("hybrid-16GiB", "16GiB", ("full", "hybrid"), bench.Conditions(), None)],
-    4: [("hybrid-12GiB-4bit", "12GiB", LADDER, bench.Conditions(), None),
-        ("hybrid-12GiB-4bit-prefetch0", "12GiB", ("hybrid",), bench.Conditions(), None, 0),
-        ("hybrid-12GiB-4bit-25GBps-8threads", "12GiB", LADDER, bench.Conditions(h2d_gbps=25.0), 8)],
+    "2": [("hybrid-12GiB", "12GiB", LADDER, bench.Conditions(), None),
+          ("hybrid-12GiB-prefetch0", "12GiB", ("hybrid",), bench.Conditions(), None, 0),
+          ("hybrid-12GiB-prefetch2", "12GiB", ("full", "hybrid"), bench.Conditions(), None, 2),
+          ("hybrid-12GiB-25GBps-8threads", "12GiB", LADDER, bench.Conditions(h2d_gbps=25.0), 8),
+          ("hybrid-12GiB-25GBps-8threads-prefetch0", "12GiB", ("hybrid",), bench.Conditions(h2d_gbps=25.0), 8, 0),
+          ("none", "none", ("lru",), bench.Conditions(), None),
+          ("hybrid-8GiB", "8GiB", ("full", "hybrid"), bench.Conditions(), None),
+          ("hybrid-16GiB", "16GiB", ("full", "hybrid"), bench.Conditions(), None)],
+    "4": [("hybrid-12GiB-4bit", "12GiB", LADDER, bench.Conditions(), None),
+          ("hybrid-12GiB-4bit-prefetch0", "12GiB", ("hybrid",), bench.Conditions(), None, 0),
+          ("hybrid-12GiB-4bit-25GBps-8threads", "12GiB", LADDER, bench.Conditions(h2d_gbps=25.0), 8)],
     # 2-bit in groups of 32 rows: 2.5 bits per weight (Q2_K: 2.6), so a budget caches more experts
     "2g32": [("hybrid-12GiB-g32", "12GiB", LADDER, bench.Conditions(), None),
              ("hybrid-12GiB-g32-prefetch0", "12GiB", ("hybrid",), bench.Conditions(), None, 0),
@@ -46,10 +46,9 @@ RUNS = {
 
 
 def main(out: str, width: str, only: list[str]) -> int:
-    """width: "2", "4", or "2g32" (bits, then the group size where it is not the default)."""
+    """width: a key of RUNS: the bits, then "g" and the group size where it is not the default."""
     bits, _, group = width.partition("g")
-    runs = RUNS[width if group else int(bits)]
-    reports = run_all(int(bits), [r for r in runs if not only or r[0] in only], int(group) if group else None)
+    reports = run_all(int(bits), [r for r in RUNS[width] if not only or r[0] in only], int(group) if group else None)
     Path(out).write_text(json.dumps(reports, indent=1))
     return 0
 

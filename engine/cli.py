@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bits per attention weight (16 keeps the source precision)")
     s.add_argument("--expert-group-size", type=int,
                    help="rows sharing one scale and zero (default 16 at 2 bits, 64 at 3 and 4; 32 at 2 bits "
-                        "takes 2.5 bits per weight instead of 3.0: more experts fit the GPU, a little less accurate)")
+                        "takes 2.5 bits per weight instead of 3.0: more experts fit the GPU, less accurate; docs/BENCHMARKS.md)")
     s.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="where to quantize (default: the GPU if there is one)")
     s.add_argument("--tokenizer", help="folder (or cached repo) to take the tokenizer files from")

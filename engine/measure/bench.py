@@ -317,7 +317,7 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
     tok = int(logits[-1].argmax())
     first = time.perf_counter() - t0
     before = asdict(model.cache.stats)
-    cpu_before = asdict(model.hybrid.stats) if model.hybrid is not None else None
+    cpu0 = replace(model.hybrid.stats) if model.hybrid is not None else None  # a copy
     t1 = time.perf_counter()
     for n in range(new_tokens - 1):
         logits = model.forward(torch.tensor([tok], device=device), len(prompt) + n)
@@ -329,11 +329,11 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else model.cache.device_bytes()
     recall = routing.recall() if routing is not None else {}
     if model.hybrid is not None:  # the decode's CPU work alone (a prefill job reads its expert once for many tokens)
-        cpu = {key: v - cpu_before[key] for key, v in asdict(model.hybrid.stats).items()
-               if key in ("experts", "bytes_read", "seconds", "waited_s")}
-        d["cpu_decode_experts"] = cpu["experts"]
-        d["cpu_gb_per_s"] = cpu["bytes_read"] / cpu["seconds"] / 1e9 if cpu["seconds"] > 0 else 0.0
-        d["cpu_wait_s"] = cpu["waited_s"]  # the host waiting on the CPU
+        cpu = model.hybrid.stats
+        seconds = cpu.seconds - cpu0.seconds
+        d["cpu_decode_experts"] = cpu.experts - cpu0.experts
+        d["cpu_gb_per_s"] = (cpu.bytes_read - cpu0.bytes_read) / seconds / 1e9 if seconds > 0 else 0.0
+        d["cpu_wait_s"] = cpu.waited_s - cpu0.waited_s  # the host waiting on the CPU
         model.hybrid.close()
     model.graphs = None  # break the model <-> graphs cycle so the slots go now
     del model
@@ -361,12 +361,11 @@ def build(layers: int | None = 32, expert_bits: int = 2, attn_bits: int = 4, see
         expert_bits = 4
         if cfg.hidden_size % mxfp4.BLOCK or cfg.intermediate_size % mxfp4.BLOCK:
             raise UserError(f"MXFP4 experts need hidden and intermediate sizes that are multiples of {mxfp4.BLOCK}.")
-    if group_size is not None and (expert_format == "mxfp4" or group_size < 8 or group_size & (group_size - 1)
-                                   or any(r % group_size for r in (cfg.intermediate_size, cfg.hidden_size))):
-        raise UserError(f"--expert-group-size must be a power of two from 8 that divides the expert's rows "
-                        f"({cfg.intermediate_size} and {cfg.hidden_size}), for HQQ experts; {group_size} is not.")
     label = "MXFP4" if expert_format == "mxfp4" else f"{expert_bits}-bit HQQ"
     if group_size is not None:
+        if expert_format == "mxfp4":
+            raise UserError("--expert-group-size is for HQQ experts; MXFP4 has blocks of 32.")
+        quant.check_group_size(group_size, (cfg.intermediate_size, cfg.hidden_size))
         label += f" (groups of {group_size})"
     log(f"building a synthetic {model} ({cfg.num_layers} layers, {label} experts, {attn_bits}-bit attention)")
     t = time.perf_counter()

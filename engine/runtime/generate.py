@@ -512,15 +512,20 @@ def default_cpu_experts(dev: torch.device, st: store_mod.Store, host: torch.Tens
     every token. "off" for the demo (one dequantization each, then float32 products, is faster for
     its small matrices), when a cache size or a copy format was asked for, and on a GPU
     (docs/BENCHMARKS.md: the hybrid is not faster there yet)."""
-    from moeferry.engine.runtime import cpu_experts as ce
-
     if dev.type != "cpu" or cache_experts is not None or cpu_format not in (None, "hqq"):
         return "off"
     if vram.cpu_cache_slots(per_slot, st.config.num_experts) >= st.config.num_experts:
         return "off"
-    in_place = st.expert_quant.get("method", "hqq") == "hqq" and ce.hqq_supported(
+    return "all" if runs_in_place(st, host) else "off"
+
+
+def runs_in_place(st: store_mod.Store, host: torch.Tensor) -> bool:
+    """Whether the store's experts run on the CPU where they lie (the "hqq" CPU format:
+    HQQ-quantized, numba and AVX2 here)."""
+    from moeferry.engine.runtime import cpu_experts as ce
+
+    return st.expert_quant.get("method", "hqq") == "hqq" and ce.hqq_supported(
         store_mod.view_expert(host[0, 0], st.expert_fields, st.expert_quant, st.config))
-    return "all" if in_place else "off"
 
 
 def check_cpu_options(mode: str, fmt: str | None, cfg: ModelConfig) -> None:
@@ -540,10 +545,8 @@ def make_cpu_experts(st: store_mod.Store, host: torch.Tensor, cache: ExpertCache
                      progress, dtype):
     """CPU copies of the experts that fit ram_budget, and the CpuExperts that runs them."""
     cfg = st.config
-    from moeferry.engine.runtime import cpu_experts as ce
-
     view = lambda buf: store_mod.view_expert(buf, st.expert_fields, st.expert_quant, cfg)  # noqa: E731
-    in_place = fmt in (None, "hqq") and ce.hqq_supported(view(host[0, 0]))
+    in_place = fmt in (None, "hqq") and runs_in_place(st, host)
     if st.expert_quant.get("method") == "mxfp4" or (cfg.expert_act != "silu" and not in_place):
         raise UserError(f"--cpu-experts runs this {cfg.family} store's experts only when they are HQQ "
                         f"(convert with --expert-bits 2, 3 or 4) in the hqq CPU format; use --cpu-experts off.")

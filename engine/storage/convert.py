@@ -350,19 +350,15 @@ def quantization_of(bits: int, specs: dict, source_dtype: str, allowed, rows: li
 
     Small models whose row counts the default group size does not divide get the largest
     power-of-two group that divides them all (Mixtral-8x7B keeps the defaults). group_size,
-    where given, is taken as it is or refused.
+    where given, is taken as it is or refused (quant.check_group_size).
     """
     if bits not in allowed:
         raise UserError(f"{bits}-bit is not offered here; choose one of {', '.join(map(str, allowed))}.")
     if bits == 16:
-        if group_size is not None:
-            raise UserError("--expert-group-size is for quantized experts; 16-bit experts have no groups.")
         return {"bits": 16, "dtype": source_dtype}
     s = specs[bits]
     if group_size is not None:
-        if group_size < 8 or group_size & (group_size - 1) or any(r % group_size for r in rows):
-            raise UserError(f"--expert-group-size must be a power of two from 8 that divides every expert "
-                            f"matrix's rows ({', '.join(map(str, sorted(set(rows))))}); {group_size} does not.")
+        quant.check_group_size(group_size, rows)
         return {"bits": bits, "group_size": group_size, "meta_group": s.meta_group, "method": "hqq"}
     g = s.group_size
     while g > 8 and any(r % g for r in rows):
@@ -392,6 +388,8 @@ def convert_checkpoint(src, dest, expert_bits: int, attn_bits: int, device: str 
                        cancel: threading.Event | None = None, expert_group_size: int | None = None) -> Path:
     """Convert and install atomically; returns dest. progress(fraction, message).
     expert_group_size: HQQ rows per scale and zero of the experts (None = quant.EXPERT_SPECS's)."""
+    if expert_group_size is not None and expert_bits == 16:  # kept as they are, MXFP4 imports too
+        raise UserError("--expert-group-size is for quantized experts; 16-bit experts have no groups.")
     src, dest = Path(src).expanduser(), Path(dest).expanduser()
     hf = read_hf_config(src)
     cfg = ModelConfig.from_hf(hf)

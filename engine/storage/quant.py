@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moeferry.engine.errors import UserError
+
 PLANES = {2: (2,), 3: (2, 1), 4: (4,), 8: (8,)}
 
 
@@ -106,6 +108,14 @@ def check_shape(rows: int, cols: int, spec: QuantSpec) -> None:
     if rows % spec.group_size or rows % 8:
         raise ValueError(f"a {rows}x{cols} matrix cannot be quantized with groups of "
                          f"{spec.group_size} rows (rows must be a multiple of the group size and of 8)")
+
+
+def check_group_size(group_size: int, rows) -> None:
+    """A chosen group size (`--expert-group-size`): a power of two from 8 that divides every
+    matrix's row count (the fused kernels' and the packing's condition), else one sentence."""
+    if group_size < 8 or group_size & (group_size - 1) or any(r % group_size for r in rows):
+        raise UserError(f"--expert-group-size must be a power of two from 8 that divides every expert "
+                        f"matrix's rows ({', '.join(map(str, sorted(set(rows))))}); {group_size} does not.")
 
 
 def meta_groups(n: int, meta_group: int) -> int:

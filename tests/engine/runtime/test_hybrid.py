@@ -237,10 +237,10 @@ def test_quantized_store_runs_its_own_bytes_on_the_cpu_by_default(tmp_path, bits
         assert engine.last_stats.cpu_expert_runs > 0
 
 
-def test_a_cpu_machine_runs_a_model_too_big_for_its_float_cache_on_the_cpu_kernels(tmp_path, monkeypatch):
+def test_a_cpu_machine_runs_a_model_too_big_for_its_expert_cache_on_the_cpu_kernel(tmp_path, monkeypatch):
     """No --cpu-experts on a CPU device: a model whose experts fit the CPU cache whole keeps it
     (the demo's fast path, no CPU kernels); one that does not fit (Mixtral on a CPU-only PC; here
-    the cache is shrunk to a third of the tiny model's experts) runs every expert on the CPU
+    the cache is shrunk to one of the tiny model's four experts per layer) runs every expert on the CPU
     kernel from the stored bytes, as --cpu-experts all does (whose tokens the test above holds
     to the dequantized model's), where before it dequantized most experts again for every token. A cache size is taken as asked."""
     from moeferry.engine.runtime import vram
