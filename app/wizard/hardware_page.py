@@ -96,7 +96,7 @@ class HardwarePage(QWizardPage):
         self.details.setText("<br>".join(verdict.details))
         if not verdict.has_gpu:
             self.advice.setText("You can still go on: the demo model runs on any computer and shows how the "
-                                "app works, and the full model can run on the CPU, very slowly.")
+                                "app works, and the full model can run on the CPU, slowly.")
         self.done = True
         self._complete(True)
 
