@@ -3,6 +3,7 @@
     python3 benchmarks/hybrid_suite.py OUT.json 2     # 2-bit GPU experts
     python3 benchmarks/hybrid_suite.py OUT.json 4     # 4-bit GPU experts
     python3 benchmarks/hybrid_suite.py OUT.json 2g32  # 2-bit in groups of 32 (2.5 bits/weight)
+    python3 benchmarks/hybrid_suite.py OUT.json 2g32u2  # the same, each expert cut into 2 units
     python3 benchmarks/hybrid_suite.py OUT.json 2 hybrid-12GiB    # only the runs named
 
 Uniform routing (the headline), fused kernels, P=128, T=64. Each budget runs lru, full (cache +
@@ -16,6 +17,7 @@ JSON list and prints their markdown tables.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -42,13 +44,21 @@ RUNS = {
              ("hybrid-12GiB-g32-prefetch0", "12GiB", ("hybrid",), bench.Conditions(), None, 0),
              ("hybrid-12GiB-g32-25GBps-8threads", "12GiB", LADDER, bench.Conditions(h2d_gbps=25.0), 8),
              ("none-g32", "none", ("lru",), bench.Conditions(), None)],
+    # the same, each expert cut into 2 units (--expert-units 2): one miss served by link and CPU at once
+    "2g32u2": [("hybrid-12GiB-g32-u2", "12GiB", LADDER, bench.Conditions(), None),
+               ("hybrid-12GiB-g32-u2-prefetch0", "12GiB", ("hybrid",), bench.Conditions(), None, 0),
+               ("hybrid-12GiB-g32-u2-25GBps-8threads", "12GiB", LADDER, bench.Conditions(h2d_gbps=25.0), 8),
+               ("hybrid-12GiB-g32-u2-25GBps-8threads-prefetch0", "12GiB", ("hybrid",), bench.Conditions(h2d_gbps=25.0), 8, 0),
+               ("none-g32-u2", "none", ("lru",), bench.Conditions(), None)],
 }
 
 
 def main(out: str, width: str, only: list[str]) -> int:
-    """width: a key of RUNS: the bits, then "g" and the group size where it is not the default."""
-    bits, _, group = width.partition("g")
-    reports = run_all(int(bits), [r for r in RUNS[width] if not only or r[0] in only], int(group) if group else None)
+    """width: a key of RUNS: the bits, then "g" and the group size where it is not the default,
+    then "u" and the units per expert where experts are cut."""
+    bits, group, units = re.fullmatch(r"(\d)(?:g(\d+))?(?:u(\d+))?", width).groups()
+    reports = run_all(int(bits), [r for r in RUNS[width] if not only or r[0] in only], int(group) if group else None,
+                      int(units or 1))
     Path(out).write_text(json.dumps(reports, indent=1))
     return 0
 

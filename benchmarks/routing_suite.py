@@ -44,8 +44,8 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def run_all(bits: int, runs: list, group_size: int | None = None) -> list[dict]:
-    s = bench.build(32, bits, 4, log=log, group_size=group_size)
+def run_all(bits: int, runs: list, group_size: int | None = None, expert_units: int = 1) -> list[dict]:
+    s = bench.build(32, bits, 4, log=log, group_size=group_size, expert_units=expert_units)
     reports = []
     default_threads = torch.get_num_threads()
     for name, budget, modes, cond, threads, *depth in runs:  # depth: prefetch layers (default 1)

@@ -127,6 +127,9 @@ def add_generate_parser(sub) -> None:
                         "place, no extra RAM) or a CPU copy in int4 (default for 16-bit stores), int8, dense")
     s.add_argument("--cpu-threads", type=int, help="threads of the CPU experts (default: torch's)")
     s.add_argument("--ram-budget", help="RAM for the CPU copies, e.g. 24GiB (default: what is available)")
+    s.add_argument("--expert-units", type=int, default=1,
+                   help="cut each HQQ expert into this many units along its FFN at load (exact, the same "
+                        "outputs) so that --cpu-experts serves one miss part over the link and part on the CPU")
     s.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, stats")
 
 
@@ -244,7 +247,8 @@ def cmd_generate(args) -> int:
     engine = load_engine(args.store, device=args.device, dtype=args.dtype,
                          cache_experts=args.cache_experts, vram_budget=args.vram_budget,
                          prefetch=args.prefetch, kernels=args.kernels, cpu_experts=args.cpu_experts,
-                         cpu_format=args.cpu_format, cpu_threads=args.cpu_threads, ram_budget=args.ram_budget)
+                         cpu_format=args.cpu_format, cpu_threads=args.cpu_threads, ram_budget=args.ram_budget,
+                         expert_units=args.expert_units)
     if engine.note:
         print(f"moeferry: {engine.note}", file=sys.stderr)
     prompt_tokens = len(engine.encode(args.prompt, args.chat))

@@ -32,7 +32,7 @@ import torch
 
 from moeferry.engine.kernels import hqq_gpu, mxfp4_gpu
 from moeferry.engine.kernels.hqq_gpu import tl, triton
-from moeferry.engine.runtime.model import ATTN_PROJECTIONS, EagerOps, Step
+from moeferry.engine.runtime.model import ATTN_PROJECTIONS, EagerOps, Step, expand_units
 from moeferry.engine.storage.mxfp4 import Mxfp4Matrix
 
 
@@ -48,6 +48,9 @@ class FusedOps(EagerOps):
         self.k_new = torch.zeros(1, cfg.num_kv_heads * cfg.head_dim, dtype=dt, device=dev)
         self.v_new = torch.zeros_like(self.k_new)
         self.guess_weights = torch.zeros(cfg.top_k, dtype=torch.float32, device=dev)
+        k = cfg.top_k // cfg.expert_units  # the router's choice before expand_units
+        self.routed_weights = torch.zeros(k, dtype=torch.float32, device=dev)
+        self.routed_ids = torch.zeros(k, dtype=torch.long, device=dev)
         # a subset of the top-k (the others on the CPU): its positions, ids and weights
         self.at_host = torch.zeros(cfg.top_k, dtype=torch.long, pin_memory=dev.type == "cuda")
         self.at = torch.zeros(cfg.top_k, dtype=torch.long, device=dev)
@@ -74,13 +77,23 @@ class FusedOps(EagerOps):
         return m.project(self.attn, layer, "o_proj")
 
     def route(self, layer: dict, h, weights, ids) -> None:
-        route_topk(h, layer["router"], self.m.cfg.top_k, weights[0], ids[0], layer.get("router_bias"),
+        units = self.m.cfg.expert_units
+        w, e = (weights[0], ids[0]) if units == 1 else (self.routed_weights, self.routed_ids)
+        route_topk(h, layer["router"], self.m.cfg.top_k // units, w, e, layer.get("router_bias"),
                    renormalize=layer.get("routing") != "softmax_topk")
+        if units > 1:
+            w, e = expand_units(w, e, units)
+            weights[0].copy_(w)
+            ids[0].copy_(e)
 
     def guess(self, j: int, x, scratch, ids) -> None:
-        layer = self.m.moe_layers[j]
+        layer, units = self.m.moe_layers[j], self.m.cfg.expert_units
         add_rms_norm(x, None, layer["moe_norm"], self.m.cfg.rms_norm_eps, scratch)
-        route_topk(scratch, layer["router"], self.m.cfg.top_k, self.guess_weights, ids, layer.get("router_bias"))
+        e = ids if units == 1 else self.routed_ids
+        route_topk(scratch, layer["router"], self.m.cfg.top_k // units, self.guess_weights[:len(e)], e,
+                   layer.get("router_bias"))
+        if units > 1:
+            ids.copy_(expand_units(None, e, units)[1])
 
     def stage(self, at: list[int]) -> None:
         """Send the top-k positions that experts(n=len(at)) runs (host, outside any graph; the

@@ -342,7 +342,7 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
 
 def build(layers: int | None = 32, expert_bits: int = 2, attn_bits: int = 4, seed: int = 0, log=print,
           device=None, config: dict | None = None, model: str = "mixtral-8x7b",
-          expert_format: str | None = None, group_size: int | None = None) -> Synthetic:
+          expert_format: str | None = None, group_size: int | None = None, expert_units: int = 1) -> Synthetic:
     """The synthetic model. device None = the CUDA GPU (the command's case); a CPU device with a
     small `config` (ModelConfig fields over the shape's) is for tests. expert_format: "hqq" (at
     expert_bits, in groups of group_size rows; None = quant.EXPERT_SPECS's) or "mxfp4"
@@ -373,6 +373,10 @@ def build(layers: int | None = 32, expert_bits: int = 2, attn_bits: int = 4, see
                                                            expert_format, group_size)
     if device.type == "cpu":
         dense = {n: compute_ready(w, dtype) for n, w in dense.items()}
+    if expert_units > 1:  # as load_engine's --expert-units: each expert cut into units
+        from moeferry.engine.runtime.expert_units import split_host
+        cfg, fields, host = split_host(cfg, host, fields, eq, expert_units, pin=device.type == "cuda")
+        log(f"  each expert cut into {expert_units} units")
     log(f"  built in {time.perf_counter() - t:.1f} s; one expert = {host.shape[2] / 1e6:.1f} MB, "
         f"resident weights {fmt_bytes(dense_bytes)}")
     bw = pinned_bandwidth(device) if device.type == "cuda" else 0.0
@@ -475,6 +479,7 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "layers": cfg.num_layers, "vram_budget": vram_budget, "vram_budget_bytes": budget,
         "expert_format": s.expert_format, "expert_bits": s.expert_bits, "expert_group_size": s.eq["group_size"],
+        "expert_units": s.cfg.expert_units,
         "expert_bits_per_weight": s.expert_bits_per_weight(), "attn_bits": s.attn_bits, "prompt_len": prompt_len,
         "new_tokens": new_tokens, "expert_bytes": stride, "resident_bytes": s.dense_bytes,
         "pinned_gb_per_s": bw / 1e9, "cache_experts": k,
@@ -548,6 +553,8 @@ def expert_words(report: dict) -> str:
         name = f"{report['expert_bits']}-bit HQQ experts"
         if report.get("expert_group_size"):
             name += f" in groups of {report['expert_group_size']}"
+        if report.get("expert_units", 1) > 1:
+            name += f", each cut into {report['expert_units']} units"
     bpw = report.get("expert_bits_per_weight")
     return name if bpw is None else f"{name}, {bpw:.2f} bits/weight"
 
@@ -587,6 +594,9 @@ def cli_bench(argv: list[str]) -> int:
     p.add_argument("--expert-group-size", type=int,
                    help="rows sharing one HQQ scale and zero (default 16 at 2 bits, 64 at 3 and 4); "
                         "32 at 2 bits takes 2.5 bits per weight, near llama.cpp's Q2_K (2.6)")
+    p.add_argument("--expert-units", type=int, default=1,
+                   help="cut each HQQ expert into this many units along its FFN (exact), so that the hybrid "
+                        "serves one miss part over the link and part on the CPU (default 1: whole experts)")
     p.add_argument("--attn-bits", type=int, default=4, choices=(4, 8), help="bits per attention weight")
     p.add_argument("--prompt-len", default="128", help="one or several, comma-separated")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per measurement")
@@ -611,8 +621,8 @@ def cli_bench(argv: list[str]) -> int:
         raise UserError(f"--expert-bits sets HQQ experts' width, and {a.model}'s experts are MXFP4 here; "
                         f"add --expert-format hqq to bench HQQ experts.")
     expert_bits = a.expert_bits or 2
-    if a.new_tokens < 2 or (a.layers is not None and a.layers < 1):
-        raise UserError("--new-tokens must be 2 or more and --layers 1 or more.")
+    if a.new_tokens < 2 or (a.layers is not None and a.layers < 1) or a.expert_units < 1:
+        raise UserError("--new-tokens must be 2 or more, --layers and --expert-units 1 or more.")
     if not 0 <= a.guess_recall <= 1 or (a.h2d_gbps is not None and a.h2d_gbps <= 0) \
             or (a.cpu_threads is not None and a.cpu_threads < 1):
         raise UserError("--guess-recall must be in [0, 1], --h2d-gbps above 0 and --cpu-threads 1 or more.")
@@ -628,7 +638,7 @@ def cli_bench(argv: list[str]) -> int:
         torch.set_num_threads(a.cpu_threads)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     s = build(a.layers, expert_bits, a.attn_bits, log=log, model=a.model, expert_format=expert_format,
-              group_size=a.expert_group_size)
+              group_size=a.expert_group_size, expert_units=a.expert_units)
     reports = []
     for budget in a.vram_budget.split(","):  # one set of weights, several budgets: one build
         for plen in (int(x) for x in str(a.prompt_len).split(",")):
@@ -640,6 +650,7 @@ def cli_bench(argv: list[str]) -> int:
                 stem = "bench" if a.model == "mixtral-8x7b" else f"bench-{a.model}"
                 experts = "mxfp4" if expert_format == "mxfp4" else f"{expert_bits}bit"
                 experts += f"-g{a.expert_group_size}" if a.expert_group_size else ""
+                experts += f"-u{a.expert_units}" if a.expert_units > 1 else ""
                 name = f"{stem}-{experts}-{budget}-p{plen}-{cond.routing.split(':')[0]}.json"
                 (Path(a.json_dir) / name).write_text(json.dumps(r, indent=1))
     if a.json:

@@ -418,13 +418,15 @@ class TraceRecorder:
 
 def parse_routing(text: str, cfg, device, recall: float, depth: int, seed: int = 0):
     """--routing MODE -> a routing source (None for `model` when nothing is to be counted)."""
+    units = getattr(cfg, "expert_units", 1)  # a forced routing routes whole experts (expand_units)
+    E, k = cfg.num_experts // units, cfg.top_k // units
     if text == "uniform":
-        return UniformRouting(cfg.num_layers, cfg.num_experts, cfg.top_k, device, recall, depth, seed)
+        return UniformRouting(cfg.num_layers, E, k, device, recall, depth, seed)
     if text == "model":
         return ModelRouting()
     if text.startswith("trace:"):
         path = text[len("trace:"):]
-        trace = mapped_trace(path, cfg.num_layers, cfg.num_experts, cfg.top_k, seed)
+        trace = mapped_trace(path, cfg.num_layers, E, k, seed)
         if depth > trace.depth:
             raise UserError(f"The trace holds guesses for {trace.depth} layers ahead and --prefetch is {depth}; "
                             f"lower --prefetch.")

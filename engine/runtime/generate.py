@@ -421,7 +421,7 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
                 prefetch: int = 1, kernels: str = "auto", max_context: int | None = None,
                 progress=None, cuda_graphs: bool = True, cpu_experts: str | None = None,
                 cpu_format: str | None = None, cpu_threads: int | None = None,
-                ram_budget: int | str | None = None) -> Engine:
+                ram_budget: int | str | None = None, expert_units: int = 1) -> Engine:
     """Open a store and put it on the device. progress(fraction, message).
 
     cpu_experts "off" | "all" | "auto" (engine/runtime/cpu_experts.py, engine/runtime/placement.py): missed
@@ -433,8 +433,14 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
     from transformers import AutoTokenizer
 
     st = store_mod.open_store(store)
-    cfg = st.config
     dev = resolve_device(device)
+    host = store_mod.experts_array(st)
+    if expert_units < 1:
+        raise UserError("--expert-units must be 1 (whole experts) or more.")
+    if expert_units != 1:  # each expert as units the hybrid can serve part by link, part on the CPU
+        from moeferry.engine.runtime import expert_units as units_mod
+        st, host = units_mod.split_store(st, host, expert_units, pin=dev.type == "cuda", progress=progress)
+    cfg = st.config
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise UserError(f"Unknown dtype {dtype!r}; use float32, bfloat16 or float16.")
@@ -467,7 +473,6 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
         limit = sizing.needed(max(1, vram.cpu_cache_slots(sizing.per_slot, cfg.num_experts)))
     else:
         limit = budget
-    host = store_mod.experts_array(st)
     if cpu_experts is None:
         cpu_experts = default_cpu_experts(dev, st, host, sizing.per_slot, cache_experts, cpu_format)
     every_expert = cpu_experts != "off" and dev.type == "cpu" and cache_experts is None

@@ -80,6 +80,8 @@ class ModelConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     rope_scaling: dict | None = None  # rope_parameters of a non-default rope type (gpt_oss: yarn)
+    expert_units: int = 1  # > 1: each routed expert is this many units (engine/runtime/expert_units.py);
+    # num_experts, top_k and intermediate_size are then the units', the router's are divided by it
 
     @classmethod
     def from_hf(cls, c: dict) -> "ModelConfig":
@@ -362,6 +364,9 @@ class OffloadedMixtral:
         """Hand MoE layer i's routing to self.routing (engine/measure/routing.py); what it chooses
         instead is written over the router's, on the device, before dispatch reads it."""
         weights, chosen, g = self.routing.choose(self, i, s.x, s.weights, ids, guesses)
+        if self.routing.forces and self.cfg.expert_units > 1:  # its tables route whole experts
+            weights, chosen = expand_units(weights, chosen, self.cfg.expert_units)
+            g = None if g is None else expand_units(None, g, self.cfg.expert_units)[1]
         if chosen is not ids:
             ids.copy_(chosen)
             s.weights.copy_(weights)
@@ -467,15 +472,16 @@ class OffloadedMixtral:
         "softmax_topk" (top-k of the softmax as they are) or "topk_softmax" (gpt_oss: softmax
         over the top-k logits, which include the router's bias).
         """
-        kind = layer.get("routing", "softmax_topk_norm")
+        kind, units = layer.get("routing", "softmax_topk_norm"), self.cfg.expert_units
+        k = self.cfg.top_k // units
         logits = router_logits(layer, h)
         if kind == "topk_softmax":
-            top, ids = torch.topk(logits, self.cfg.top_k, dim=-1)
-            return torch.softmax(top, dim=-1), ids
-        weights, ids = torch.topk(torch.softmax(logits, dim=-1), self.cfg.top_k, dim=-1)
-        if kind == "softmax_topk":
-            return weights, ids
-        return weights / weights.sum(dim=-1, keepdim=True), ids
+            top, ids = torch.topk(logits, k, dim=-1)
+            return expand_units(torch.softmax(top, dim=-1), ids, units)
+        weights, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
+        if kind == "softmax_topk_norm":
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return expand_units(weights, ids, units)
 
     def expert(self, w: dict, h: torch.Tensor) -> torch.Tensor:
         """SwiGLU: w2 (silu(w1 h) * w3 h); with biases (b1, b3, b2: gpt_oss, the one family whose
@@ -492,10 +498,11 @@ class OffloadedMixtral:
     def guess_ids(self, j: int, x: torch.Tensor, m: int | None = None) -> torch.Tensor:
         """Layer j's router on the residual stream x [T, H] (of an earlier layer): its m best
         experts [T, m] (default top_k, as `route` ranks them)."""
-        layer = self.moe_layers[j]
+        layer, units, m = self.moe_layers[j], self.cfg.expert_units, m or self.cfg.top_k
         h = rms_norm(x, layer["moe_norm"], self.cfg.rms_norm_eps)
         probs = torch.softmax(router_logits(layer, h), dim=-1)
-        return torch.topk(probs, m or self.cfg.top_k, dim=-1).indices
+        ids = torch.topk(probs, min(-(-m // units), probs.shape[-1]), dim=-1).indices
+        return expand_units(None, ids, units)[1][..., :m]
 
     def linear(self, x: torch.Tensor, w) -> torch.Tensor:
         if isinstance(w, Mxfp4Matrix):  # gpt_oss's experts as imported
@@ -595,6 +602,15 @@ def sink_attention(q, k, v, mask, sinks: torch.Tensor) -> torch.Tensor:
 
 
 # -- norm and RoPE helpers ----------------------------------------------------------------------
+
+
+def expand_units(weights: torch.Tensor | None, ids: torch.Tensor, units: int):
+    """Routed experts [..., k] -> their units [..., k * units] (expert e: units e * units + p),
+    each unit with its expert's weight (engine/runtime/expert_units.py)."""
+    if units == 1:
+        return weights, ids
+    ids = (ids[..., None] * units + torch.arange(units, device=ids.device)).flatten(-2)
+    return None if weights is None else weights[..., None].expand(*weights.shape, units).flatten(-2), ids
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:

@@ -126,13 +126,18 @@ def expert_parts(cfg: ModelConfig) -> tuple[str, ...]:
 
 def expert_layout(cfg: ModelConfig, quantization: dict) -> tuple[list[dict], int]:
     """Fields of one packed expert with their offsets, and the expert's stride in bytes."""
+    return layout_of([(f"{m}.{suffix}", dtype, shape) for m in expert_parts(cfg)
+                      for suffix, (dtype, shape) in expert_field_shapes(cfg, m, quantization).items()])
+
+
+def layout_of(items: list[tuple[str, torch.dtype, tuple]]) -> tuple[list[dict], int]:
+    """(name, dtype, shape) in order -> fields with their aligned offsets, and the stride."""
     fields, offset = [], 0
-    for m in expert_parts(cfg):
-        for suffix, (dtype, shape) in expert_field_shapes(cfg, m, quantization).items():
-            nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-            fields.append({"name": f"{m}.{suffix}", "dtype": DTYPE_NAMES[dtype],
-                           "shape": list(shape), "offset": offset, "nbytes": nbytes})
-            offset = -(-(offset + nbytes) // FIELD_ALIGN) * FIELD_ALIGN
+    for name, dtype, shape in items:
+        nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        fields.append({"name": name, "dtype": DTYPE_NAMES[dtype], "shape": list(shape), "offset": offset,
+                       "nbytes": nbytes})
+        offset = -(-(offset + nbytes) // FIELD_ALIGN) * FIELD_ALIGN
     return fields, offset
 
 
@@ -392,7 +397,7 @@ def check_dense_shapes(store: Store, header: dict) -> None:
         elif want is None and name.endswith(("input_layernorm.weight", "post_attention_layernorm.weight")):
             want = [h]
         elif want is None and name.endswith("block_sparse_moe.gate.weight"):
-            want = [cfg.num_experts, h]
+            want = [cfg.num_experts // cfg.expert_units, h]  # the router routes whole experts
         if want is not None and entry["shape"] != want:
             raise UserError(f"{store.path}/dense.safetensors holds {name} as {entry['dtype']} {entry['shape']}, "
                             f"which does not fit the store's config and quantization; run "

@@ -135,3 +135,27 @@ def test_the_hybrid_mode_reports_its_cpu_experts(monkeypatch):
     assert cpu["format"] == "hqq" and cpu["experts"] == 2 * 8
     assert cpu["extra_ram_bytes"] == 0  # it reads the stored experts, metadata included, in place
     assert 2.5 < cpu["bits_per_weight"] < 3.5  # 2-bit codes + 8-bit scales and zeros per 16
+
+
+def test_the_bench_cuts_its_experts_into_units_and_routes_whole_experts():
+    """--expert-units 2: the synthetic model's experts become 16 units of half the width per
+    layer, the cache holds units, uniform routing draws whole experts (the two units of one
+    expert always together: a token's units are 2 x top-2 = 4, in pairs e * 2, e * 2 + 1), and
+    the decoded tokens are the whole-expert model's."""
+    tiny = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4,
+            "num_kv_heads": 4, "head_dim": 16, "max_position_embeddings": 256}
+    whole = bench.build(2, 2, 8, device="cpu", config=tiny, log=lambda m: None)
+    cut = bench.build(2, 2, 8, device="cpu", config=tiny, log=lambda m: None, expert_units=2)
+    assert (cut.cfg.num_experts, cut.cfg.top_k, cut.cfg.intermediate_size) == (16, 4, 64)
+    assert cut.host.shape[:2] == (2, 16) and cut.host.shape[2] < whole.host.shape[2]
+    source = bench.Conditions(routing="uniform").routing_source(cut.cfg, "cpu", 1)
+    assert (source.E, source.k) == (8, 2)
+    m_whole, m_cut = whole.model("lru", 8, 0, "reference"), cut.model("lru", 16, 0, "reference")
+    for m in (m_whole, m_cut):
+        m.setup_kv(32)
+    ids = torch.tensor([3, 1, 4, 1, 5])
+    torch.testing.assert_close(m_cut.forward(ids, 0), m_whole.forward(ids, 0), rtol=1e-4, atol=1e-4)
+    r = bench.measure(cut, "none", 8, 6, ("lru",), ("reference",), 0, log=lambda m: None,
+                      cond=bench.Conditions(routing="uniform"))
+    assert r["expert_units"] == 2 and "each cut into 2 units" in bench.markdown_table(r)
+    assert r["results"][0]["hit_rate"] == 1.0
