@@ -89,6 +89,11 @@ def split_expert(w: dict, units: int) -> list[dict]:
     return out
 
 
+def unit_fields(part: dict) -> dict[str, torch.Tensor]:
+    """A unit's tensors by their field names in a packed expert ("w1.plane0", ...)."""
+    return {f"{m}.{name}": t for m in store_mod.EXPERT_MATRICES for name, t in part[m].tensors().items()}
+
+
 def split_store(st, host: torch.Tensor, units: int, pin: bool = False, progress=None):
     """A store's experts as units: (the Store of a model with E * units experts of width I / units,
     top-k * units, and routing that expands each routed expert into its units; its experts uint8
@@ -105,22 +110,20 @@ def split_host(cfg, host: torch.Tensor, fields: list[dict], quantization: dict, 
     their experts uint8 [L, E * units, unit stride]); expert e's units are e * units + p."""
     view = lambda buf: store_mod.view_expert(buf, fields, quantization, cfg)  # noqa: E731
     first = view(host[0, 0])
-    if not all(isinstance(first.get(m), QMatrix) for m in ("w1", "w3", "w2")) or "b1" in first:
+    if not all(isinstance(first.get(m), QMatrix) for m in store_mod.EXPERT_MATRICES) or "b1" in first:
         raise UserError("--expert-units cuts HQQ experts without biases (convert with --expert-bits 2, 3 or 4); "
                         "use --expert-units 1 for this model.")
     why = can_split(first["w1"], first["w2"], units)
     if why:
         raise UserError(f"--expert-units {units}: {why}; use --expert-units 1 or 2.")
-    unit = split_expert(first, units)[0]
-    items = [(f"{m}.{name}", t.dtype, tuple(t.shape)) for m in ("w1", "w3", "w2") for name, t in unit[m].tensors().items()]
-    ufields, stride = store_mod.layout_of(items)
+    unit = unit_fields(split_expert(first, units)[0])
+    ufields, stride = store_mod.layout_of([(name, t.dtype, tuple(t.shape)) for name, t in unit.items()])
     L, E = host.shape[:2]
     out = torch.empty((L, E * units, stride), dtype=torch.uint8, pin_memory=pin)
     for layer in range(L):
         for e in range(E):
             for p, part in enumerate(split_expert(view(host[layer, e]), units)):
-                tensors = {f"{m}.{name}": t for m in ("w1", "w3", "w2") for name, t in part[m].tensors().items()}
-                out[layer, e * units + p] = store_mod.pack_expert(tensors, ufields, stride)
+                out[layer, e * units + p] = store_mod.pack_expert(unit_fields(part), ufields, stride)
         if progress:
             progress((layer + 1) / L, "cutting the experts into units")
     ucfg = replace(cfg, num_experts=E * units, top_k=cfg.top_k * units,

@@ -141,7 +141,7 @@ def test_the_bench_cuts_its_experts_into_units_and_routes_whole_experts():
     """--expert-units 2: the synthetic model's experts become 16 units of half the width per
     layer, the cache holds units, uniform routing draws whole experts (the two units of one
     expert always together: a token's units are 2 x top-2 = 4, in pairs e * 2, e * 2 + 1), and
-    the decoded tokens are the whole-expert model's."""
+    the logits are the whole-expert model's."""
     tiny = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4,
             "num_kv_heads": 4, "head_dim": 16, "max_position_embeddings": 256}
     whole = bench.build(2, 2, 8, device="cpu", config=tiny, log=lambda m: None)
