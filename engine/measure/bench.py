@@ -37,7 +37,7 @@ from moeferry.engine.measure import routing as routing_mod
 from moeferry.engine.measure.bench_shapes import MODEL_SHAPES, family_dense, native_expert_format, shape_config
 from moeferry.engine.runtime.cpu_experts import HqqExpert
 from moeferry.engine.runtime.decode_graphs import use_cuda_graphs
-from moeferry.engine.runtime.expert_cache import ExpertCache, pace_cycles, pin, sleep_cycles_per_s
+from moeferry.engine.runtime.expert_cache import ExpertCache, pace_cycles, pin, pinned_empty, sleep_cycles_per_s
 from moeferry.engine.runtime.generate import compute_ready, cpu_copies_of, cpu_experts_for, device_bytes, parse_size
 from moeferry.engine.runtime.model import ModelConfig, OffloadedMixtral
 from moeferry.engine.storage import mxfp4, quant, store as store_mod
@@ -130,8 +130,8 @@ def synthetic_model(cfg: ModelConfig, expert_bits: int, attn_bits: int, device, 
     if cfg.expert_act == "clamped_swiglu":
         eq["bias_dtype"] = "BF16"
     fields, stride = store_mod.expert_layout(cfg, eq)
-    host = torch.empty((cfg.num_moe_layers, cfg.num_experts, stride), dtype=torch.uint8,
-                       pin_memory=torch.device(device).type == "cuda")
+    shape = (cfg.num_moe_layers, cfg.num_experts, stride)
+    host = pinned_empty(shape) if torch.device(device).type == "cuda" else torch.empty(shape, dtype=torch.uint8)
     for layer in range(cfg.num_moe_layers):
         host[layer].copy_(torch.stack([random_expert(cfg, eq, fields, stride, device, gen)
                                        for _ in range(cfg.num_experts)]))

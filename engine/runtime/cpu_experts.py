@@ -53,6 +53,7 @@ GROUPS = (128, 64, 32)  # int4 groups used, largest (fewest bytes) first; the ke
 CLIPS = (1.0, 0.96, 0.92, 0.88, 0.84)  # int4 range shrink factors tried per group
 SWITCH_INTERVAL_S = 1e-4  # the GIL's switch interval while a CPU worker runs
 LEARN = 0.2  # weight of each decoded layer's CPU rate in the cost model's (learned_costs)
+ON_HOST_THREAD = False  # run CPU experts on the host thread once the GPU work is queued (no worker)
 
 
 @dataclass
@@ -328,17 +329,21 @@ class CpuExperts:
         cpu_bytes = max((c.nbytes() for c in copies.values()), default=0)
         self.sizes = placement.ExpertSizes(gpu_bytes, cpu_bytes, params)
         numba = any(isinstance(c, HqqExpert) for c in copies.values())
-        self.worker = None if every_expert else CpuWorker(threads, numba)
-        if every_expert and threads:  # the experts run in the calling thread
+        self.worker = None if every_expert or ON_HOST_THREAD else CpuWorker(threads, numba)
+        if self.worker is None and threads:  # the experts run in the calling thread
             torch.set_num_threads(threads)
             if numba:
                 hqq_cpu.set_threads(threads)
-        self.stats = CpuRunStats() if every_expert else self.worker.stats
+        self.stats = CpuRunStats() if self.worker is None else self.worker.stats
         self.stage: torch.Tensor | None = None  # pinned [top_k, H]: results on their way up
         self.learning = False  # the running step was placed by choose_in_time: its CPU rate is learned
 
     def nbytes(self) -> int:
         return sum(c.nbytes() for c in self.copies.values())
+
+    def run(self, jobs: list[tuple[CpuExpert, torch.Tensor]]) -> list[torch.Tensor]:
+        """expert(x) for each job, where this object runs its experts, waiting for them."""
+        return run_jobs(jobs, self.stats) if self.worker is None else self.worker.run(jobs).result()
 
     def choose(self, layer: int, needed: list[int], ids_host: list[list[int]], cache):
         """-> (rows, both): rows = expert -> [(token, top-k position)] for the experts of this
@@ -392,14 +397,11 @@ class CpuExperts:
         experts = sorted(rows)
         h_host = h.detach().to("cpu", torch.float32)  # the host synced on routing: h is final
         jobs = [(self.copies[layer, e], h_host[[t for t, _ in rows[e]]]) for e in experts]
-        if self.worker is None:
-            result = run_jobs(jobs, self.stats)
-        else:
-            future = self.worker.run(jobs)
+        future = None if self.worker is None else self.worker.run(jobs)
 
         def finish() -> None:
             t0 = time.perf_counter()
-            ys = result if self.worker is None else future.result()
+            ys = run_jobs(jobs, self.stats) if future is None else future.result()
             self.stats.waited_s += time.perf_counter() - t0  # the CPU was this layer's critical path
             if self.learning:  # this layer's job is the last the worker ran
                 self.costs = learned_costs(self.costs, self.stats.last_bytes, self.stats.last_seconds)

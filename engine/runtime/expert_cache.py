@@ -14,10 +14,15 @@ later copies and every use of the slot wait as they would behind a slower link.
 from __future__ import annotations
 
 import itertools
+import math
+import mmap
+import sys
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -265,7 +270,7 @@ def pin(host: torch.Tensor, progress=None) -> tuple[torch.Tensor, bool]:
     if host.is_pinned():  # a new cache over the same experts (Engine.set_cache_experts)
         return host, True
     try:
-        pinned = torch.empty(host.shape, dtype=torch.uint8, pin_memory=True)
+        pinned = pinned_empty(host.shape)
     except RuntimeError:
         return host, False
     for layer in range(host.shape[0]):
@@ -273,6 +278,43 @@ def pin(host: torch.Tensor, progress=None) -> tuple[torch.Tensor, bool]:
         if progress:
             progress((layer + 1) / host.shape[0], "loading experts into pinned memory")
     return pinned, True
+
+
+HUGE_PAGE = 2 << 20
+HUGE_PAGES = True  # pinned_empty's first choice; the developer benchmarks turn it off to compare
+
+
+def pinned_empty(shape) -> torch.Tensor:
+    """Page-locked host memory (uint8 of this shape) for the experts' home in RAM.
+
+    On Linux: an anonymous mapping advised into transparent huge pages, then registered with
+    CUDA. The CPU experts' kernel (engine/kernels/hqq_cpu.py) reads an expert in rows of a few
+    KB spread over megabytes; in the 4 KB pages of torch's pinned allocator nearly every row is
+    a TLB miss. Elsewhere, or where either step fails, torch's pinned allocator."""
+    n = math.prod(shape)
+    if HUGE_PAGES and sys.platform == "linux" and n >= HUGE_PAGE:
+        t = _registered_huge_pages(n)
+        if t is not None:
+            return t.view(shape)
+    return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+
+
+def _registered_huge_pages(n: int) -> torch.Tensor | None:
+    size = -(-n // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE  # one more page: start on a 2 MB boundary
+    try:
+        area = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:
+        return None
+    whole = np.frombuffer(area, dtype=np.uint8)
+    skip = -whole.ctypes.data % HUGE_PAGE
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        area.madvise(mmap.MADV_HUGEPAGE, skip, size - HUGE_PAGE)
+    buf = whole[skip:skip + n]
+    cudart = torch.cuda.cudart()
+    if int(cudart.cudaHostRegister(buf.ctypes.data, n, 0)) != 0:
+        return None
+    weakref.finalize(buf, cudart.cudaHostUnregister, buf.ctypes.data)
+    return torch.from_numpy(buf)
 
 
 def sleep_cycles_per_s(device) -> float:

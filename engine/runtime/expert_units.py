@@ -23,6 +23,7 @@ from dataclasses import replace
 import torch
 
 from moeferry.engine.errors import UserError
+from moeferry.engine.runtime.expert_cache import pinned_empty
 from moeferry.engine.storage import store as store_mod
 from moeferry.engine.storage.quant import QMatrix
 
@@ -119,7 +120,8 @@ def split_host(cfg, host: torch.Tensor, fields: list[dict], quantization: dict, 
     unit = unit_fields(split_expert(first, units)[0])
     ufields, stride = store_mod.layout_of([(name, t.dtype, tuple(t.shape)) for name, t in unit.items()])
     L, E = host.shape[:2]
-    out = torch.empty((L, E * units, stride), dtype=torch.uint8, pin_memory=pin)
+    shape = (L, E * units, stride)
+    out = pinned_empty(shape) if pin else torch.empty(shape, dtype=torch.uint8)
     for layer in range(L):
         for e in range(E):
             for p, part in enumerate(split_expert(view(host[layer, e]), units)):

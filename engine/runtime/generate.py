@@ -637,9 +637,9 @@ def measure_costs(hybrid, copy, host: torch.Tensor, cache: ExpertCache):
             times.append(time.perf_counter() - t0)
         return min(times)
 
-    cpu_s = best(lambda: hybrid.worker.run([(copy, x)]).result())
+    cpu_s = best(lambda: hybrid.run([(copy, x)]))
     many = torch.zeros(32, x.shape[1])  # a prompt's worth: the kernel's compute rate
-    flops_s = best(lambda: hybrid.worker.run([(copy, many)]).result(), reps=2)
+    flops_s = best(lambda: hybrid.run([(copy, many)]), reps=2)
     if cache.cuda:
         from moeferry.engine.setup import hardware
         link = hardware.measure_h2d(torch, cache.device.index or 0, cache.B, 0.2)["h2d_bytes_per_s"]
