@@ -28,17 +28,18 @@ torch has no 2- or 3-bit CPU kernel, and a pure-torch one (unpack, then matmul) 
 unpacked weights back to RAM: about 100x slower than int4 (benchmarks/cpu_experts.py); hence
 the numba kernel for the store's own bytes.
 
-CpuWorker keeps one thread ready (torch's intra-op pool warm): torch ops release the GIL,
-so the main thread keeps queuing GPU work and copies while the CPU computes.
+The CPU experts run on the host thread, after it has queued the layer's GPU work (copies,
+the GPU's experts, prefetch): the GPU and the link work meanwhile, and the kernel's threads
+(numba's and torch's pools, which stay warm between calls) have the host to themselves. A
+worker thread would overlap the host's queuing too, but then fights it for the GIL at every
+Python step around the kernel: measured on the GPU machine (benchmarks/cpu_hybrid_probe.py,
+docs/BENCHMARKS.md), a 2-bit expert took 3.4 ms on a worker beside a busy host instead of
+1.4 ms, and 20 GB/s inside the engine instead of 35.
 """
 
 from __future__ import annotations
 
-import contextlib
-import sys
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import torch
@@ -51,9 +52,7 @@ COPY_FORMATS = ("int4", "int8", "dense")  # copies in their own layout
 FORMATS = ("hqq",) + COPY_FORMATS  # "hqq": the stored expert, in place
 GROUPS = (128, 64, 32)  # int4 groups used, largest (fewest bytes) first; the kernel also takes 256
 CLIPS = (1.0, 0.96, 0.92, 0.88, 0.84)  # int4 range shrink factors tried per group
-SWITCH_INTERVAL_S = 1e-4  # the GIL's switch interval while a CPU worker runs
 LEARN = 0.2  # weight of each decoded layer's CPU rate in the cost model's (learned_costs)
-ON_HOST_THREAD = False  # run CPU experts on the host thread once the GPU work is queued (no worker)
 
 
 @dataclass
@@ -229,7 +228,7 @@ def supported(fmt: str, hidden: int, intermediate: int) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# The worker
+# Running them
 
 
 @dataclass
@@ -237,7 +236,7 @@ class CpuRunStats:
     experts: int = 0
     bytes_read: int = 0
     seconds: float = 0.0  # the CPU computing
-    waited_s: float = 0.0  # the main thread waiting for the CPU after queuing the device's work
+    waited_s: float = 0.0  # the host computing them after queuing the device's work (a layer's critical path)
     last_bytes: int = 0  # the last run_jobs call's, for learned_costs
     last_seconds: float = 0.0
 
@@ -246,51 +245,17 @@ class CpuRunStats:
         return self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
-def run_jobs(jobs: list[tuple[CpuExpert, torch.Tensor]], stats: CpuRunStats, lock=None) -> list[torch.Tensor]:
+def run_jobs(jobs: list[tuple[CpuExpert, torch.Tensor]], stats: CpuRunStats) -> list[torch.Tensor]:
     """expert(x) for each (expert, x [T, H]), float32 [T, H] each; counts bytes and time."""
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = [e.forward(x) for e, x in jobs]
     dt = time.perf_counter() - t0
-    with lock or contextlib.nullcontext():
-        stats.last_bytes, stats.last_seconds = sum(e.nbytes() for e, _ in jobs), dt
-        stats.experts += len(jobs)
-        stats.bytes_read += stats.last_bytes
-        stats.seconds += dt
+    stats.last_bytes, stats.last_seconds = sum(e.nbytes() for e, _ in jobs), dt
+    stats.experts += len(jobs)
+    stats.bytes_read += stats.last_bytes
+    stats.seconds += dt
     return out
-
-
-class CpuWorker:
-    """One persistent thread running CPU experts, so no call pays a thread start.
-
-    `threads` sets that thread's intra-op pool only (torch keeps the count per thread; the
-    main thread's is left as it is). run() returns a Future; stats are updated under a lock.
-    """
-
-    def __init__(self, threads: int | None = None, numba: bool = False):
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeferry-cpu-experts")
-        if threads:
-            self.pool.submit(torch.set_num_threads, threads).result()
-        if numba:  # numba keeps its thread count per launching thread too
-            self.pool.submit(hqq_cpu.set_threads, threads or torch.get_num_threads()).result()
-        self.threads = self.pool.submit(torch.get_num_threads).result()
-        self.stats = CpuRunStats()
-        self.lock = threading.Lock()
-        self.pool.submit(torch.ones(256, 256).sum).result()  # the pool's threads start now
-        # A thread waiting for the GIL gets it only when the holder blocks or after the switch
-        # interval (5 ms by default): as long as a whole layer. The main thread mostly queues
-        # GPU work, so a short interval lets the worker start and hand back at once.
-        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
-
-    def run(self, jobs: list[tuple[CpuExpert, torch.Tensor]]) -> Future:
-        """Compute expert(x) for each (expert, x float32 [T, H]); Future of the outputs, in order."""
-        return self.pool.submit(self._run, jobs)
-
-    def _run(self, jobs):
-        return run_jobs(jobs, self.stats, self.lock)
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
 
 
 def learned_costs(costs, bytes_read: int, seconds: float):
@@ -309,13 +274,13 @@ def learned_costs(costs, bytes_read: int, seconds: float):
 
 
 class CpuExperts:
-    """The CPU copies of some experts, the worker, and the per-layer choice of what runs here.
+    """The CPU copies of some experts and the per-layer choice of what runs here.
 
     mode "all": every miss that has a CPU copy runs on the CPU, and is copied into the cache
     meanwhile for its next use (the layer never waits for the link; the cache still learns);
     "auto": placement's cost model splits the misses between the link and the CPU.
     every_expert: no device cache at all (a machine without a GPU): every routed expert runs
-    on the CPU, in the calling thread.
+    on the CPU. Either way they run in the calling thread (the module docstring says why).
     """
 
     def __init__(self, copies: dict[tuple[int, int], CpuExpert], mode: str, costs=None,
@@ -328,13 +293,11 @@ class CpuExperts:
         self.copies, self.mode, self.costs, self.every_expert = copies, mode, costs, every_expert
         cpu_bytes = max((c.nbytes() for c in copies.values()), default=0)
         self.sizes = placement.ExpertSizes(gpu_bytes, cpu_bytes, params)
-        numba = any(isinstance(c, HqqExpert) for c in copies.values())
-        self.worker = None if every_expert or ON_HOST_THREAD else CpuWorker(threads, numba)
-        if self.worker is None and threads:  # the experts run in the calling thread
+        if threads:  # the experts run in the calling thread; both pools keep their count per thread
             torch.set_num_threads(threads)
-            if numba:
+            if any(isinstance(c, HqqExpert) for c in copies.values()):
                 hqq_cpu.set_threads(threads)
-        self.stats = CpuRunStats() if self.worker is None else self.worker.stats
+        self.stats = CpuRunStats()
         self.stage: torch.Tensor | None = None  # pinned [top_k, H]: results on their way up
         self.learning = False  # the running step was placed by choose_in_time: its CPU rate is learned
 
@@ -342,8 +305,8 @@ class CpuExperts:
         return sum(c.nbytes() for c in self.copies.values())
 
     def run(self, jobs: list[tuple[CpuExpert, torch.Tensor]]) -> list[torch.Tensor]:
-        """expert(x) for each job, where this object runs its experts, waiting for them."""
-        return run_jobs(jobs, self.stats) if self.worker is None else self.worker.run(jobs).result()
+        """expert(x) for each (expert, x float32 [T, H]): float32 [T, H] each."""
+        return run_jobs(jobs, self.stats)
 
     def choose(self, layer: int, needed: list[int], ids_host: list[list[int]], cache):
         """-> (rows, both): rows = expert -> [(token, top-k position)] for the experts of this
@@ -391,19 +354,18 @@ class CpuExperts:
         return {e: uses[e] for e in run}, []
 
     def start(self, layer: int, rows: dict, h: torch.Tensor, weights: torch.Tensor, out: torch.Tensor):
-        """Send h down and queue rows' experts (see choose); returns finish(), which waits for
-        them and adds each output times its routing weight to out as the device path does:
-        out += (y.to(out.dtype) * weight).to(out.dtype)."""
+        """Send h down for rows' experts (see choose); returns finish(), to be called once the
+        layer's device work is queued: it computes them and adds each output times its routing
+        weight to out as the device path does: out += (y.to(out.dtype) * weight).to(out.dtype)."""
         experts = sorted(rows)
         h_host = h.detach().to("cpu", torch.float32)  # the host synced on routing: h is final
         jobs = [(self.copies[layer, e], h_host[[t for t, _ in rows[e]]]) for e in experts]
-        future = None if self.worker is None else self.worker.run(jobs)
 
         def finish() -> None:
             t0 = time.perf_counter()
-            ys = run_jobs(jobs, self.stats) if future is None else future.result()
-            self.stats.waited_s += time.perf_counter() - t0  # the CPU was this layer's critical path
-            if self.learning:  # this layer's job is the last the worker ran
+            ys = run_jobs(jobs, self.stats)
+            self.stats.waited_s += time.perf_counter() - t0
+            if self.learning:
                 self.costs = learned_costs(self.costs, self.stats.last_bytes, self.stats.last_seconds)
                 self.learning = False
             decode = h.shape[0] == 1
@@ -432,7 +394,3 @@ class CpuExperts:
             self.stage[j].copy_(y[0])
         up = self.stage[:n].to(out.device, non_blocking=True)
         return [up[j:j + 1] for j in range(n)]
-
-    def close(self) -> None:
-        if self.worker is not None:
-            self.worker.close()

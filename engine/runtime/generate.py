@@ -271,8 +271,6 @@ class Engine:
             self.last_stats, self.last_trace = stats, trace
 
     def close(self) -> None:
-        if self.model is not None and self.model.hybrid is not None:
-            self.model.hybrid.close()  # the CPU experts' worker thread
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -621,8 +619,8 @@ def cpu_experts_for(copies: dict, cfg: ModelConfig, host: torch.Tensor, cache: E
 
 
 def measure_costs(hybrid, copy, host: torch.Tensor, cache: ExpertCache):
-    """The cost model's inputs, measured here on one real expert: the CPU kernel through the
-    worker (hand-off included), one copy over the link (on a CPU device: the memcpy and the
+    """The cost model's inputs, measured here on one real expert: the CPU kernel as the engine
+    calls it, one copy over the link (on a CPU device: the memcpy and the
     dequantizing a load does), one expert on the compute device."""
     from moeferry.engine.runtime import placement
 

@@ -28,7 +28,7 @@ class Costs:
     cpu_gbps: float  # the CPU kernel's read speed for the CPU copies, at the threads in use
     gpu_expert_s: float  # one cached expert on the GPU at batch 1
     cpu_gflops: float = 1000.0  # the CPU kernel at many tokens (prefill); measured at load
-    cpu_overhead_s: float = 50e-6  # activation down, result up, the worker's hand-off
+    cpu_overhead_s: float = 50e-6  # activation down, result up, the kernel call
 
 
 @dataclass(frozen=True)

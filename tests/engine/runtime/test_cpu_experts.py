@@ -124,23 +124,20 @@ def test_int4_needs_inputs_in_multiples_of_32():
         ce.quantize_int4(torch.randn(8, 48))
 
 
-def test_worker_runs_jobs_on_its_own_thread_and_counts_bytes():
-    import threading
+def test_cpu_experts_run_on_the_calling_thread_with_their_threads_and_count_bytes():
     gen = torch.Generator().manual_seed(5)
     experts = [ce.make_expert(torch.randn(64, 32, generator=gen), torch.randn(64, 32, generator=gen),
                               torch.randn(32, 64, generator=gen), "int4") for _ in range(2)]
     xs = [torch.randn(1, 32, generator=gen) for _ in range(2)]
-    main_threads = torch.get_num_threads()
-    worker = ce.CpuWorker(threads=main_threads + 1)
+    before = torch.get_num_threads()
     try:
-        assert worker.threads == main_threads + 1 and torch.get_num_threads() == main_threads  # its own
-        names = worker.pool.submit(lambda: threading.current_thread().name).result()
-        assert names.startswith("moeferry-cpu-experts") and names != threading.current_thread().name
-        out = worker.run(list(zip(experts, xs))).result()
-        for y, e, x in zip(out, experts, xs):
-            assert torch.equal(y, e.forward(x))
-        assert worker.stats.experts == 2
-        assert worker.stats.bytes_read == sum(e.nbytes() for e in experts)
-        assert worker.stats.seconds > 0 and worker.stats.gb_per_s > 0
+        hybrid = ce.CpuExperts({(0, 0): experts[0], (0, 1): experts[1]}, "all", threads=1)
+        assert torch.get_num_threads() == 1
+        out = hybrid.run(list(zip(experts, xs)))
     finally:
-        worker.close()
+        torch.set_num_threads(before)
+    for y, e, x in zip(out, experts, xs):
+        assert torch.equal(y, e.forward(x))
+    assert hybrid.stats.experts == 2
+    assert hybrid.stats.bytes_read == sum(e.nbytes() for e in experts)
+    assert hybrid.stats.seconds > 0 and hybrid.stats.gb_per_s > 0

@@ -84,7 +84,6 @@ def test_a_model_of_units_gives_the_experts_logits_and_tokens(store2, units, cac
     assert list(cut.generate_ids(PROMPT, greedy)) == list(whole.generate_ids(PROMPT, greedy))
     if cpu != "off":
         assert cut.last_stats.misses_cpu > 0
-        cut.model.hybrid.close()
 
 
 def test_a_store_whose_experts_cannot_be_cut_gets_one_sentence(store2):

@@ -1,7 +1,8 @@
 """The CPU+GPU hybrid on the CPU: misses computed from CPU copies give the model's tokens.
 
 Here the "device" is the CPU too, so the split between the expert cache and the CPU copies is
-exercised exactly as on a GPU machine (same dispatch, same worker thread), and the greedy
+exercised exactly as on a GPU machine (same dispatch, the CPU experts on the host thread once
+the layer's device work is queued), and the greedy
 tokens are compared with transformers' and with the cache-only run.
 """
 
@@ -67,14 +68,63 @@ def test_hybrid_tokens_equal_transformers_and_cache_only(store16, mode, costs, k
         assert s.misses_cpu > 0 and s.misses_copied > 0
     if costs is IDLE_LINK:
         assert s.misses_both > 0 and s.misses_copied == 0
-    hyb.model.hybrid.close()
+
+
+def test_cpu_experts_run_after_the_layers_device_work_is_queued(store16, monkeypatch):
+    """The host computes a layer's CPU experts only once it has queued everything else of the
+    layer (the cache's copies and the device's experts, then the next layer's prefetch): the
+    device and the link work meanwhile."""
+    from moeferry.engine.runtime import cpu_experts as ce
+
+    path, want = store16
+    engine = load_engine(path, device="cpu", dtype="float32", cache_experts=2, prefetch=1, cpu_experts="auto",
+                         cpu_format="dense")
+    hybrid, cache = engine.model.hybrid, engine.model.cache
+    hybrid.costs = SPLIT
+    events = []
+    real_run, real_start, real_acquire, real_prefetch = ce.run_jobs, hybrid.start, cache.acquire, cache.prefetch
+
+    def run_jobs(jobs, stats):
+        events.append(("cpu", None))
+        return real_run(jobs, stats)
+
+    def start(layer, *args):
+        events.append(("start", layer))
+        return real_start(layer, *args)
+
+    def acquire(layer, expert, keep=()):
+        events.append(("acquire", layer))
+        return real_acquire(layer, expert, keep)
+
+    def prefetch(layer, experts):
+        events.append(("prefetch", layer - 1))  # issued by the layer before
+        return real_prefetch(layer, experts)
+
+    monkeypatch.setattr(ce, "run_jobs", run_jobs)
+    monkeypatch.setattr(hybrid, "start", start)
+    monkeypatch.setattr(cache, "acquire", acquire)
+    monkeypatch.setattr(cache, "prefetch", prefetch)
+    assert greedy(engine) == want
+    last = engine.store.config.num_layers - 1
+    starts = [i for i, (what, _) in enumerate(events) if what == "start"]
+    mixed = 0
+    for i in starts:
+        layer = events[i][1]
+        cpu = next(j for j in range(i, len(events)) if events[j][0] == "cpu")
+        between = events[i + 1:cpu]
+        assert all(lay == layer for _, lay in between)  # nothing of another layer in between
+        assert ("prefetch", layer) in between or layer == last  # the next layer's copies are queued
+        after = events[cpu + 1:cpu + 2]
+        assert not after or after[0][1] != layer  # nothing of this layer after its CPU job
+        mixed += ("acquire", layer) in between
+    assert starts and mixed > 0  # some layers had device and CPU experts
 
 
 def test_every_expert_on_the_cpu_without_a_cache(store16):
     """A machine without a GPU: no cache_experts -> the CPU kernels run every routed expert."""
     path, want = store16
     engine = load_engine(path, device="cpu", dtype="float32", cpu_experts="all", cpu_format="dense")
-    assert engine.model.hybrid.every_expert and engine.model.hybrid.worker is None
+    assert engine.model.hybrid.every_expert
     assert greedy(engine) == want
     s = engine.last_stats
     assert s.cache_hits == 0 and s.cache_misses == 0 and s.bytes_h2d == 0
@@ -299,4 +349,3 @@ def test_the_cpu_rate_of_the_cost_model_is_learned_from_decoded_layers(store16):
     assert hybrid.costs is not idle and hybrid.costs.cpu_gbps != 40.0 and not hybrid.learning
     want = hybrid.copies[0, 5].forward(h)
     assert torch.allclose(out, want, atol=1e-6)
-    hybrid.close()
