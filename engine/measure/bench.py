@@ -27,7 +27,7 @@ import gc
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -72,6 +72,7 @@ class ModeResult:
     cpu_gb_per_s: float = 0.0  # the CPU experts' bytes over their time, decode only
     cpu_wait_ms_per_token: float = 0.0  # the CPU's share of the critical path
     cpu_decode_experts: int = 0  # experts the CPU ran while decoding
+    layer_split: list = field(default_factory=list)  # where a decoded MoE layer's time goes (layer_split)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,6 +309,7 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
         model.hybrid = cpu_experts_for(cpu_copies, s.cfg, s.host, model.cache, "auto", torch.get_num_threads())
         if link_gbps and model.hybrid.costs is not None:  # the paced link is the one it must plan for
             model.hybrid.costs.link_gbps = min(model.hybrid.costs.link_gbps, link_gbps)
+    costs_at_load = asdict(model.hybrid.costs) if model.hybrid is not None and model.hybrid.costs else None
     model.setup_kv(len(prompt) + new_tokens)
     use_cuda_graphs(model, graphs and kernels == "fused")  # the reference path stays eager, as HQQ's
     if model.graphs is not None:
@@ -318,6 +320,7 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
     first = time.perf_counter() - t0
     before = asdict(model.cache.stats)
     cpu0 = replace(model.hybrid.stats) if model.hybrid is not None else None  # a copy
+    model.timeline = [] if not model.cache.holds_every_expert else None
     t1 = time.perf_counter()
     for n in range(new_tokens - 1):
         logits = model.forward(torch.tensor([tok], device=device), len(prompt) + n)
@@ -326,6 +329,8 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
     decode = time.perf_counter() - t1
     after = asdict(model.cache.stats)
     d = {key: after[key] - before[key] for key in after}
+    if model.timeline:
+        d["layer_split"] = layer_split(model.timeline, new_tokens - 1)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else model.cache.device_bytes()
     recall = routing.recall() if routing is not None else {}
     if model.hybrid is not None:  # the decode's CPU work alone (a prefill job reads its expert once for many tokens)
@@ -334,6 +339,9 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
         d["cpu_decode_experts"] = cpu.experts - cpu0.experts
         d["cpu_gb_per_s"] = (cpu.bytes_read - cpu0.bytes_read) / seconds / 1e9 if seconds > 0 else 0.0
         d["cpu_wait_s"] = cpu.waited_s - cpu0.waited_s  # the host computing them
+        if costs_at_load is not None:
+            d["costs_at_load"] = {k: round(v, 6) for k, v in costs_at_load.items()}
+            d["cpu_gbps_learned"] = model.hybrid.costs.cpu_gbps
     model.graphs = None  # break the model <-> graphs cycle so the slots go now
     del model
     return first, decode, d, peak, recall
@@ -464,7 +472,13 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
             r = results[-1]
             log(f"  {mode:6s} {kern:9s} {r.decode_tokens_per_s:7.2f} tok/s  first token {first:.2f} s  "
                 f"hits {r.hit_rate:.2f}  {r.gb_per_token:.2f} GB/token  peak {fmt_bytes(peak)}")
+            for row in r.layer_split:
+                log(f"         {row['per_token']:5.2f} layers/token with {row['copied']} copied, {row['on_cpu']} on the CPU: "
+                    f"{row['ms']:.3f} ms = host {row['host_ms']:.3f} + CPU {row['cpu_ms']:.3f} "
+                    f"+ device wait {row['device_wait_ms']:.3f}")
             if mode == "hybrid":
+                log(f"         costs at load: {d.get('costs_at_load')}; learned by the end: CPU "
+                    f"{d.get('cpu_gbps_learned', 0):.1f} GB/s")
                 log(f"         misses on the CPU {r.misses_cpu} (also copied {r.misses_both}), copied "
                     f"{d['misses'] - r.misses_cpu}; CPU {r.cpu_gb_per_s:.1f} GB/s, the host waited on it "
                     f"{r.cpu_wait_ms_per_token:.2f} ms/token")
@@ -519,7 +533,28 @@ def mode_result(mode, kern, kk, depth, first, decode, d, peak, recall, new_token
         under_budget=budget is None or peak <= budget, guess_recall=recall,
         misses_cpu=d.get("misses_cpu", 0), misses_both=d.get("misses_both", 0),
         cpu_gb_per_s=d.get("cpu_gb_per_s", 0.0), cpu_wait_ms_per_token=d.get("cpu_wait_s", 0.0) / steps * 1e3,
-        cpu_decode_experts=d.get("cpu_decode_experts", 0))
+        cpu_decode_experts=d.get("cpu_decode_experts", 0), layer_split=d.get("layer_split", []))
+
+
+def layer_split(times: list, steps: int) -> list[dict]:
+    """Where a decoded MoE layer's time goes, by what the layer did (experts copied, experts on
+    the CPU): how many such layers per token and, in ms each, the whole layer (its routing sync
+    to the next layer's), the host queuing its device work and copies, the host computing its
+    CPU experts and adding them, and the rest: waiting for the device (its copies and experts,
+    then the next attention). A token's last MoE layer is left out (the head follows it)."""
+    rows: dict[tuple, list] = {}
+    for a, b in zip(times, times[1:]):
+        if b.layer != a.layer + 1:
+            continue
+        r = rows.setdefault((a.copied, a.on_cpu), [0, 0.0, 0.0, 0.0])
+        r[0] += 1
+        r[1] += b.routed - a.routed
+        r[2] += a.queued - a.routed
+        r[3] += a.done - a.queued
+    return [{"copied": c, "on_cpu": n, "per_token": round(k / steps, 2), "ms": round(w / k * 1e3, 3),
+             "host_ms": round(q / k * 1e3, 3), "cpu_ms": round(cpu / k * 1e3, 3),
+             "device_wait_ms": round((w - q - cpu) / k * 1e3, 3)}
+            for (c, n), (k, w, q, cpu) in sorted(rows.items())]
 
 
 def markdown_table(report: dict) -> str:

@@ -338,13 +338,15 @@ class CpuExperts:
         clock (when each copy lands), so an expert whose copy would land later than the CPU
         could compute it runs on the CPU, a miss or a prefetched expert still in flight alike
         (the copy goes on and serves a later token). Prefetch pauses while the link is backed
-        up further than two copies. The CPU's rate is relearned from every layer it works
-        (learned_costs)."""
+        up further than the CPU's time for one expert. The CPU's rate is relearned from every
+        layer it works (learned_costs)."""
         from moeferry.engine.runtime import placement
 
         # told every layer: the costs are final by the first decoded token, and the cache may be
         # a new one (Engine.set_cache_experts)
-        cache.plan_link(1 / (self.costs.link_gbps * 1e9), 2 * placement.copy_s(self.costs, self.sizes))
+        # a prefetch queued behind more than one CPU expert's time would land after the CPU could
+        # have computed it: it would only take the link from the copies that help
+        cache.plan_link(1 / (self.costs.link_gbps * 1e9), placement.cpu_s(self.costs, self.sizes, 1))
         experts = [(e, cache.lands_at(layer, e)) for e in needed]
         able = {e for e in needed if (layer, e) in self.copies}
         run = sorted(placement.choose_by_finish(self.costs, self.sizes, time.perf_counter(), cache.link_free_time(),

@@ -624,7 +624,8 @@ def measure_costs(hybrid, copy, host: torch.Tensor, cache: ExpertCache):
     dequantizing a load does), one expert on the compute device."""
     from moeferry.engine.runtime import placement
 
-    x = torch.zeros(1, copy.w2.rows)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, copy.w2.rows, generator=gen)
 
     def best(fn, reps=5):
         fn()
@@ -636,7 +637,7 @@ def measure_costs(hybrid, copy, host: torch.Tensor, cache: ExpertCache):
         return min(times)
 
     cpu_s = best(lambda: hybrid.run([(copy, x)]))
-    many = torch.zeros(32, x.shape[1])  # a prompt's worth: the kernel's compute rate
+    many = torch.randn(32, x.shape[1], generator=gen)  # a prompt's worth: the kernel's compute rate
     flops_s = best(lambda: hybrid.run([(copy, many)]), reps=2)
     if cache.cuda:
         from moeferry.engine.setup import hardware

@@ -29,6 +29,7 @@ the store: experts() keeps both, dispatch() takes that row), "routing", "window"
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -185,6 +186,20 @@ class Step:
     forced: tuple | None = None  # with resident: (weights, ids) [MoE layers, k] over the router's
 
 
+@dataclass
+class LayerTimes:
+    """One MoE layer of a decoded token on the host clock (OffloadedMixtral.timeline): its routing
+    read (the layer's sync: the device has done everything queued before), its device work and
+    copies queued, its CPU experts computed and added. The device's time shows in the next
+    layer's sync."""
+    layer: int
+    copied: int  # experts that missed and were copied for this layer
+    on_cpu: int  # experts computed on the CPU
+    routed: float
+    queued: float
+    done: float
+
+
 def run_now(key: tuple, fn) -> None:
     """The eager forward's `run`: a device segment runs when the layer reaches it."""
     fn()
@@ -196,6 +211,7 @@ class OffloadedMixtral:
         self.prefetcher = Prefetcher()
         self.kv: KVCache | None = None
         self.trace: list | None = None  # set to a list to record routing per decoded token
+        self.timeline: list | None = None  # set to a list to record each MoE layer's host times (LayerTimes)
         self.routing = None  # engine/measure/routing.py: forces (or records) the router's choice
         self.graphs = None  # CUDA-graph decode, set by engine/runtime/decode_graphs.py use_cuda_graphs()
         self.hybrid = None  # engine/cpu_experts.CpuExperts: misses computed on the CPU, or None
@@ -332,8 +348,10 @@ class OffloadedMixtral:
         returning.
         """
         ids_host = ids.tolist()
+        routed = time.perf_counter()
         guesses_host = guesses.tolist() if guesses is not None else []
         needed = sorted({e for row in ids_host for e in row})
+        resident = set(self.cache.lru[i]) if self.timeline is not None else set()
         if step is not None:
             step.append((tuple(ids_host[0]), self.cache.resident(i)))
         on_cpu, both, finish = {}, [], None
@@ -357,8 +375,12 @@ class OffloadedMixtral:
         self.prefetcher.issue(self.cache, i, guesses_host)  # queued behind the demand copies
         for e in both:  # the link's idle time while the CPU works (engine/runtime/placement.py)
             self.cache.admit(i, e)
+        queued = time.perf_counter()
         if finish is not None:
             finish()
+        if self.timeline is not None:
+            copied = sum(1 for e in needed if e not in on_cpu and e not in resident)
+            self.timeline.append(LayerTimes(i, copied, len(on_cpu), routed, queued, time.perf_counter()))
 
     def force_routing(self, i: int, s: Step, ids: torch.Tensor, guesses: torch.Tensor | None) -> None:
         """Hand MoE layer i's routing to self.routing (engine/measure/routing.py); what it chooses
