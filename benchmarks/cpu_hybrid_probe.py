@@ -10,11 +10,11 @@ differ between the kernel's own benchmark and the engine:
   threads  16, 15, 12 and 8 numba threads;
   link     alone, or while the copy stream streams other experts to the GPU (the engine's
            copies read the same RAM), with the link's achieved rate over the same time;
-  thread   the calling thread, or the hybrid's worker thread while the calling thread keeps
-           the GIL busy in Python (as the engine's host does while it queues GPU work).
+  thread   the calling thread, or a second thread while the calling thread waits or keeps the
+           GIL busy in Python (as the engine's host thread does while it queues GPU work).
 With --bench it then runs the engine's hybrid at 12 GiB (`moeferry bench`'s measure, groups of
-32, prefetch 0 and 1) with the CPU experts on the worker thread or on the host thread, and
-with the experts in huge pages or in torch's pinned memory.
+32, prefetch 0 and 1) with the experts' home in huge pages or in torch's pinned memory.
+docs/BENCHMARKS.md has the figures of 2026-12-03 (when the hybrid still had a worker thread).
 """
 
 from __future__ import annotations
@@ -144,50 +144,46 @@ def kernel_rows(s: bench.Synthetic) -> list[dict]:
             rows.append(r)
             log(f"  {t:2d} threads, link copying: {r['us']:8.1f} us {r['gb_per_s']:6.1f} GB/s; link {link:.1f} GB/s "
                 f"over {start.elapsed_time(end):.0f} ms (CPU busy {cpu_wall * 1e3:.0f} ms)")
-        rows += worker_rows(experts, x, kind)
+        rows += thread_rows(experts, x, kind)
         del buf, experts
     return rows
 
 
-def worker_rows(experts: list, x: torch.Tensor, kind: str) -> list[dict]:
-    """The kernel on the hybrid's worker thread (16 threads), the caller waiting for it or
-    keeping the GIL busy in Python meanwhile."""
+def thread_rows(experts: list, x: torch.Tensor, kind: str) -> list[dict]:
+    """The kernel (16 threads) on a second Python thread, the calling thread waiting for it or
+    keeping the GIL busy in Python meanwhile: what a worker thread beside the engine's host
+    thread would see (why the CPU experts run on the host thread)."""
     rows = []
     for busy in (False, True):
-        worker = cpu_experts.CpuWorker(16, numba=True)
         done = threading.Event()
         times = []
 
-        def jobs(worker=worker, done=done, times=times):
+        def jobs(done=done, times=times):
+            hqq_cpu.set_threads(16)
             for i in range(16):
                 t0 = time.perf_counter()
-                worker.run([(experts[i % len(experts)], x)]).result()
+                experts[i % len(experts)].forward(x)
                 times.append(time.perf_counter() - t0)
             done.set()
 
-        if busy:
-            runner = threading.Thread(target=jobs)
-            runner.start()
-            spins = 0
-            while not done.is_set():  # Python work holding the GIL between switch intervals
-                spins += sum(i * i for i in range(200))
-            runner.join()
-        else:
-            jobs()
-        worker.close()
-        r = {"memory": kind, "threads": 16, "link": "idle", "thread": "worker, caller " + ("busy" if busy else "waiting"),
+        runner = threading.Thread(target=jobs)
+        runner.start()
+        spins = 0
+        while busy and not done.is_set():  # Python work holding the GIL between switch intervals
+            spins += sum(i * i for i in range(200))
+        runner.join()
+        r = {"memory": kind, "threads": 16, "link": "idle", "thread": "second, caller " + ("busy" if busy else "waiting"),
              **summary(times, experts[0].nbytes())}
         rows.append(r)
-        log(f"  16 threads, worker, caller {'busy in Python' if busy else 'waiting'}: {r['us']:8.1f} us "
+        log(f"  16 threads, second thread, caller {'busy in Python' if busy else 'waiting'}: {r['us']:8.1f} us "
             f"{r['gb_per_s']:6.1f} GB/s")
     return rows
 
 
 def engine_rows(s: bench.Synthetic) -> list[dict]:
+    """The engine's hybrid at 12 GiB with the experts' home in huge pages, then in torch's pinned memory."""
     reports = []
-    runs = [("worker", False, True), ("host-thread", True, True), ("host-thread, torch pinned", True, False)]
-    for name, on_host, huge in runs:
-        cpu_experts.ON_HOST_THREAD = on_host
+    for huge in (True, False):
         if huge != expert_cache.HUGE_PAGES:
             expert_cache.HUGE_PAGES = huge
             host = expert_cache.pinned_empty(s.host.shape) if huge else torch.empty(
@@ -195,11 +191,12 @@ def engine_rows(s: bench.Synthetic) -> list[dict]:
             host.copy_(s.host)
             s.host, s.cpu_copies = host, None
             torch.cuda.synchronize()
+        name = "huge pages" if huge else "torch's pinned memory"
         for depth in (0, 1):
             t = time.perf_counter()
-            modes = ("lru", "hybrid") if depth == 0 and name == "worker" else ("hybrid",)
+            modes = ("lru", "hybrid") if depth == 0 and huge else ("hybrid",)
             report = bench.measure(s, "12GiB", 128, 64, modes, ("fused",), depth, log=log)
-            reports.append({"name": f"12GiB, prefetch {depth}, CPU experts on the {name}",
+            reports.append({"name": f"12GiB, prefetch {depth}, experts in {name}",
                             "wall_s": round(time.perf_counter() - t, 1), **report})
             print(f"### {reports[-1]['name']}\n\n{bench.markdown_table(report)}\n", flush=True)
     return reports
