@@ -356,6 +356,11 @@ def predict_gpu(hw: dict, m: ModelSizes, k: int, coeffs: Coefficients = DEFAULT,
 CPU_INT4_BITS = 4.25  # the CPU copies of 16-bit stores: int4 in groups of 128, bfloat16 scale + zero
 CPU_INT4_OF_RAM = 0.9  # the int4 kernel's share of RAM read speed (issue 16: 68-78 of 80-83 GB/s)
 HQQ_CPU_OF_RAM = 0.35  # the in-place HQQ kernel's, 2 bits (docs/BENCHMARKS.md, 2026-12-02 Xeon: 0.37 on 16 threads, 0.30 on 8)
+# Inside a GPU decode the CPU experts do worse than alone (docs/BENCHMARKS.md, 2026-12-03: the
+# kernel at 0.45-0.95 of its own rate, and a layer that runs one spends 0.1-0.6 ms more on the
+# host); the hybrid's prediction takes both, so it does not promise what the engine misses.
+CPU_IN_DECODE_OF_ALONE = 0.6
+CPU_LAYER_HOST_S = 0.3e-3
 
 
 def cpu_cache_experts(m: ModelSizes) -> int:
@@ -396,7 +401,8 @@ def predict_hybrid(hw: dict, m: ModelSizes, k: int, coeffs: Coefficients = DEFAU
     """predict_gpu's decode speed when each layer's misses are split between the link and the
     CPU by engine/runtime/placement.py's model (misses per layer binomial at the LRU hit rate). The CPU
     runs a quantized store's experts in place (it reads what the link would copy, at the HQQ
-    kernel's speed) and a 16-bit store's from int4 copies, as the engine does by default."""
+    kernel's speed) and a 16-bit store's from int4 copies, as the engine does by default, at the
+    rate and host cost measured inside a decode (CPU_IN_DECODE_OF_ALONE, CPU_LAYER_HOST_S)."""
     from math import comb
 
     from moeferry.engine.runtime import placement
@@ -404,9 +410,9 @@ def predict_hybrid(hw: dict, m: ModelSizes, k: int, coeffs: Coefficients = DEFAU
     base = predict_gpu(hw, m, k, coeffs, prefetch_depth)
     ram = 4.0 * (hw.get("cpu_matvec_params_per_s") or 0.5e9 * (hw.get("cpu_cores_physical") or 2))
     in_place = bits_per_param(m) < 16
-    costs = placement.Costs(link_gbps=base["h2d_bytes_per_s"] / 1e9,
-                            cpu_gbps=(HQQ_CPU_OF_RAM if in_place else CPU_INT4_OF_RAM) * ram / 1e9,
-                            gpu_expert_s=0.0, cpu_overhead_s=20e-6)
+    alone = (HQQ_CPU_OF_RAM if in_place else CPU_INT4_OF_RAM) * ram
+    costs = placement.Costs(link_gbps=base["h2d_bytes_per_s"] / 1e9, cpu_gbps=CPU_IN_DECODE_OF_ALONE * alone / 1e9,
+                            gpu_expert_s=0.0, cpu_overhead_s=CPU_LAYER_HOST_S)
     cpu_bytes = m.expert_bytes if in_place else int(m.expert_params * CPU_INT4_BITS / 8)
     sizes = placement.ExpertSizes(m.expert_bytes, cpu_bytes, m.expert_params)
     miss = 1.0 - base["hit_rate"]
