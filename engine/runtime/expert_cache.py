@@ -288,9 +288,10 @@ def pinned_empty(shape) -> torch.Tensor:
     """Page-locked host memory (uint8 of this shape) for the experts' home in RAM.
 
     On Linux: an anonymous mapping advised into transparent huge pages, then registered with
-    CUDA. The CPU experts' kernel (engine/kernels/hqq_cpu.py) reads an expert in rows of a few
-    KB spread over megabytes; in the 4 KB pages of torch's pinned allocator nearly every row is
-    a TLB miss. Elsewhere, or where either step fails, torch's pinned allocator."""
+    CUDA. The CPU experts' kernel (engine/kernels/hqq_cpu.py), which reads an expert in rows of a
+    few KB spread over megabytes, ran 11-12 % faster there than in the 4 KB pages of torch's
+    pinned allocator (docs/BENCHMARKS.md, 2026-12-03); copies to the GPU keep their rate.
+    Elsewhere, or where either step fails, torch's pinned allocator."""
     n = math.prod(shape)
     if HUGE_PAGES and sys.platform == "linux" and n >= HUGE_PAGE:
         t = _registered_huge_pages(n)
