@@ -10,15 +10,14 @@ For each miss of a layer the engine picks one of
 Layers run one after another, so the model minimises each layer's critical path:
   GPU side: the copies, one after another on the link, then the GPU's experts;
   CPU side: the hand-off, then its experts one after another;
-and takes max(GPU side, CPU side). At most top-k experts miss per token, so every split is
-tried. For T tokens (prefill) a CPU expert reads its weights once and does 2 * params * T
-flops; a copy costs the same for any T, which is why long prompts copy and short ones compute.
+and takes max(GPU side, CPU side). For T tokens (prefill) a CPU expert reads its weights once
+and does 2 * params * T flops; a copy costs the same for any T, which is why long prompts copy
+and short ones compute.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import combinations
 
 
 @dataclass
@@ -65,18 +64,21 @@ def choose_misses(c: Costs, s: ExpertSizes, misses: list[int], hits: int, can_cp
                   tokens: dict[int, int]) -> MissPlan:
     """Split one layer's misses between the link and the CPU (see the module docstring).
 
-    tokens: expert -> how many of the step's tokens it serves. Ties go to copying (the cache
-    then learns). `both` takes CPU experts, most tokens first, while the link stays within
-    the layer's critical path.
+    tokens: expert -> how many of the step's tokens it serves. Every copy costs the same, so
+    for n experts on the CPU the best are the n that serve the fewest tokens: the split is the
+    best of those len(able) + 1 prefixes (a prompt can miss every expert of a layer: 128 for
+    Qwen3-30B-A3B, whose subsets could never all be tried). Ties go to copying (the cache then
+    learns). `both` takes CPU experts, most tokens first, while the link stays within the
+    layer's critical path.
     """
-    able = [e for e in misses if e in can_cpu]
+    able = sorted((e for e in misses if e in can_cpu), key=lambda e: tokens[e])  # stable: misses' order
     best = None
     for n in range(len(able) + 1):
-        for on_cpu in combinations(able, n):
-            copied = [e for e in misses if e not in on_cpu]
-            t = layer_s(c, s, hits, copied, list(on_cpu), tokens)
-            if best is None or t < best[0] * (1 - 1e-9):
-                best = (t, on_cpu, copied)
+        on_cpu = tuple(sorted(able[:n], key=misses.index))
+        copied = [e for e in misses if e not in on_cpu]
+        t = layer_s(c, s, hits, copied, list(on_cpu), tokens)
+        if best is None or t < best[0] * (1 - 1e-9):
+            best = (t, on_cpu, copied)
     t, on_cpu, copied = best
     link, both = len(copied) * copy_s(c, s), []
     for e in sorted(on_cpu, key=lambda e: -tokens[e]):
