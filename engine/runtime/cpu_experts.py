@@ -39,6 +39,7 @@ docs/BENCHMARKS.md), a 2-bit expert took 3.4 ms on a worker beside a busy host i
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, replace
 
@@ -293,10 +294,9 @@ class CpuExperts:
         self.copies, self.mode, self.costs, self.every_expert = copies, mode, costs, every_expert
         cpu_bytes = max((c.nbytes() for c in copies.values()), default=0)
         self.sizes = placement.ExpertSizes(gpu_bytes, cpu_bytes, params)
-        if threads:  # the experts run in the calling thread; both pools keep their count per thread
-            torch.set_num_threads(threads)
-            if any(isinstance(c, HqqExpert) for c in copies.values()):
-                hqq_cpu.set_threads(threads)
+        self.threads, self.numba = threads, any(isinstance(c, HqqExpert) for c in copies.values())
+        self.threads_set_in: int | None = None  # the thread whose pools have self.threads (use_threads)
+        self.use_threads()
         self.stats = CpuRunStats()
         self.stage: torch.Tensor | None = None  # pinned [top_k, H]: results on their way up
         self.learning = False  # the running step was placed by choose_in_time: its CPU rate is learned
@@ -304,8 +304,19 @@ class CpuExperts:
     def nbytes(self) -> int:
         return sum(c.nbytes() for c in self.copies.values())
 
+    def use_threads(self) -> None:
+        """Give the calling thread's pools (torch's and numba's keep their size per thread) the
+        CPU experts' thread count, once per thread: the experts run in the thread that decodes,
+        which need not be the one that loaded (the API server decodes on its queue's thread)."""
+        if self.threads and self.threads_set_in != threading.get_ident():
+            torch.set_num_threads(self.threads)
+            if self.numba:
+                hqq_cpu.set_threads(self.threads)
+            self.threads_set_in = threading.get_ident()
+
     def run(self, jobs: list[tuple[CpuExpert, torch.Tensor]]) -> list[torch.Tensor]:
         """expert(x) for each (expert, x float32 [T, H]): float32 [T, H] each."""
+        self.use_threads()
         return run_jobs(jobs, self.stats)
 
     def choose(self, layer: int, needed: list[int], ids_host: list[list[int]], cache):
@@ -365,7 +376,7 @@ class CpuExperts:
 
         def finish() -> None:
             t0 = time.perf_counter()
-            ys = run_jobs(jobs, self.stats)
+            ys = self.run(jobs)
             self.stats.waited_s += time.perf_counter() - t0
             if self.learning:
                 self.costs = learned_costs(self.costs, self.stats.last_bytes, self.stats.last_seconds)

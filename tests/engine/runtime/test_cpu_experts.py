@@ -141,3 +141,30 @@ def test_cpu_experts_run_on_the_calling_thread_with_their_threads_and_count_byte
     assert hybrid.stats.experts == 2
     assert hybrid.stats.bytes_read == sum(e.nbytes() for e in experts)
     assert hybrid.stats.seconds > 0 and hybrid.stats.gb_per_s > 0
+
+
+def test_cpu_experts_take_their_thread_count_into_the_thread_that_runs_them(monkeypatch):
+    """Loaded in one thread, run in another (the API server's queue): the running thread's
+    pools get the CPU experts' count, for torch and for numba (each keeps it per thread)."""
+    import threading
+
+    gen = torch.Generator().manual_seed(6)
+    expert = ce.make_expert(torch.randn(64, 32, generator=gen), torch.randn(64, 32, generator=gen),
+                            torch.randn(32, 64, generator=gen), "int4")
+    numba_set = []
+    monkeypatch.setattr(ce.hqq_cpu, "set_threads", lambda n: numba_set.append((threading.get_ident(), n)))
+    before = torch.get_num_threads()
+    try:
+        hybrid = ce.CpuExperts({(0, 0): expert}, "all", threads=1)
+        hybrid.numba = True  # as for the in-place HQQ experts
+        seen = []
+        real = ce.run_jobs
+        monkeypatch.setattr(ce, "run_jobs", lambda jobs, stats: (seen.append(torch.get_num_threads()),
+                                                                 real(jobs, stats))[1])
+        other = threading.Thread(target=hybrid.run, args=([(expert, torch.randn(1, 32, generator=gen))],))
+        other.start()
+        other.join()
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1]
+    assert [n for _, n in numba_set] == [1] and numba_set[0][0] == other.ident
