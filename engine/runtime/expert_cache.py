@@ -308,11 +308,16 @@ def _registered_huge_pages(n: int) -> torch.Tensor | None:
         return None
     whole = np.frombuffer(area, dtype=np.uint8)
     skip = -whole.ctypes.data % HUGE_PAGE
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    try:  # a kernel without transparent huge pages refuses the advice: 4 KB pages, still pinned
         area.madvise(mmap.MADV_HUGEPAGE, skip, size - HUGE_PAGE)
+    except (AttributeError, OSError):
+        pass
     buf = whole[skip:skip + n]
-    cudart = torch.cuda.cudart()
-    if int(cudart.cudaHostRegister(buf.ctypes.data, n, 0)) != 0:
+    try:
+        cudart = torch.cuda.cudart()
+        if int(cudart.cudaHostRegister(buf.ctypes.data, n, 0)) != 0:  # e.g. WSL 2, or too little RAM
+            return None
+    except (AttributeError, RuntimeError):
         return None
     weakref.finalize(buf, cudart.cudaHostUnregister, buf.ctypes.data)
     return torch.from_numpy(buf)

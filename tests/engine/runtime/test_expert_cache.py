@@ -1,6 +1,9 @@
 """The per-layer LRU expert cache on a scripted routing sequence (CPU: copies are memcpy), and
 the benchmark's baseline caches (naive, no-copy: engine/measure/bench.py)."""
 
+import sys
+
+import pytest
 import torch
 
 from moeferry.engine.measure.bench import CACHES
@@ -133,3 +136,66 @@ def test_what_the_hybrid_reads_goes_through_methods():
     cache.count_cpu_misses(2, 1)
     assert (cache.stats.misses, cache.stats.misses_cpu, cache.stats.misses_both) == (3, 2, 1)
     assert make_cache(E).holds_every_expert and not make_cache(E - 1).holds_every_expert
+
+
+class FakeCudart:
+    """torch.cuda.cudart() as pinned_empty uses it: registration answers `status`."""
+
+    def __init__(self, status: int):
+        self.status, self.registered, self.unregistered = status, [], []
+
+    def cudaHostRegister(self, ptr, size, flags):
+        self.registered.append((ptr, size))
+        return self.status
+
+    def cudaHostUnregister(self, ptr):
+        self.unregistered.append(ptr)
+        return 0
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="huge pages are Linux's; elsewhere torch's pinned allocator")
+@pytest.mark.parametrize("thp", [True, False])
+def test_the_experts_home_is_registered_huge_page_memory_and_unregistered_when_freed(monkeypatch, thp):
+    """pinned_empty on Linux: a 2 MB-aligned mapping, advised into huge pages (a kernel without
+    them refuses the advice and the memory is registered all the same), registered once with
+    CUDA and unregistered when the last view goes."""
+    import gc
+    import mmap
+    from types import SimpleNamespace
+
+    from moeferry.engine.runtime import expert_cache as ec
+
+    class NoHugePages(mmap.mmap):
+        def madvise(self, *args):
+            raise OSError(22, "Invalid argument")
+
+    if not thp:
+        monkeypatch.setattr(ec, "mmap", SimpleNamespace(**{n: getattr(mmap, n) for n in dir(mmap) if n.isupper()},
+                                                        mmap=NoHugePages))
+    cudart = FakeCudart(0)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    host = ec.pinned_empty((3, 5, ec.HUGE_PAGE // 4))
+    assert host.shape == (3, 5, ec.HUGE_PAGE // 4) and host.dtype == torch.uint8
+    assert host.data_ptr() % ec.HUGE_PAGE == 0
+    assert cudart.registered == [(host.data_ptr(), host.numel())]
+    host[2, 4, -1] = 7  # the whole range is writable
+    ptr = host.data_ptr()
+    del host
+    gc.collect()
+    assert cudart.unregistered == [ptr]
+
+
+def test_the_experts_home_falls_back_to_torchs_pinned_memory_when_registration_fails(monkeypatch):
+    from moeferry.engine.runtime import expert_cache as ec
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart(1))
+    asked = []
+    real_empty = torch.empty
+
+    def empty(*shape, **kw):
+        asked.append(kw.get("pin_memory"))
+        return real_empty(*shape, **{k: v for k, v in kw.items() if k != "pin_memory"})
+
+    monkeypatch.setattr(torch, "empty", empty)
+    host = ec.pinned_empty((2, ec.HUGE_PAGE))
+    assert host.shape == (2, ec.HUGE_PAGE) and asked == [True]
