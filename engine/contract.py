@@ -66,7 +66,7 @@ class GenerationStats:
     cpu_expert_runs: int = 0  # expert uses computed on the CPU (all of them without a GPU)
     cpu_gb_per_s: float = 0.0  # the CPU kernels' achieved read speed
     cpu_s: float = 0.0  # time the CPU computed experts
-    cpu_wait_s: float = 0.0  # of it, time the host waited for the CPU (the CPU bound the layer)
+    cpu_wait_s: float = 0.0  # of it, time the layers waited for the CPU: all of it (the host thread computes them)
 
     def contract(self) -> dict:
         """The fields `moeferry generate --json` promises, first, then the rest."""

@@ -236,8 +236,7 @@ def supported(fmt: str, hidden: int, intermediate: int) -> bool:
 class CpuRunStats:
     experts: int = 0
     bytes_read: int = 0
-    seconds: float = 0.0  # the CPU computing
-    waited_s: float = 0.0  # the host computing them after queuing the device's work (a layer's critical path)
+    seconds: float = 0.0  # the CPU computing, on the host thread: all of it on the layers' critical path
     last_bytes: int = 0  # the last run_jobs call's, for learned_costs
     last_seconds: float = 0.0
 
@@ -375,9 +374,7 @@ class CpuExperts:
         jobs = [(self.copies[layer, e], h_host[[t for t, _ in rows[e]]]) for e in experts]
 
         def finish() -> None:
-            t0 = time.perf_counter()
             ys = self.run(jobs)
-            self.stats.waited_s += time.perf_counter() - t0
             if self.learning:
                 self.costs = learned_costs(self.costs, self.stats.last_bytes, self.stats.last_seconds)
                 self.learning = False

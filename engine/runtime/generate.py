@@ -259,7 +259,7 @@ class Engine:
             if model.hybrid is not None:
                 now = asdict(model.hybrid.stats)
                 cpu = type(model.hybrid.stats)(**{k: now[k] - cpu_before[k] for k in now})
-                stats.cpu_expert_runs, stats.cpu_s, stats.cpu_wait_s = cpu.experts, cpu.seconds, cpu.waited_s
+                stats.cpu_expert_runs, stats.cpu_s, stats.cpu_wait_s = cpu.experts, cpu.seconds, cpu.seconds
                 stats.cpu_gb_per_s = cpu.gb_per_s
             total = stats.prefill_s + stats.decode_s
             stats.h2d_gb_per_s = stats.bytes_h2d / total / 1e9 if total > 0 else 0.0

@@ -357,9 +357,9 @@ CPU_INT4_BITS = 4.25  # the CPU copies of 16-bit stores: int4 in groups of 128, 
 CPU_INT4_OF_RAM = 0.9  # the int4 kernel's share of RAM read speed (issue 16: 68-78 of 80-83 GB/s)
 HQQ_CPU_OF_RAM = 0.35  # the in-place HQQ kernel's, 2 bits (docs/BENCHMARKS.md, 2026-12-02 Xeon: 0.37 on 16 threads, 0.30 on 8)
 # Inside a GPU decode the CPU experts do worse than alone (docs/BENCHMARKS.md, 2026-12-03: the
-# kernel at 0.45-0.95 of its own rate, and a layer that runs one spends 0.1-0.6 ms more on the
+# kernel at 0.45-1.0 of its own rate, and a layer that runs one spends 0.1-0.6 ms more on the
 # host); the hybrid's prediction takes both, so it does not promise what the engine misses.
-CPU_IN_DECODE_OF_ALONE = 0.6
+CPU_IN_DECODE_OF_ALONE = 0.6  # the middle of that range
 CPU_LAYER_HOST_S = 0.3e-3
 
 
