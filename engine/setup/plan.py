@@ -359,7 +359,7 @@ HQQ_CPU_OF_RAM = 0.35  # the in-place HQQ kernel's, 2 bits (docs/BENCHMARKS.md, 
 # Inside a GPU decode the CPU experts do worse than alone (docs/BENCHMARKS.md, 2026-12-03: the
 # kernel at 0.45-1.0 of its own rate, and a layer that runs one spends 0.1-0.6 ms more on the
 # host); the hybrid's prediction takes both, so it does not promise what the engine misses.
-CPU_IN_DECODE_OF_ALONE = 0.6  # the middle of that range
+CPU_IN_DECODE_OF_ALONE = 0.6  # near the low end of that range: a figure most measured runs reached
 CPU_LAYER_HOST_S = 0.3e-3
 
 

@@ -139,7 +139,6 @@ def test_the_hybrid_mode_reports_its_cpu_experts(monkeypatch):
     for result in (lru, hybrid):
         split = result["layer_split"]
         assert sum(row["per_token"] for row in split) == pytest.approx(s.cfg.num_moe_layers - 1, abs=0.02)
-        assert all(row["ms"] >= row["host_ms"] + row["cpu_ms"] - 1e-3 for row in split)
     assert any(row["on_cpu"] > 0 and row["cpu_ms"] > 0 for row in hybrid["layer_split"])
     assert all(row["on_cpu"] == 0 and row["cpu_ms"] < 0.01 for row in lru["layer_split"])
 
