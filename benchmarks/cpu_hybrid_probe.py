@@ -14,12 +14,20 @@ differ between the kernel's own benchmark and the engine:
            GIL busy in Python (as the engine's host thread does while it queues GPU work).
 With --bench it then runs the engine's hybrid at 12 GiB (`moeferry bench`'s measure, groups of
 32, prefetch 0 and 1) with the experts' home in huge pages or in torch's pinned memory.
+
+    python3 benchmarks/cpu_hybrid_probe.py OUT.json --cadence
+
+only times the kernel at the engine's cadence: one expert, then a gap in which the host
+sleeps or runs Python (as it queues a layer's GPU work), at 16 and 8 threads. Run it under
+different OMP_WAIT_POLICY / GOMP_SPINCOUNT / NUMBA_THREADING_LAYER settings (one process
+each: they are read once) to see whether the kernel's threads, asleep after a gap, cost it.
 docs/BENCHMARKS.md has the figures of 2026-12-03 (when the hybrid still had a worker thread).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -50,8 +58,8 @@ def machine() -> dict:
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     keep = ("Model name", "CPU(s)", "Thread(s) per core", "NUMA node", "L3", "L2", "Flags")
     lines = [line for line in lscpu.splitlines() if line.split(":")[0].strip().startswith(keep)]
-    lines = [line if not line.startswith("Flags") else "avx512_vnni" + (" yes" if "avx512_vnni" in line else " no")
-             for line in lines]
+    lines = [line if not line.startswith("Flags") else "vector flags: " + " ".join(
+             f for f in line.split() if f.startswith(("avx512", "amx", "avx_vnni"))) for line in lines]
     return {"lscpu": lines, "thp_enabled": read("/sys/kernel/mm/transparent_hugepage/enabled"),
             "thp_defrag": read("/sys/kernel/mm/transparent_hugepage/defrag")}
 
@@ -180,6 +188,43 @@ def thread_rows(experts: list, x: torch.Tensor, kind: str) -> list[dict]:
     return rows
 
 
+GAPS = (("back to back", None, 0.0), ("sleep 0.3 ms", "sleep", 0.3e-3), ("sleep 2 ms", "sleep", 2e-3),
+        ("Python 0.3 ms", "python", 0.3e-3), ("Python 2 ms", "python", 2e-3))
+
+
+def cadence_rows(s: bench.Synthetic) -> list[dict]:
+    """The kernel with a gap after each call, as the engine calls it (a layer's CPU expert, then
+    the host queues the next layers' GPU work): are the threads' wake-ups part of its time?"""
+    stride = s.host.shape[2]
+    n = ROTATE_BYTES // stride + 1
+    x = torch.randn(1, s.cfg.hidden_size)
+    buf, experts = experts_in("huge", s, n)
+    nbytes = experts[0].nbytes()
+    rows = []
+    for t in (16, 8):
+        hqq_cpu.set_threads(t)
+        time_experts(experts, 3, x)
+        for name, kind, gap in GAPS:
+            times = []
+            for r in range(24):
+                e = experts[(3 + r) % len(experts)]
+                t0 = time.perf_counter()
+                e.forward(x)
+                t1 = time.perf_counter()
+                times.append(t1 - t0)
+                if kind == "sleep":
+                    time.sleep(gap)
+                elif kind == "python":
+                    spins = 0
+                    while time.perf_counter() - t1 < gap:
+                        spins += 1
+            row = {"threads": t, "gap": name, **summary(times, nbytes)}
+            rows.append(row)
+            log(f"  {t:2d} threads, {name:>13}: {row['us']:8.1f} us (best {row['us_best']:8.1f}) {row['gb_per_s']:6.1f} GB/s")
+    del buf, experts
+    return rows
+
+
 def engine_rows(s: bench.Synthetic) -> list[dict]:
     """The engine's hybrid at 12 GiB with the experts' home in huge pages, then in torch's pinned memory."""
     reports = []
@@ -205,8 +250,15 @@ def engine_rows(s: bench.Synthetic) -> list[dict]:
 def main() -> int:
     out = Path(sys.argv[1])
     t = time.perf_counter()
-    result = {"machine": machine()}
-    log(json.dumps(result["machine"], indent=1))
+    result = {"machine": machine(), "env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "NUMBA_"))}}
+    log(json.dumps(result, indent=1))
+    if "--cadence" in sys.argv:
+        s = bench.build(8, 2, 4, log=log, group_size=32)
+        result["cadence"] = cadence_rows(s)
+        result["threading_layer"] = hqq_cpu.kernels().numba.threading_layer()
+        log(f"numba threading layer {result['threading_layer']}")
+        out.write_text(json.dumps(result, indent=1))
+        return 0
     s = bench.build(32, 2, 4, log=log, group_size=32)
     log(f"built in {time.perf_counter() - t:.0f} s; host experts huge pages: {anon_huge_kb() / 1e6:.1f} GB")
     result["kernel"] = kernel_rows(s)
