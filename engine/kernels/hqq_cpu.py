@@ -42,10 +42,21 @@ MMAX = 1 << 14  # largest block multiplier
 FLUSH = 16  # blocks summed in int32 lanes before a float32 flush: 4 * 15 * 127 * MMAX * FLUSH < 2**31
 
 
+# How long numba's OpenMP threads spin (GNU libgomp's GOMP_SPINCOUNT, in pause loops: about a
+# second here) before they sleep after a product. The engine calls the kernel once per layer
+# that has a CPU expert, a millisecond or two apart; threads left spinning in between made the
+# hybrid's CPU experts 15 % faster inside the engine on the GPU machine (docs/BENCHMARKS.md,
+# "The CPU's threads between layers"). The user's own setting wins.
+SPIN_COUNT = "30000000"
+
+
 def kernels():
     """The compiled functions (numba is imported on first use: it takes ~0.5 s)."""
     global _JIT
     if _JIT is None:
+        # read once, when numba's first parallel call loads its libgomp (torch's own copy of
+        # libgomp, loaded at import, keeps its settings)
+        os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
         _JIT = _compile()
     return _JIT
 

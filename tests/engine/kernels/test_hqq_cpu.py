@@ -89,3 +89,27 @@ def test_unsupported_matrices_are_refused():
     assert not hqq_cpu.supported(qm)  # 8-bit attention matrices are not experts' widths here
     fp16_meta = quant.quantize_matrix(torch.randn(64, 32), quant.QuantSpec(2, 16, 128, meta_bits=16), optimize=False)
     assert not hqq_cpu.supported(fp16_meta)
+
+
+SPIN_CHECK = """
+import os, sys
+from moeferry.engine.kernels import hqq_cpu
+before = os.environ.get("GOMP_SPINCOUNT")
+hqq_cpu.kernels()
+print(before, os.environ.get("GOMP_SPINCOUNT"))
+"""
+
+
+@pytest.mark.parametrize("users", [None, "1234"])
+def test_the_kernel_threads_spin_between_layers_unless_the_user_says_otherwise(users):
+    """numba's libgomp reads GOMP_SPINCOUNT when the first parallel call loads it: kernels() sets
+    the engine's long spin before then, and keeps a value the user set."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    if users:
+        env["GOMP_SPINCOUNT"] = users
+    out = subprocess.run([sys.executable, "-c", SPIN_CHECK], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [str(users), users or hqq_cpu.SPIN_COUNT]

@@ -168,3 +168,30 @@ def test_cpu_experts_take_their_thread_count_into_the_thread_that_runs_them(monk
         torch.set_num_threads(before)
     assert seen == [1]
     assert [n for _, n in numba_set] == [1] and numba_set[0][0] == other.ident
+
+
+def test_the_cpu_rate_is_timed_on_experts_read_in_turn_from_ram(monkeypatch):
+    """generate.cpu_seconds times different experts in turn (one expert again and again would
+    be served from the L3 cache), up to COLD_BYTES of them, and takes the median."""
+    from moeferry.engine.runtime import generate
+
+    class Copy:
+        def __init__(self, i):
+            self.i = i
+
+        def nbytes(self):
+            return 100
+
+    ran = []
+
+    class Hybrid:
+        def run(self, jobs):
+            ran.extend(c.i for c, _ in jobs)
+
+    monkeypatch.setattr(generate, "COLD_BYTES", 1000)
+    x = torch.zeros(1, 4)
+    generate.cpu_seconds(Hybrid(), [Copy(i) for i in range(30)], x)
+    assert ran[1:] == list(range(10))  # a warm-up, then 10 different experts (1000 bytes)
+    ran.clear()
+    generate.cpu_seconds(Hybrid(), [Copy(i) for i in range(3)], x)
+    assert ran[1:] == [0, 1, 2, 0, 1, 2]  # few experts: each timed twice
