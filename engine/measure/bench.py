@@ -342,6 +342,7 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
         if costs_at_load is not None:
             d["costs_at_load"] = {k: round(v, 6) for k, v in costs_at_load.items()}
             d["cpu_gbps_learned"] = model.hybrid.costs.cpu_gbps
+            d["cpu_hand_off_ms_learned"] = model.hybrid.costs.cpu_overhead_s * 1e3
     model.graphs = None  # break the model <-> graphs cycle so the slots go now
     del model
     return first, decode, d, peak, recall
@@ -478,7 +479,7 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
                     f"+ device wait {row['device_wait_ms']:.3f}")
             if mode == "hybrid":
                 log(f"         costs at load: {d.get('costs_at_load')}; learned by the end: CPU "
-                    f"{d.get('cpu_gbps_learned', 0):.1f} GB/s")
+                    f"{d.get('cpu_gbps_learned', 0):.1f} GB/s, hand-off {d.get('cpu_hand_off_ms_learned', 0):.2f} ms")
                 log(f"         misses on the CPU {r.misses_cpu} (also copied {r.misses_both}), copied "
                     f"{d['misses'] - r.misses_cpu}; CPU {r.cpu_gb_per_s:.1f} GB/s, the host waited on it "
                     f"{r.cpu_wait_ms_per_token:.2f} ms/token")

@@ -258,15 +258,20 @@ def run_jobs(jobs: list[tuple[CpuExpert, torch.Tensor]], stats: CpuRunStats) -> 
     return out
 
 
-def learned_costs(costs, bytes_read: int, seconds: float):
-    """costs with its CPU rate moved LEARN of the way to what one decoded layer's CPU work just
-    achieved (hand-off included). The load-time measurement (generate.measure_costs) times the
-    CPU alone; beside the link's copies (which read the same RAM) and the host's queuing of GPU
-    work it can be slower, and a cost model that kept the idle rate would then send it misses
-    that the link serves sooner."""
+def learned_costs(costs, bytes_read: int, seconds: float, hand_off_s: float | None = None):
+    """costs with its CPU rate (and, when given, its hand-off) moved LEARN of the way to what one
+    decoded layer's CPU work just achieved. The load-time measurement (generate.measure_costs)
+    times the CPU alone; beside the link's copies (which read the same RAM) and the host's
+    queuing of GPU work it can be slower, and a cost model that kept the idle rate would then
+    send it misses that the link serves sooner. hand_off_s: the seconds from the choice to the
+    kernel's start plus those from its end to the results' hand-up (choose_by_finish's
+    cpu_overhead_s)."""
     if bytes_read <= 0 or seconds <= 0:
         return costs
-    return replace(costs, cpu_gbps=(1 - LEARN) * costs.cpu_gbps + LEARN * bytes_read / seconds / 1e9)
+    learned = replace(costs, cpu_gbps=(1 - LEARN) * costs.cpu_gbps + LEARN * bytes_read / seconds / 1e9)
+    if hand_off_s is not None:
+        learned.cpu_overhead_s = (1 - LEARN) * costs.cpu_overhead_s + LEARN * hand_off_s
+    return learned
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,7 +303,8 @@ class CpuExperts:
         self.use_threads()
         self.stats = CpuRunStats()
         self.stage: torch.Tensor | None = None  # pinned [top_k, H]: results on their way up
-        self.learning = False  # the running step was placed by choose_in_time: its CPU rate is learned
+        self.learning = False  # the running step was placed by choose_in_time: its CPU costs are learned
+        self.chosen_at = 0.0  # when choose_in_time placed it (host clock)
 
     def nbytes(self) -> int:
         return sum(c.nbytes() for c in self.copies.values())
@@ -359,7 +365,8 @@ class CpuExperts:
         cache.plan_link(1 / (self.costs.link_gbps * 1e9), placement.cpu_s(self.costs, self.sizes, 1))
         experts = [(e, cache.lands_at(layer, e)) for e in needed]
         able = {e for e in needed if (layer, e) in self.copies}
-        run = sorted(placement.choose_by_finish(self.costs, self.sizes, time.perf_counter(), cache.link_free_time(),
+        self.chosen_at = time.perf_counter()
+        run = sorted(placement.choose_by_finish(self.costs, self.sizes, self.chosen_at, cache.link_free_time(),
                                                 experts, able))
         cache.count_cpu_misses(len(run), 0)
         self.learning = bool(run)
@@ -374,10 +381,8 @@ class CpuExperts:
         jobs = [(self.copies[layer, e], h_host[[t for t, _ in rows[e]]]) for e in experts]
 
         def finish() -> None:
+            started = time.perf_counter()
             ys = self.run(jobs)
-            if self.learning:
-                self.costs = learned_costs(self.costs, self.stats.last_bytes, self.stats.last_seconds)
-                self.learning = False
             decode = h.shape[0] == 1
             up = self._up(ys, out) if decode else [y.to(out.device, out.dtype) for y in ys]
             for e, y in zip(experts, up):
@@ -388,6 +393,11 @@ class CpuExperts:
                     t = torch.tensor([t for t, _ in rows[e]], device=out.device)
                     k = torch.tensor([k for _, k in rows[e]], device=out.device)
                     out.index_add_(0, t, (y * weights[t, k, None]).to(out.dtype))
+            if self.learning:
+                hand_off = time.perf_counter() - self.chosen_at - self.stats.last_seconds
+                self.costs = learned_costs(self.costs, self.stats.last_bytes, self.stats.last_seconds,
+                                           hand_off if 0 < self.chosen_at < started else None)
+                self.learning, self.chosen_at = False, 0.0
 
         return finish
 

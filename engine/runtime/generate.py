@@ -652,7 +652,7 @@ def measure_costs(hybrid, copies: list, host: torch.Tensor, cache: ExpertCache):
         gpu_s = best(lambda: F.linear(F.silu(F.linear(h, w["w1"])) * F.linear(h, w["w3"]), w["w2"]))
     return placement.Costs(link_gbps=link / 1e9, cpu_gbps=copy.nbytes() / cpu_s / 1e9, gpu_expert_s=gpu_s,
                            cpu_gflops=2 * hybrid.sizes.params * 32 / flops_s / 1e9,
-                           cpu_overhead_s=20e-6 if cache.cuda else 0.0)  # + h down, the result up
+                           cpu_overhead_s=placement.CUDA_HAND_OFF_S if cache.cuda else 0.0)
 
 
 COLD_BYTES = 1 << 30  # experts read in turn when timing the CPU: more than any processor's L3

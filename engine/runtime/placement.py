@@ -19,6 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# What a decoded layer that runs a CPU expert spends beside the kernel on a GPU machine: the
+# host's queuing of the layer's GPU work before the kernel starts, the activation down, the
+# results up. Measured 0.1-0.6 ms per such layer on the GPU machine (docs/BENCHMARKS.md,
+# 2026-12-03); the engine starts from this and learns its own (cpu_experts.learned_costs).
+CUDA_HAND_OFF_S = 0.3e-3
+
 
 @dataclass
 class Costs:
@@ -27,7 +33,7 @@ class Costs:
     cpu_gbps: float  # the CPU kernel's read speed for the CPU copies, at the threads in use
     gpu_expert_s: float  # one cached expert on the GPU at batch 1
     cpu_gflops: float = 1000.0  # the CPU kernel at many tokens (prefill); measured at load
-    cpu_overhead_s: float = 50e-6  # activation down, result up, the kernel call
+    cpu_overhead_s: float = 50e-6  # the hand-off: from the choice to the kernel's start, and its results up
 
 
 @dataclass(frozen=True)

@@ -360,7 +360,6 @@ HQQ_CPU_OF_RAM = 0.35  # the in-place HQQ kernel's, 2 bits (docs/BENCHMARKS.md, 
 # kernel at 0.45-1.0 of its own rate, and a layer that runs one spends 0.1-0.6 ms more on the
 # host); the hybrid's prediction takes both, so it does not promise what the engine misses.
 CPU_IN_DECODE_OF_ALONE = 0.6  # near the low end of that range: a figure most measured runs reached
-CPU_LAYER_HOST_S = 0.3e-3
 
 
 def cpu_cache_experts(m: ModelSizes) -> int:
@@ -402,7 +401,7 @@ def predict_hybrid(hw: dict, m: ModelSizes, k: int, coeffs: Coefficients = DEFAU
     CPU by engine/runtime/placement.py's model (misses per layer binomial at the LRU hit rate). The CPU
     runs a quantized store's experts in place (it reads what the link would copy, at the HQQ
     kernel's speed) and a 16-bit store's from int4 copies, as the engine does by default, at the
-    rate and host cost measured inside a decode (CPU_IN_DECODE_OF_ALONE, CPU_LAYER_HOST_S)."""
+    rate and host cost measured inside a decode (CPU_IN_DECODE_OF_ALONE, placement.CUDA_HAND_OFF_S)."""
     from math import comb
 
     from moeferry.engine.runtime import placement
@@ -412,7 +411,7 @@ def predict_hybrid(hw: dict, m: ModelSizes, k: int, coeffs: Coefficients = DEFAU
     in_place = bits_per_param(m) < 16
     alone = (HQQ_CPU_OF_RAM if in_place else CPU_INT4_OF_RAM) * ram
     costs = placement.Costs(link_gbps=base["h2d_bytes_per_s"] / 1e9, cpu_gbps=CPU_IN_DECODE_OF_ALONE * alone / 1e9,
-                            gpu_expert_s=0.0, cpu_overhead_s=CPU_LAYER_HOST_S)
+                            gpu_expert_s=0.0, cpu_overhead_s=placement.CUDA_HAND_OFF_S)
     cpu_bytes = m.expert_bytes if in_place else int(m.expert_params * CPU_INT4_BITS / 8)
     sizes = placement.ExpertSizes(m.expert_bytes, cpu_bytes, m.expert_params)
     miss = 1.0 - base["hit_rate"]

@@ -6,6 +6,8 @@ the layer's device work is queued), and the greedy
 tokens are compared with transformers' and with the cache-only run.
 """
 
+import time
+
 import pytest
 import torch
 
@@ -338,14 +340,22 @@ def test_the_cpu_rate_of_the_cost_model_is_learned_from_decoded_layers(store16):
     for _ in range(40):  # 4 GB/s achieved: 5 ms on the CPU
         slow = ce.learned_costs(slow, 4_000_000, 1e-3)
     assert choose_by_finish(slow, sizes, 0.0, 0.0, [(3, None)], {3}) == set()
+    # the hand-off is learned the same way: 1.8 ms of it leaves the busy CPU slower than the link
+    late = busy
+    for _ in range(40):
+        late = ce.learned_costs(late, 16_000_000, 1e-3, hand_off_s=1.8e-3)
+    assert late.cpu_overhead_s == pytest.approx(1.8e-3, rel=1e-3) and late.cpu_gbps == pytest.approx(16, rel=1e-3)
+    assert ce.learned_costs(busy, 16_000_000, 1e-3).cpu_overhead_s == busy.cpu_overhead_s
+    assert choose_by_finish(late, sizes, 0.0, 0.0, [(3, None)], {3}) == set()
 
     path, _ = store16
     engine = load_engine(path, device="cpu", dtype="float32", cache_experts=2, cpu_experts="auto", cpu_format="dense")
     hybrid = engine.model.hybrid
     hybrid.costs = idle
     h, out = torch.randn(1, 64), torch.zeros(1, 64)
-    hybrid.learning = True
+    hybrid.learning, hybrid.chosen_at = True, time.perf_counter()
     hybrid.start(0, {5: [(0, 0)]}, h, torch.ones(1, 2), out)()
     assert hybrid.costs is not idle and hybrid.costs.cpu_gbps != 40.0 and not hybrid.learning
+    assert 0 < hybrid.costs.cpu_overhead_s < 0.01  # a fifth of its hand-off, learned from 0
     want = hybrid.copies[0, 5].forward(h)
     assert torch.allclose(out, want, atol=1e-6)

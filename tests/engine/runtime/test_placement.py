@@ -117,7 +117,7 @@ def test_predicted_hybrid_layer_beats_copy_only():
 def test_plan_predicts_the_hybrid_from_the_probe():
     """A quantized store's experts run in place on the CPU at the HQQ kernel's share of RAM speed
     (plan.HQQ_CPU_OF_RAM), of which a decode gets plan.CPU_IN_DECODE_OF_ALONE, each layer with a
-    CPU expert paying plan.CPU_LAYER_HOST_S on the host: so beside a 25 GB/s link the CPU helps
+    CPU expert paying placement.CUDA_HAND_OFF_S on the host: so beside a 25 GB/s link the CPU helps
     only with fast RAM, and then little (as measured on the desktop stand-in, docs/BENCHMARKS.md);
     a 16-bit store's run from int4 copies, which the note prices in RAM."""
     from moeferry.engine.setup import plan
