@@ -50,10 +50,8 @@ class GraphedDecode:
     def __init__(self, model, capture: bool = True):
         self.m, self.capture = model, capture
         cfg, dev = model.cfg, model.device
-        positions = torch.arange(cfg.max_position_embeddings, device=dev)
-        cos, sin = rope_cos_sin(model.inv_freq, positions, model.dtype, model.rope_scale)  # [P, 1, D]
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
-        self.s = model.new_step(torch.zeros(1, dtype=torch.long, device=dev), cos, sin, pos=self.pos)
+        self.s = model.new_step(torch.zeros(1, dtype=torch.long, device=dev), *self.rope_tables(), pos=self.pos)
         self.logits = torch.zeros(1, cfg.vocab_size, dtype=torch.float32, device=dev)
         moe = max(1, cfg.num_moe_layers)  # a forced routing's choice for the one graph
         self.forced = (torch.zeros(moe, cfg.top_k, dtype=torch.float32, device=dev),
@@ -68,6 +66,14 @@ class GraphedDecode:
         self.fast = (model.kernels != "reference" and hqq_gpu.fused_available(dev)
                      and self.works(self.probe_decode_kernels, "fused decode kernels"))
         self.ops = FusedOps(model) if self.fast else EagerOps(model)
+
+    def rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [P, 1, D] for the positions the KV cache holds (P = its capacity), which
+        the graphs index with pos. Not for the model's whole context: Qwen3's 262144 positions
+        took 0.5 GiB while being made, past what the VRAM budget sizes."""
+        m = self.m
+        positions = torch.arange(m.kv.capacity if m.kv is not None else 1, device=m.device)
+        return rope_cos_sin(m.inv_freq, positions, m.dtype, m.rope_scale)
 
     @property
     def grouped(self) -> bool:
@@ -129,6 +135,8 @@ class GraphedDecode:
                 self.ops.grouped = self.fast and self.can_group()
                 self.one_graph = self.ops.grouped and m.cache.holds_every_expert
                 self.s.resident = self.one_graph
+            if self.s.cos.shape[0] != m.kv.capacity:  # a new KV cache: RoPE for its positions
+                self.s.cos, self.s.sin = self.rope_tables()
             self.graphs = {}
             if self.capture:
                 self.pool = torch.cuda.graph_pool_handle()

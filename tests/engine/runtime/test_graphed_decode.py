@@ -165,3 +165,26 @@ def test_the_grouped_kernel_runs_only_the_gpu_part_of_a_hybrid_layer(tmp_path):
             want += m.expert(m.cache.slot_weights(0, m.cache.lru[0][e]), s.h) * s.weights[0, p]
         torch.testing.assert_close(s.out, want, rtol=1e-5, atol=1e-6)
 
+
+
+def test_rope_tables_cover_the_kv_cache_not_the_whole_context(tmp_path):
+    """The graphs' cos/sin tables hold the KV cache's positions (a model's 262144-position
+    context made 0.5 GiB of them, past the VRAM budget), follow a larger KV cache, and the
+    tokens after it grows still equal transformers'."""
+    from moeferry.engine.runtime.model import rope_cos_sin
+
+    hf = checkpoint("mixtral", tmp_path / "ck")
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st", 16, 16, "cpu")
+    engine = load_engine(tmp_path / "st", device="cpu", dtype="float32", cache_experts=2, cuda_graphs=False)
+    engine.eos_ids = set()
+    m = engine.model
+    m.kv = None
+    m.setup_kv(8)
+    g = graphed(m, "eager")
+    assert g.s.cos.shape[0] == 256 < engine.config.max_position_embeddings
+    prompt = [3 + i % 90 for i in range(200)]  # with the new tokens, past the 256 positions the tables hold
+    got = list(engine.generate_ids(prompt, SamplingSettings(temperature=0, max_new_tokens=80)))
+    assert m.kv.capacity == 512 and g.s.cos.shape[0] == 512
+    cos, sin = rope_cos_sin(m.inv_freq, torch.arange(512), m.dtype, m.rope_scale)
+    assert torch.equal(g.s.cos, cos) and torch.equal(g.s.sin, sin)
+    assert got == reference_greedy(hf, prompt, 80)
