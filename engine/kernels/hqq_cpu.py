@@ -43,10 +43,7 @@ FLUSH = 16  # blocks summed in int32 lanes before a float32 flush: 4 * 15 * 127 
 
 
 # How long numba's OpenMP threads spin (GNU libgomp's GOMP_SPINCOUNT, in pause loops: about a
-# second here) before they sleep after a product. The engine calls the kernel once per layer
-# that has a CPU expert, a millisecond or two apart; threads left spinning in between made the
-# hybrid's CPU experts 15 % faster inside the engine on the GPU machine (docs/BENCHMARKS.md,
-# "The CPU's threads between layers"). The user's own setting wins.
+# second here) before they sleep after a product, in a GPU engine's hybrid (spin_between_layers).
 SPIN_COUNT = "30000000"
 
 
@@ -54,11 +51,19 @@ def kernels():
     """The compiled functions (numba is imported on first use: it takes ~0.5 s)."""
     global _JIT
     if _JIT is None:
-        # read once, when numba's first parallel call loads its libgomp (torch's own copy of
-        # libgomp, loaded at import, keeps its settings)
-        os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
         _JIT = _compile()
     return _JIT
+
+
+def spin_between_layers() -> None:
+    """Keep numba's threads spinning between products, for the GPU engine's hybrid: it calls the
+    kernel once per layer with a CPU expert, a millisecond or two apart, and threads left
+    spinning in between made its CPU experts 15 % faster inside the engine on the GPU machine
+    (docs/BENCHMARKS.md, 2026-12-03, later). Not for the CPU engine, whose torch operations
+    between the products need the cores the spinning threads would hold (on 2 cores that stalls
+    everything). libgomp reads it once, when numba's first parallel call loads it: call this
+    before; the user's own setting wins."""
+    os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
 
 
 def available() -> str:

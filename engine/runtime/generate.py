@@ -609,9 +609,12 @@ def cpu_copies_of(cfg: ModelConfig, host: torch.Tensor, view, device: torch.devi
 def cpu_experts_for(copies: dict, cfg: ModelConfig, host: torch.Tensor, cache: ExpertCache, mode: str,
                     threads: int | None = None, every_expert: bool = False):
     """The CpuExperts over these copies; for "auto", with its costs measured here."""
+    from moeferry.engine.kernels import hqq_cpu
     from moeferry.engine.runtime import cpu_experts as ce
 
     params = 3 * cfg.hidden_size * cfg.intermediate_size
+    if cache.cuda and not every_expert:
+        hqq_cpu.spin_between_layers()  # before the CpuExperts start numba's threads
     hybrid = ce.CpuExperts(copies, mode, None, host.shape[2], params, every_expert, threads)
     if mode == "auto" and not every_expert and copies:
         hybrid.costs = measure_costs(hybrid, list(copies.values()), host, cache)

@@ -96,14 +96,18 @@ import os, sys
 from moeferry.engine.kernels import hqq_cpu
 before = os.environ.get("GOMP_SPINCOUNT")
 hqq_cpu.kernels()
-print(before, os.environ.get("GOMP_SPINCOUNT"))
+hqq_cpu.set_threads(1)
+alone = os.environ.get("GOMP_SPINCOUNT")
+hqq_cpu.spin_between_layers()
+print(before, alone, os.environ.get("GOMP_SPINCOUNT"))
 """
 
 
 @pytest.mark.parametrize("users", [None, "1234"])
-def test_the_kernel_threads_spin_between_layers_unless_the_user_says_otherwise(users):
-    """numba's libgomp reads GOMP_SPINCOUNT when the first parallel call loads it: kernels() sets
-    the engine's long spin before then, and keeps a value the user set."""
+def test_the_kernel_threads_spin_between_layers_only_when_asked_and_unless_the_user_says_otherwise(users):
+    """numba's libgomp reads GOMP_SPINCOUNT when the first parallel call loads it: the kernel
+    alone (the CPU engine) leaves it as it is, spin_between_layers (the GPU engine's hybrid)
+    sets the long spin, and a value the user set stays."""
     import os
     import subprocess
     import sys
@@ -112,4 +116,4 @@ def test_the_kernel_threads_spin_between_layers_unless_the_user_says_otherwise(u
     if users:
         env["GOMP_SPINCOUNT"] = users
     out = subprocess.run([sys.executable, "-c", SPIN_CHECK], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == [str(users), users or hqq_cpu.SPIN_COUNT]
+    assert out.stdout.split() == [str(users), str(users), users or hqq_cpu.SPIN_COUNT]
