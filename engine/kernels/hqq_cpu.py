@@ -58,8 +58,8 @@ def kernels():
 def spin_between_layers() -> None:
     """Keep numba's threads spinning between products, for the GPU engine's hybrid: it calls the
     kernel once per layer with a CPU expert, a millisecond or two apart, and threads left
-    spinning in between made its CPU experts 15 % faster inside the engine on the GPU machine
-    (docs/BENCHMARKS.md, 2026-12-03, later). Not for the CPU engine, whose torch operations
+    spinning in between made its CPU experts about 15 % faster inside the engine on the GPU
+    machine, in the one run that compared them (docs/BENCHMARKS.md, 2026-12-03, later). Not for the CPU engine, whose torch operations
     between the products need the cores the spinning threads would hold (on 2 cores that stalls
     everything). libgomp reads it once, when numba's first parallel call loads it: call this
     before; the user's own setting wins."""
