@@ -320,6 +320,10 @@ def model_config(hf: dict, what: str, exit_code: int = 2) -> ModelConfig:
     if not ok:
         raise UserError(f"{what} has a config.json whose experts per token, heads, rms_norm_eps, rope_theta "
                         f"or sliding_window do not fit together; it is damaged.", exit_code)
+    if not cfg.moe_layer_ids:
+        raise UserError(f"{what} has no layer with routed experts (its config.json's decoder_sparse_step and "
+                        f"mlp_only_layers make every layer dense); MoE Ferry runs mixture-of-experts models, so "
+                        f"run this one with a runtime for dense models.", exit_code)
     return cfg
 
 

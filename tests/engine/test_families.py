@@ -310,6 +310,22 @@ def test_an_unsupported_family_gets_one_sentence_naming_the_supported_ones(tmp_p
     assert "Traceback" not in r.stderr and not (tmp_path / "st").exists()
 
 
+@pytest.mark.parametrize("family,dense", [("qwen2_moe", dict(decoder_sparse_step=2)),
+                                          ("qwen3_moe", dict(mlp_only_layers=[0]))])
+def test_a_checkpoint_without_moe_layers_gets_one_sentence(tmp_path, family, dense):
+    """decoder_sparse_step and mlp_only_layers can leave a one-layer model without any routed
+    experts (found by random configs: convert then failed with an IndexError)."""
+    v = next(v for v in VARIANTS if v.id.startswith(family))
+    model = v.model(v.config(**{**COMMON, **v.kwargs, "num_hidden_layers": 1, "mlp_only_layers": [], **dense})).eval()
+    save_checkpoint(model, tmp_path / "ck")
+    r = run_cli("convert", str(tmp_path / "ck"), str(tmp_path / "st"), "--expert-bits", "16", "--attn-bits", "16",
+                "--device", "cpu")
+    assert r.returncode == 2
+    line = r.stderr.strip().splitlines()[-1]
+    assert "no layer with routed experts" in line and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "st").exists()
+
+
 def test_a_store_of_an_unsupported_family_is_refused(tiny_store, tmp_path):
     import shutil
     st = tmp_path / "st"
