@@ -208,7 +208,8 @@ def cmd_convert(args) -> int:
                             "(16 keeps the source precision).")
         dest = convert_checkpoint(args.src, args.dest, args.expert_bits, args.attn_bits, args.device,
                                   tokenizer=args.tokenizer, progress=ProgressLine(),
-                                  expert_group_size=args.expert_group_size)
+                                  expert_group_size=args.expert_group_size,
+                                  notice=lambda sentence: print(f"moeferry: {sentence}", file=sys.stderr))
     print(f"Wrote and verified the store {dest}.", file=sys.stderr)
     return 0
 

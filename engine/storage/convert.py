@@ -366,6 +366,20 @@ def quantization_of(bits: int, specs: dict, source_dtype: str, allowed, rows: li
     return {"bits": bits, "group_size": g, "meta_group": s.meta_group, "method": "hqq"}
 
 
+def fitted(q: dict, shapes: list, what: str, source_dtype: str, notice=None) -> dict:
+    """q, or the source precision (16 bits) where q cannot tile these matrices: HQQ's groups and
+    bit planes need row counts that are multiples of 8, which every released model has and a
+    tiny test model may not (hidden size 20, say). notice(sentence) hears of it."""
+    try:
+        for rows, cols in shapes:
+            store.matrix_fields(rows, cols, q)
+        return q
+    except ValueError as e:
+        if notice is not None:
+            notice(f"the {what} stay at 16 bits: {e}.")
+        return {"bits": 16, "dtype": source_dtype, **{k: v for k, v in q.items() if k == "bias_dtype"}}
+
+
 def copy_tokenizer(src: Path, tok_dir: Path | None, dest: Path) -> None:
     where = tok_dir or src
     found = [f for f in TOKENIZER_FILES if (where / f).is_file()]
@@ -385,9 +399,11 @@ def copy_tokenizer(src: Path, tok_dir: Path | None, dest: Path) -> None:
 
 def convert_checkpoint(src, dest, expert_bits: int, attn_bits: int, device: str = "auto",
                        tokenizer: str | Path | None = None, progress=None,
-                       cancel: threading.Event | None = None, expert_group_size: int | None = None) -> Path:
+                       cancel: threading.Event | None = None, expert_group_size: int | None = None,
+                       notice=None) -> Path:
     """Convert and install atomically; returns dest. progress(fraction, message).
-    expert_group_size: HQQ rows per scale and zero of the experts (None = quant.EXPERT_SPECS's)."""
+    expert_group_size: HQQ rows per scale and zero of the experts (None = quant.EXPERT_SPECS's).
+    notice(sentence): what the conversion does other than asked (see fitted)."""
     if expert_group_size is not None and expert_bits == 16:  # kept as they are, MXFP4 imports too
         raise UserError("--expert-group-size is for quantized experts; 16-bit experts have no groups.")
     src, dest = Path(src).expanduser(), Path(dest).expanduser()
@@ -409,13 +425,10 @@ def convert_checkpoint(src, dest, expert_bits: int, attn_bits: int, device: str 
         eq["bias_dtype"] = bias_dtype
     aq = quantization_of(attn_bits, quant.ATTN_SPECS, refs["model.layers.0.self_attn.q_proj.weight"].entry["dtype"],
                          (4, 8, 16), sorted({rows for rows, _ in dense_shapes}))
-    try:
-        for m in store.EXPERT_MATRICES:
-            store.matrix_fields(*store.expert_shape(cfg, m), eq)
-        for shape in dense_shapes:
-            store.matrix_fields(*shape, aq)
-    except ValueError as e:
-        raise UserError(f"This model's shapes do not fit the chosen quantization: {e}.") from None
+    eq = fitted(eq, [store.expert_shape(cfg, m) for m in store.EXPERT_MATRICES], "experts",
+                "BF16" if src_dtype == "mxfp4" else src_dtype, notice)
+    aq = fitted(aq, dense_shapes, "attention", aq.get("dtype") or refs["model.layers.0.self_attn.q_proj.weight"]
+                .entry["dtype"], notice)
     dev = resolve_device(device)
     tok_dir = resolve_tokenizer_dir(tokenizer) if tokenizer else None
     if tok_dir is not None:

@@ -190,6 +190,34 @@ def test_quantized_logits_equal_the_dequantized_reference(tmp_path, vid, expert_
     assert list(engine.generate_ids(ids, greedy)) == reference_greedy(ref, ids, 10)
 
 
+@pytest.mark.parametrize("family,sizes,kept", [
+    ("olmoe", dict(hidden_size=20, num_attention_heads=2, num_key_value_heads=1, intermediate_size=24),
+     ("experts", "attention")),  # 20 rows: neither tiles
+    ("qwen3_moe", dict(hidden_size=48, head_dim=10, num_attention_heads=2, num_key_value_heads=1,
+                       moe_intermediate_size=24, intermediate_size=40), ("attention",))])  # q: 20 rows
+def test_matrices_of_odd_rows_stay_at_16_bits_and_say_so(tmp_path, family, sizes, kept):
+    """HQQ's groups need row counts that are multiples of 8 (every released model has them): a
+    random model with other sizes still converts through the CLI, the kind that cannot be
+    quantized kept at 16 bits with one line saying so, and its tokens are the store's own
+    dequantized model's."""
+    v = next(v for v in VARIANTS if v.id.startswith(family))
+    save(v, v.model(v.config(**{**COMMON, **v.kwargs, **sizes})).eval(), tmp_path / "ck")
+    r = run_cli("convert", str(tmp_path / "ck"), str(tmp_path / "st"), "--expert-bits", "4", "--attn-bits", "4",
+                "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    for what in ("experts", "attention"):
+        assert (f"the {what} stay at 16 bits" in r.stderr) == (what in kept), r.stderr
+    st = open_store(tmp_path / "st")
+    assert st.expert_quant["bits"] == (16 if "experts" in kept else 4) and st.attn_quant["bits"] == 16
+    ref = load_dequantized_hf_model(tmp_path / "st")
+    r = run_cli("generate", str(tmp_path / "st"), "--prompt", PROMPT_TEXT, "--temperature", "0", "--json",
+                "--device", "cpu", "--dtype", "float32", "--max-new-tokens", "8", "--cache-experts", "2")
+    assert r.returncode == 0, r.stderr
+    tok = T.AutoTokenizer.from_pretrained(str(tmp_path / "st"))
+    ids = tok(PROMPT_TEXT)["input_ids"]
+    assert json.loads(r.stdout)["token_ids"] == reference(ref, ids, tok.eos_token_id)[:8]
+
+
 def test_quantized_store_really_is_quantized(tmp_path):
     """The reference above is the store's own dequantized weights: they are close to the source's
     but not equal (else the quantized test would test nothing), shared expert included."""
