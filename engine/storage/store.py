@@ -453,6 +453,9 @@ def load_dequantized_hf_model(arg: str | Path, dtype: torch.dtype = torch.float3
         model = AutoModelForCausalLM.from_config(hf)
     if getattr(hf, "tie_word_embeddings", False) and "lm_head.weight" not in sd:
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    for name, t in model.state_dict().items():  # qwen2_moe builds a shared expert (and gate) of size 0
+        if name not in sd and cfg.shared_expert_size == 0 and ".shared_expert" in name:  # no effect; not stored
+            sd[name] = torch.zeros(t.shape, dtype=dtype)
     model.load_state_dict(sd, strict=True, assign=True)
     # rotary inv_freq is a non-persistent buffer left on meta: rebuild it on the CPU
     model.model.rotary_emb = type(model.model.rotary_emb)(config=hf)

@@ -169,6 +169,7 @@ def test_every_cache_size_and_prefetch_depth_gives_transformers_tokens(tmp_path,
 @pytest.mark.parametrize("vid,expert_bits,attn_bits", [("qwen3_moe-top3-dense-layer", 4, 8),
                                                         ("olmoe-top3", 2, 4),
                                                         ("qwen2_moe-shared-top3", 3, 8),
+                                                        ("qwen2_moe-no-shared-top1-window", 4, 8),
                                                         ("gpt_oss-top1-window3", 4, 4)])
 def test_quantized_logits_equal_the_dequantized_reference(tmp_path, vid, expert_bits, attn_bits):
     v = BY_ID[vid]
