@@ -22,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moeferry.engine.measure import bench  # noqa: E402
 from moeferry.engine.runtime import vram  # noqa: E402
 
+PROMPT, NEW = 128, 64
+
 
 def where(frames: list[dict]) -> str:
     for f in frames:
@@ -39,7 +41,7 @@ def live_at_peak(trace: list[dict]) -> tuple[int, dict[int, dict]]:
             total += ev["size"]
             if total > peak:
                 peak, at_peak = total, dict(live)
-        elif ev["action"] in ("free_requested",) and ev["addr"] in live:
+        elif ev["action"] == "free_requested" and ev["addr"] in live:
             total -= live.pop(ev["addr"])["size"]
     return peak, at_peak
 
@@ -50,7 +52,7 @@ def main() -> int:
     dev = s.device
     base = torch.cuda.memory_allocated(dev)
     torch.cuda.memory._record_memory_history(max_entries=1_000_000)
-    report = bench.measure(s, budget, 128, 64, ("lru",), ("fused",), 0, log=print, cond=bench.Conditions())
+    report = bench.measure(s, budget, PROMPT, NEW, ("lru",), ("fused",), 0, log=print, cond=bench.Conditions())
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     trace = [ev for t in snap["device_traces"] for ev in t]
@@ -58,7 +60,7 @@ def main() -> int:
     cfg = s.cfg
     k = report["cache_experts"]
     sizing = {"dense": s.dense_bytes,
-              "kv": vram.kv_cache_bytes(cfg.num_layers, 192, cfg.num_kv_heads, cfg.head_dim),
+              "kv": vram.kv_cache_bytes(cfg.num_layers, PROMPT + NEW, cfg.num_kv_heads, cfg.head_dim),
               "workspace": vram.workspace_bytes(cfg.hidden_size * cfg.intermediate_size),
               "slots": k * cfg.num_moe_layers * s.host.shape[2]}
     print(f"budget {budget} = {bench.parse_size(budget) / 2**30:.3f} GiB; sizing (GiB): "

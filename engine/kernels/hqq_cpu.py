@@ -42,8 +42,9 @@ MMAX = 1 << 14  # largest block multiplier
 FLUSH = 16  # blocks summed in int32 lanes before a float32 flush: 4 * 15 * 127 * MMAX * FLUSH < 2**31
 
 
-# How long numba's OpenMP threads spin (GNU libgomp's GOMP_SPINCOUNT, in pause loops: about a
-# second here) before they sleep after a product, in a GPU engine's hybrid (spin_between_layers).
+# How long numba's OpenMP threads spin (GNU libgomp's GOMP_SPINCOUNT, in pause loops; in time
+# it depends on the processor, not measured) before they sleep after a product, in a GPU
+# engine's hybrid (spin_between_layers): the value measured in the engine.
 SPIN_COUNT = "30000000"
 
 
@@ -60,8 +61,8 @@ def spin_between_layers() -> None:
     kernel once per layer with a CPU expert, a millisecond or two apart, and threads left
     spinning in between made its CPU experts about 15 % faster inside the engine on the GPU
     machine, in the one run that compared them (docs/BENCHMARKS.md, 2026-12-03, later). Not for the CPU engine, whose torch operations
-    between the products need the cores the spinning threads would hold (on 2 cores that stalls
-    everything). libgomp reads it once, when numba's first parallel call loads it: call this
+    between the products need the cores the spinning threads would hold (on the 2-core
+    development box the test suite slowed several times over). libgomp reads it once, when numba's first parallel call loads it: call this
     before; the user's own setting wins."""
     os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
 

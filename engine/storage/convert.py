@@ -345,12 +345,15 @@ def check_present(refs: dict, names: list[str]) -> None:
 
 
 def quantization_of(bits: int, specs: dict, source_dtype: str, allowed, rows: list[int],
-                    group_size: int | None = None) -> dict:
+                    group_size: int | None = None, what: str = "matrices", notice=None) -> dict:
     """The quantization of one kind of matrix (experts or attention) as the manifest records it.
 
     Small models whose row counts the default group size does not divide get the largest
-    power-of-two group that divides them all (Mixtral-8x7B keeps the defaults). group_size,
-    where given, is taken as it is or refused (quant.check_group_size).
+    power-of-two group that divides them all (Mixtral-8x7B keeps the defaults). Where not even
+    groups of 8 do (HQQ's groups and bit planes need rows in multiples of 8, which every
+    released model has and a tiny test model may not), that kind keeps the source precision and
+    notice(sentence) hears of it. group_size, where given, is taken as it is or refused
+    (quant.check_group_size).
     """
     if bits not in allowed:
         raise UserError(f"{bits}-bit is not offered here; choose one of {', '.join(map(str, allowed))}.")
@@ -363,21 +366,13 @@ def quantization_of(bits: int, specs: dict, source_dtype: str, allowed, rows: li
     g = s.group_size
     while g > 8 and any(r % g for r in rows):
         g //= 2
-    return {"bits": bits, "group_size": g, "meta_group": s.meta_group, "method": "hqq"}
-
-
-def fitted(q: dict, shapes: list, what: str, source_dtype: str, notice=None) -> dict:
-    """q, or the source precision (16 bits) where q cannot tile these matrices: HQQ's groups and
-    bit planes need row counts that are multiples of 8, which every released model has and a
-    tiny test model may not (hidden size 20, say). notice(sentence) hears of it."""
-    try:
-        for rows, cols in shapes:
-            store.matrix_fields(rows, cols, q)
-        return q
-    except ValueError as e:
+    odd = [r for r in rows if r % g]
+    if odd:
         if notice is not None:
-            notice(f"the {what} stay at 16 bits: {e}.")
-        return {"bits": 16, "dtype": source_dtype, **{k: v for k, v in q.items() if k == "bias_dtype"}}
+            notice(f"the {what} stay at 16 bits: a matrix of {odd[0]} rows cannot be quantized in groups "
+                   f"of {g} rows (rows must be a multiple of 8).")
+        return {"bits": 16, "dtype": source_dtype}
+    return {"bits": bits, "group_size": g, "meta_group": s.meta_group, "method": "hqq"}
 
 
 def copy_tokenizer(src: Path, tok_dir: Path | None, dest: Path) -> None:
@@ -403,7 +398,7 @@ def convert_checkpoint(src, dest, expert_bits: int, attn_bits: int, device: str 
                        notice=None) -> Path:
     """Convert and install atomically; returns dest. progress(fraction, message).
     expert_group_size: HQQ rows per scale and zero of the experts (None = quant.EXPERT_SPECS's).
-    notice(sentence): what the conversion does other than asked (see fitted)."""
+    notice(sentence): what the conversion does other than asked (see quantization_of)."""
     if expert_group_size is not None and expert_bits == 16:  # kept as they are, MXFP4 imports too
         raise UserError("--expert-group-size is for quantized experts; 16-bit experts have no groups.")
     src, dest = Path(src).expanduser(), Path(dest).expanduser()
@@ -420,15 +415,11 @@ def convert_checkpoint(src, dest, expert_bits: int, attn_bits: int, device: str 
     else:
         eq = quantization_of(expert_bits, quant.EXPERT_SPECS, "BF16" if src_dtype == "mxfp4" else src_dtype,
                              (2, 3, 4, 16), [store.expert_shape(cfg, m)[0] for m in store.EXPERT_MATRICES],
-                             expert_group_size)
+                             expert_group_size, "experts", notice)
     if bias_dtype is not None:
         eq["bias_dtype"] = bias_dtype
     aq = quantization_of(attn_bits, quant.ATTN_SPECS, refs["model.layers.0.self_attn.q_proj.weight"].entry["dtype"],
-                         (4, 8, 16), sorted({rows for rows, _ in dense_shapes}))
-    eq = fitted(eq, [store.expert_shape(cfg, m) for m in store.EXPERT_MATRICES], "experts",
-                "BF16" if src_dtype == "mxfp4" else src_dtype, notice)
-    aq = fitted(aq, dense_shapes, "attention", aq.get("dtype") or refs["model.layers.0.self_attn.q_proj.weight"]
-                .entry["dtype"], notice)
+                         (4, 8, 16), sorted({rows for rows, _ in dense_shapes}), None, "attention", notice)
     dev = resolve_device(device)
     tok_dir = resolve_tokenizer_dir(tokenizer) if tokenizer else None
     if tok_dir is not None:

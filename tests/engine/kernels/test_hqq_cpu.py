@@ -92,7 +92,7 @@ def test_unsupported_matrices_are_refused():
 
 
 SPIN_CHECK = """
-import os, sys
+import os
 from moeferry.engine.kernels import hqq_cpu
 before = os.environ.get("GOMP_SPINCOUNT")
 hqq_cpu.kernels()

@@ -166,7 +166,6 @@ def test_the_grouped_kernel_runs_only_the_gpu_part_of_a_hybrid_layer(tmp_path):
         torch.testing.assert_close(s.out, want, rtol=1e-5, atol=1e-6)
 
 
-
 def test_rope_tables_cover_the_kv_cache_not_the_whole_context(tmp_path):
     """The graphs' cos/sin tables hold the KV cache's positions (a model's 262144-position
     context made 0.5 GiB of them, past the VRAM budget), follow a larger KV cache, and the
