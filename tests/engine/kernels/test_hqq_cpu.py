@@ -46,7 +46,8 @@ def int8_input_bound(qm: quant.QMatrix, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.bits}bit-g{s.group_size}-m{s.meta_group}")
-@pytest.mark.parametrize("rows,cols,T", [(64, 96, 1), (192, 40, 3), (128, 200, 2)])
+# 1160 inputs: 36 whole blocks (more than FLUSH pairs of them) and a tail of 8
+@pytest.mark.parametrize("rows,cols,T", [(64, 96, 1), (192, 40, 3), (128, 200, 2), (64, 1160, 1)])
 def test_matmul_matches_dequantized_reference_to_int8_input_rounding(spec, rows, cols, T):
     qm = qmatrix(rows, cols, spec, rows + cols + spec.bits)
     w = hqq_cpu.from_qmatrix(qm)
