@@ -2,9 +2,13 @@
 
 Each layer owns K slots; a slot holds one packed expert (one contiguous byte range, so one
 copy moves it). On CUDA the host copy is pinned and copies run on their own stream:
-- before a copy overwrites a slot, the copy stream waits for the compute stream's
-  `free` event recorded after the slot's last use;
-- before compute uses a slot, the compute stream waits for the copy's `ready` event.
+- before a copy overwrites a slot of a layer, the copy stream waits for the compute stream's
+  `free` event of that layer, recorded after the layer's experts (release: once per layer and
+  step, not per slot: a few CUDA calls fewer per layer, and the copy waits at most for the
+  layer's other experts, which ran long before the next step's routing asks for it);
+- before compute first uses a slot after a copy, the compute stream waits for the copy's
+  `ready` event; once it has, everything later on that stream comes after the copy, so hits
+  on a slot that was not copied again make no CUDA call at all.
 The host never waits for a copy. On the CPU "device" is host memory and copies are memcpy.
 Pacing (the benchmark's stand-in for a slower link): with pace_cycles > 0 every copy is
 followed on the copy stream by a GPU spin of that many cycles before its `ready` event, so
@@ -80,7 +84,9 @@ class ExpertCache:
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(device)
             self.ready = [[torch.cuda.Event() for _ in range(self.K)] for _ in range(L)]
-            self.free = [[torch.cuda.Event() for _ in range(self.K)] for _ in range(L)]
+            self.free = [torch.cuda.Event() for _ in range(L)]
+        self.awaited = [[True] * self.K for _ in range(L)]  # the compute stream waited for the slot's last copy
+        self.in_use: list[set[int]] = [set() for _ in range(L)]  # slots acquired since the layer's last release
         self._fill(progress)
 
     def _fill(self, progress) -> None:
@@ -159,7 +165,8 @@ class ExpertCache:
         return tuple(sorted(self.lru[layer]))
 
     def acquire(self, layer: int, expert: int, keep=()):
-        """Weights of `expert` on the device, copying it in if it misses; then use, then release().
+        """Weights of `expert` on the device, copying it in if it misses; then use, and once the
+        layer's experts of this step are queued, release(layer).
 
         keep: experts needed in the same step, which a miss does not evict while others can go.
         """
@@ -174,8 +181,10 @@ class ExpertCache:
         else:
             self.stats.misses += 1
             slot = self._load(layer, expert, keep)
-        if self.cuda:
+        if self.cuda and not self.awaited[layer][slot]:
             torch.cuda.current_stream(self.device).wait_event(self.ready[layer][slot])
+            self.awaited[layer][slot] = True
+        self.in_use[layer].add(slot)
         return self._weights(layer, slot), slot
 
     def sync_table(self, layer: int) -> None:
@@ -186,9 +195,12 @@ class ExpertCache:
             self.table[layer].copy_(self.table_host[layer], non_blocking=self.cuda)
             self.table_dirty.discard(layer)
 
-    def release(self, layer: int, slot: int) -> None:
+    def release(self, layer: int) -> None:
+        """After the layer's experts of this step are queued: its slots may be copied over once
+        the device has run them."""
+        self.in_use[layer].clear()
         if self.cuda:
-            self.free[layer][slot].record(torch.cuda.current_stream(self.device))
+            self.free[layer].record(torch.cuda.current_stream(self.device))
 
     def prefetch(self, layer: int, experts: list[int]) -> None:
         """Start copying predicted experts (best guess first); never more than K per layer."""
@@ -228,12 +240,15 @@ class ExpertCache:
         self.table_dirty.add(layer)
         src, dst = self.host[layer, expert], self.slots[layer, slot]
         if self.cuda:
+            if slot in self.in_use[layer]:  # used earlier in this step (a cache smaller than top-k)
+                self.release(layer)  # the copy waits for the work queued on it so far
             with torch.cuda.stream(self.copy_stream):
-                self.copy_stream.wait_event(self.free[layer][slot])
+                self.copy_stream.wait_event(self.free[layer])
                 dst.copy_(src, non_blocking=self.pinned)
                 if self.pace_cycles:
                     torch.cuda._sleep(self.pace_cycles)
                 self.ready[layer][slot].record(self.copy_stream)
+            self.awaited[layer][slot] = False
             if self.link_s_per_byte:
                 start = max(time.perf_counter(), self.link_free_at)
                 self.link_free_at = self.ready_at[layer][slot] = start + self.B * self.link_s_per_byte

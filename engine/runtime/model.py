@@ -359,19 +359,14 @@ class OffloadedMixtral:
             on_cpu, both = self.hybrid.choose(i, needed, ids_host, self.cache)
             if on_cpu:  # queued first: the CPU works while the host queues copies and kernels
                 finish = self.hybrid.start(i, on_cpu, *io)
-        slots = []
         for e in (e for e in needed if e not in on_cpu):  # copies and compute queued, waiting for neither
             w, slot = self.cache.acquire(i, e, keep=needed)
             if add_all is None:
                 add_expert(w, slot, e, ids_host[0].index(e) if len(ids_host) == 1 else None)
-                self.cache.release(i, slot)
-            else:
-                slots.append(slot)
         if add_all is not None:
             self.cache.sync_table(i)
             add_all([k for k, e in enumerate(ids_host[0]) if e not in on_cpu])
-            for slot in slots:
-                self.cache.release(i, slot)
+        self.cache.release(i)
         self.prefetcher.issue(self.cache, i, guesses_host)  # queued behind the demand copies
         for e in both:  # the link's idle time while the CPU works (engine/runtime/placement.py)
             self.cache.admit(i, e)

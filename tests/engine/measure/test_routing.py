@@ -339,8 +339,8 @@ def test_paced_copies_run_at_the_paced_rate():
     torch.cuda.synchronize()
     t = time.perf_counter()
     for e in range(8):  # every one a miss
-        _, slot = cache.acquire(0, e)
-        cache.release(0, slot)
+        cache.acquire(0, e)
+        cache.release(0)
     torch.cuda.synchronize()
     rate = 8 * nbytes / (time.perf_counter() - t)
     assert rate == pytest.approx(target, rel=0.15)

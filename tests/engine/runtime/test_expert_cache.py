@@ -19,7 +19,7 @@ def make_cache(k, policy="lru"):
 def use(cache, layer, expert):
     w, slot = cache.acquire(layer, expert)
     assert int(w[0]) == layer * E + expert  # the slot really holds that expert's bytes
-    cache.release(layer, slot)
+    cache.release(layer)
 
 
 def test_lru_order_hits_and_misses_on_a_scripted_sequence():
@@ -71,7 +71,7 @@ def test_a_miss_keeps_experts_needed_in_the_same_step():
     use(cache, 0, 0)
     use(cache, 0, 1)  # LRU: [0, 1]; the next step needs 1 and 5
     w, slot = cache.acquire(0, 5, keep=[1, 5])
-    cache.release(0, slot)
+    cache.release(0)
     assert 1 in cache.lru[0] and 0 not in cache.lru[0]
 
 
@@ -93,8 +93,8 @@ def test_the_device_slot_table_follows_every_load():
             layer = int(torch.randint(L, (1,), generator=gen))
             needed = torch.randperm(E, generator=gen)[:2].tolist()
             for e in needed:
-                _, slot = cache.acquire(layer, e, keep=needed)
-                cache.release(layer, slot)
+                cache.acquire(layer, e, keep=needed)
+                cache.release(layer)
             cache.prefetch((layer + 1) % L, torch.randperm(E, generator=gen)[:2].tolist())
             cache.sync_table(layer)
             assert layer not in cache.table_dirty
@@ -111,8 +111,8 @@ def test_a_fully_resident_or_no_copy_cache_has_a_fixed_table():
         assert not cache.table_dirty
         for layer in range(L):  # using and prefetching experts changes nothing
             for e in range(E):
-                _, slot = cache.acquire(layer, e)
-                cache.release(layer, slot)
+                cache.acquire(layer, e)
+                cache.release(layer)
             cache.prefetch(layer, list(range(E)))
             assert not cache.table_dirty and cache.table_host[layer].tolist() == want.tolist()
 
