@@ -10,7 +10,7 @@ the units per expert where experts are cut (one miss can then go partly over the
 partly to the CPU). Uniform routing (the headline), fused kernels, P=128, T=64, on one build,
 so the rows compare the same weights and routing: lru (cache only) beside hybrid (misses
 computed on the CPU from the stored HQQ bytes in place where that finishes first) with
-prefetch 0 (and the hybrid with 14 of the 16 cores), full (cache + prefetch) beside hybrid
+prefetch 0 (and the hybrid with 15 and 14 of the 16 cores), full (cache + prefetch) beside hybrid
 with prefetch 1, the same on the desktop stand-in (copies paced to 25 GB/s, 8 CPU threads),
 and "none" (every expert resident).
 Writes the reports as one JSON list and prints their markdown tables.
@@ -32,6 +32,7 @@ DESKTOP = bench.Conditions(h2d_gbps=25.0)
 # (name, budget, modes, conditions, CPU threads or None, prefetch depth)
 RUNS = [("12GiB-p0", "12GiB", ("lru", "hybrid"), bench.Conditions(), None, 0),
         ("12GiB-p1", "12GiB", ("full", "hybrid"), bench.Conditions(), None, 1),
+        ("12GiB-p0-15threads", "12GiB", ("hybrid",), bench.Conditions(), 15, 0),
         ("12GiB-p0-14threads", "12GiB", ("hybrid",), bench.Conditions(), 14, 0),
         ("desktop-p0", "12GiB", ("lru", "hybrid"), DESKTOP, 8, 0),
         ("desktop-p1", "12GiB", ("full", "hybrid"), DESKTOP, 8, 1),
