@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--endpoint", help="another hub's address (default: $HF_ENDPOINT or huggingface.co)")
 
     s = sub.add_parser("convert", help="Hugging Face Mixtral checkpoint -> MoE Ferry store")
-    s.add_argument("src", help="a Mixtral checkpoint folder (Hugging Face or the paper's format)")
+    s.add_argument("src", help="a Mixture-of-Experts checkpoint folder: Hugging Face (Mixtral, Qwen3-MoE, "
+                               "Qwen2-MoE, OLMoE, gpt-oss) or the paper's Mixtral format")
     s.add_argument("dest", help="the store folder to write (must not exist)")
     s.add_argument("--expert-bits", type=int, choices=(2, 3, 4, 16),
                    help="bits per expert weight (16 keeps the source precision)")

@@ -357,7 +357,7 @@ class OffloadedMixtral:
         on_cpu, both, finish = {}, [], None
         if self.hybrid is not None and io is not None:
             on_cpu, both = self.hybrid.choose(i, needed, ids_host, self.cache)
-            if on_cpu:  # queued first: the CPU works while the host queues copies and kernels
+            if on_cpu:  # h goes down now; finish() computes them once the layer's GPU work is queued
                 finish = self.hybrid.start(i, on_cpu, *io)
         for e in (e for e in needed if e not in on_cpu):  # copies and compute queued, waiting for neither
             w, slot = self.cache.acquire(i, e, keep=needed)
