@@ -190,9 +190,12 @@ def test_an_uninterrupted_json_reply_says_so(capsys):
 
 @pytest.mark.slow
 def test_sigint_during_generation_exits_130():
+    # a runner started in the background by a shell ignores SIGINT, and so would the child,
+    # whose Python then never installs its Ctrl-C handler: give it the terminal's default back
     p = subprocess.Popen([sys.executable, "-m", "moeferry.engine.cli", "generate", "demo", "--prompt", "The",
                           "--max-new-tokens", "1000", "--no-repeat-ngram", "0"],
-                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     first = p.stdout.read(1)  # the first streamed piece: generation is under way
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
