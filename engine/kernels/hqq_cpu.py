@@ -147,7 +147,7 @@ def swiglu_expert(x: np.ndarray, w1: CpuQMatrix, w3: CpuQMatrix, w2: CpuQMatrix)
 def _compile():
     # Module globals, not closure variables: numba keys its disk cache on a pickle of the
     # closure, and intrinsics and dispatchers pickle with a fresh uuid in every process.
-    global prange, u8_f32, half, block_absmax, quantize_block, dot_2bit, dot_4bit, dot_1bit
+    global prange, u8_f32, half, block_absmax, quantize_blocks, dot_2bit, dot_4bit, dot_1bit
     global group_inputs, add_plane, scratch, group_rows, qmatmul, swiglu
     import numba
     from llvmlite import ir
@@ -207,18 +207,35 @@ def _compile():
         return types.float32(xs, b), codegen
 
     @intrinsic
-    def quantize_block(typingctx, xs, q, b, inv):
-        """q = rint(xs * inv) as int8 over block b; returns the block's sum of q (float32)."""
+    def quantize_blocks(typingctx, xs, q, inv, m, nb):
+        """q = round(xs * inv[b]) as int8 for every block b < nb (round to nearest even, as rint;
+        |q| <= 127 by the choice of inv, so the packs never saturate); returns sum_b m[b] * sum
+        of block b's q (float32, exact per block). AVX2: cvtps2dq, then packssdw and packsswb,
+        whose 128-bit lanes leave the dwords in the order 0 4 1 5 2 6 3 7 of the 8 wanted."""
         def codegen(context, builder, signature, args):
-            vf, vq = vec(f32, BLOCK), vec(i8, BLOCK)
-            k = builder.mul(args[2], args[2].type(BLOCK))
-            x = builder.load(at(builder, data(context, builder, signature.args[0], args[0]), k, vf), align=4)
-            r = builder.fmul(x, splat(builder, args[3], vf), flags=("fast",))
-            r = builder.call(declare(builder, f"llvm.rint.v{BLOCK}f32", vf, [vf]), [r])
-            builder.store(builder.fptosi(r, vq), at(builder, data(context, builder, signature.args[1], args[1]), k, vq), align=1)
-            return builder.call(declare(builder, f"llvm.vector.reduce.fadd.v{BLOCK}f32", f32, [f32, vf]),
-                                [f32(0.0), r], fastmath=("fast",))
-        return types.float32(xs, q, b, inv), codegen
+            xs_p, q_p, inv_p, m_p = (data(context, builder, t, a) for t, a in zip(signature.args[:4], args[:4]))
+            v8f32, v8i32, v16i16, v32i8 = vec(f32, 8), vec(i32, 8), vec(i16, 16), vec(i8, 32)
+            cvt = declare(builder, "llvm.x86.avx.cvt.ps2dq.256", v8i32, [v8f32])
+            packssdw = declare(builder, "llvm.x86.avx2.packssdw", v16i16, [v8i32, v8i32])
+            packsswb = declare(builder, "llvm.x86.avx2.packsswb", v32i8, [v16i16, v16i16])
+            order = ir.Constant(vec(i32, 8), [0, 4, 1, 5, 2, 6, 3, 7])
+            acc = cgutils.alloca_once_value(builder, ir.Constant(v8f32, None))
+            with cgutils.for_range(builder, args[4]) as blk:
+                b = blk.index
+                k = builder.mul(b, b.type(BLOCK))
+                scale = splat(builder, builder.load(builder.gep(inv_p, [b])), v8f32)
+                c = [builder.call(cvt, [builder.fmul(builder.load(at(builder, xs_p, builder.add(k, k.type(8 * i)), v8f32), align=4),
+                                                     scale, flags=("fast",))]) for i in range(4)]
+                packed = builder.call(packsswb, [builder.call(packssdw, [c[0], c[1]]), builder.call(packssdw, [c[2], c[3]])])
+                packed = builder.bitcast(builder.shuffle_vector(builder.bitcast(packed, v8i32), ir.Constant(v8i32, None), order), v32i8)
+                builder.store(packed, at(builder, q_p, k, v32i8), align=1)
+                total = builder.add(builder.add(c[0], c[1]), builder.add(c[2], c[3]))
+                mb = splat(builder, builder.sitofp(builder.load(builder.gep(m_p, [b])), f32), v8f32)
+                builder.store(builder.fadd(builder.load(acc), builder.fmul(builder.sitofp(total, v8f32), mb, flags=("fast",)),
+                                           flags=("fast",)), acc)
+            return builder.call(declare(builder, "llvm.vector.reduce.fadd.v8f32", f32, [f32, v8f32]),
+                                [f32(0.0), builder.load(acc)], fastmath=("fast",))
+        return types.float32(xs, q, inv, m, nb), codegen
 
     def block_dot(width):
         """An intrinsic (row, q, m, K) -> the 8 // width sums over k < K of code_s[k] * q[k] *
@@ -362,10 +379,7 @@ def _compile():
             mb = min(np.ceil(amax[b] * per_top), np.float32(MMAX))
             m[b] = np.int32(mb)
             amax[b] = np.float32(1.0) / (D * mb) if mb > 0 else np.float32(0.0)
-        qsum = np.float32(0.0)
-        for b in range(nb):
-            qsum += np.float32(m[b]) * quantize_block(xs, q, b, amax[b])
-        return zsum + center * D * qsum, D
+        return zsum + center * D * quantize_blocks(xs, q, amax, m, nb), D
 
     @serial
     def add_plane(plane, width, mult, j, G, q, m, D, out, t):
