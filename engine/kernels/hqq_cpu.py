@@ -259,19 +259,27 @@ def _compile():
             acc = [cgutils.alloca_once_value(builder, ir.Constant(v8f32, None)) for _ in range(slots)]
             isum = [cgutils.alloca_once_value(builder, ir.Constant(v8i32, None)) for _ in range(slots)]
 
+            def products(codes, qv, mv, isums, ub, wd):
+                """isums[s] += wd(ub(the codes of slot s, qv), mv) for every slot s (32 or 64 bytes of codes)."""
+                lanes = codes.type.count
+                for s in range(slots):
+                    c = builder.and_(builder.lshr(codes, ir.Constant(codes.type, [shifts[s]] * lanes)),
+                                     ir.Constant(codes.type, [(1 << width) - 1] * lanes))
+                    builder.store(builder.add(builder.load(isums[s]), builder.call(wd, [builder.call(ub, [c, qv]), mv])), isums[s])
+
+            def flush_into(accs, isums, lanes):
+                """accs[s] += float(isums[s]); isums[s] = 0 (vectors of 8 or 16 lanes)."""
+                for s in range(slots):
+                    builder.store(builder.fadd(builder.load(accs[s]), builder.sitofp(builder.load(isums[s]), vec(f32, lanes))), accs[s])
+                    builder.store(ir.Constant(vec(i32, lanes), None), isums[s])
+
             def add_block(codes, b):
                 qv = builder.load(at(builder, q, builder.mul(b, n(BLOCK)), v32i8), align=1)
                 mv = splat(builder, builder.trunc(builder.load(builder.gep(m, [b])), i16), v16i16)
-                for s in range(slots):
-                    c = builder.and_(builder.lshr(codes, ir.Constant(v32i8, [shifts[s]] * 32)),
-                                     ir.Constant(v32i8, [(1 << width) - 1] * 32))
-                    total = builder.add(builder.load(isum[s]), builder.call(pmaddwd, [builder.call(pmaddubsw, [c, qv]), mv]))
-                    builder.store(total, isum[s])
+                products(codes, qv, mv, isum, pmaddubsw, pmaddwd)
 
             def flush():
-                for s in range(slots):
-                    builder.store(builder.fadd(builder.load(acc[s]), builder.sitofp(builder.load(isum[s]), v8f32)), acc[s])
-                    builder.store(ir.Constant(v8i32, None), isum[s])
+                flush_into(acc, isum, 8)
 
             def blocks(first, stop, step, add):
                 """add(offset, block) for blocks first, first + step, ... < stop, flushed every FLUSH calls."""
@@ -301,16 +309,10 @@ def _compile():
                     qv = builder.load(at(builder, q, off, v64i8), align=1)
                     m2 = builder.trunc(builder.load(at(builder, m, b, vec(i32, 2)), align=4), vec(i16, 2))
                     mv = builder.shuffle_vector(m2, ir.Constant(vec(i16, 2), None), ir.Constant(vec(i32, 32), [0] * 16 + [1] * 16))
-                    for s in range(slots):
-                        c = builder.and_(builder.lshr(codes, ir.Constant(v64i8, [shifts[s]] * 64)),
-                                         ir.Constant(v64i8, [(1 << width) - 1] * 64))
-                        total = builder.add(builder.load(isum_w[s]), builder.call(pmaddwd_w, [builder.call(pmaddubsw_w, [c, qv]), mv]))
-                        builder.store(total, isum_w[s])
+                    products(codes, qv, mv, isum_w, pmaddubsw_w, pmaddwd_w)
 
                 def flush_wide():
-                    for s in range(slots):
-                        builder.store(builder.fadd(builder.load(acc_w[s]), builder.sitofp(builder.load(isum_w[s]), v16f32)), acc_w[s])
-                        builder.store(ir.Constant(v16i32, None), isum_w[s])
+                    flush_into(acc_w, isum_w, 16)
 
                 pairs_end = builder.mul(builder.sdiv(nb, n(2)), n(2))
                 blocks(n(0), pairs_end, 2, add_pair)
