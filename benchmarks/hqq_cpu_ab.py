@@ -32,9 +32,9 @@ from moeferry.engine.kernels import hqq_cpu
 SHAPES = {"w1": (14336, 4096), "w2": (4096, 14336)}
 
 
-def load_old(rev: str, where: Path):
-    """The kernel module of an older revision; one from before the moeferry.* layout (engine/hqq_cpu.py)
-    gets its quant import rewritten to today's."""
+def load_old(rev: str, where: Path, name: str = "hqq_cpu_old"):
+    """The kernel module of an older revision (or a kernel file), imported as `name`; one from before
+    the moeferry.* layout (engine/hqq_cpu.py) gets its quant import rewritten to today's."""
     if Path(rev).is_file():  # a kernel file itself (a machine without the git history)
         src = Path(rev).read_text()
     else:
@@ -42,11 +42,11 @@ def load_old(rev: str, where: Path):
         got = show("engine/kernels/hqq_cpu.py")
         src = got.stdout if got.returncode == 0 else show("engine/hqq_cpu.py").stdout
     src = src.replace("from engine.quant import", "from moeferry.engine.storage.quant import")
-    path = where / "hqq_cpu_old.py"
+    path = where / f"{name}.py"
     path.write_text(src)
-    spec = importlib.util.spec_from_file_location("hqq_cpu_old", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["hqq_cpu_old"] = mod
+    sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
 

@@ -1,43 +1,35 @@
 """Developer benchmark (not shipped): several versions of engine/kernels/hqq_cpu.py, interleaved in one process.
 
-    python -m benchmarks.hqq_cpu_variants OLD.py engine/kernels/hqq_cpu.py --threads 16 8 --group 32
+    python -m benchmarks.hqq_cpu_variants 370a175 engine/kernels/hqq_cpu.py --threads 16 8 --group 32
     python -m benchmarks.hqq_cpu_variants OLD.py engine/kernels/hqq_cpu.py --threads 16 8 --expert
 
-Each FILE is a kernel module (`git show REV:engine/kernels/hqq_cpu.py > OLD.py` for an older
-one). All run the same random 2-bit (--bits) matrices in groups of --group rows: the w1/w3
-(14336x4096) and w2 (4096x14336) shapes, or with --expert whole experts (gate, up and down in
-one call). Calls are interleaved (file 1, file 2, ..., file 1, ...), each on the next of enough
+Each KERNEL is a kernel module's file or a git revision (benchmarks/hqq_cpu_ab.load_old). All
+run the same random 2-bit (--bits) matrices in groups of --group rows: the w1/w3 (14336x4096)
+and w2 (4096x14336) shapes, or with --expert whole experts (gate, up and down in one call).
+Calls are interleaved (kernel 1, kernel 2, ..., kernel 1, ...), each on the next of enough
 copies that the L3 cannot serve them (--rotate-gib). Prints the median time and GB/s (of the
-stored bytes) per file and thread count, and each file's relative difference from the first's
-result. benchmarks/hqq_cpu_ab.py compares one git revision against the working tree.
+stored bytes) per kernel and thread count, and each one's relative difference from the first's
+result. benchmarks/hqq_cpu_ab.py compares one revision against the working tree, with CPU time.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
+import re
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from benchmarks.hqq_cpu_ab import load_old
 from moeferry.engine.storage import quant
-
-
-def load(path: str):
-    name = "variant_" + Path(path).stem
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("files", nargs="+", help="kernel modules; the first is the reference")
+    ap.add_argument("kernels", nargs="+", help="kernel files or git revisions; the first is the reference")
     ap.add_argument("--threads", type=int, nargs="+", default=[1])
     ap.add_argument("--bits", type=int, default=2)
     ap.add_argument("--group", type=int, default=32)
@@ -45,7 +37,8 @@ def main() -> None:
     ap.add_argument("--rotate-gib", type=float, default=0.6)
     ap.add_argument("--expert", action="store_true", help="whole experts instead of lone matrices")
     args = ap.parse_args()
-    mods = [load(f) for f in args.files]
+    tmp = Path(tempfile.mkdtemp())
+    mods = [load_old(k, tmp, f"v{i}_" + re.sub(r"\W", "_", Path(k).stem)) for i, k in enumerate(args.kernels)]
     gen = torch.Generator().manual_seed(0)
     spec = quant.QuantSpec(args.bits, args.group, 128)
 

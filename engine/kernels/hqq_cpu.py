@@ -150,7 +150,7 @@ def _compile():
     global prange, u8_f32, half, block_absmax, quantize_blocks, dot_2bit, dot_4bit, dot_1bit
     global group_inputs, add_plane, scratch, group_rows, qmatmul, swiglu
     import numba
-    from llvmlite import ir
+    from llvmlite import binding, ir
     from numba import njit, prange, types
     from numba.core import cgutils
     from numba.extending import intrinsic
@@ -160,7 +160,6 @@ def _compile():
     jit = njit(parallel=True, fastmath=True, nogil=True, cache=cache)
     serial = njit(fastmath=True, nogil=True, cache=cache)
     f32, i1, i8, i16, i32 = ir.FloatType(), ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32)
-    from llvmlite import binding
     wide = bool(binding.get_host_cpu_features().get("avx512bw"))  # 64-byte products where the CPU has them
 
     def vec(t, n):
@@ -238,12 +237,13 @@ def _compile():
         return types.float32(xs, q, inv, m, nb), codegen
 
     def block_dot(width):
-        """An intrinsic (row, q, m, K) -> the 8 // width sums over k < K of code_s[k] * q[k] *
+        """An intrinsic (row, q, m, ahead, K) -> the 8 // width sums over k < K of code_s[k] * q[k] *
         m[k // BLOCK] (float32: exact integer sums but for the rounding of the float32 flushes),
         code_s the code of slot s in row byte k; q is zero-padded to whole blocks. AVX2's
         pmaddubsw (u8 codes x s8 inputs -> s16 pairs, which never saturate here) and pmaddwd (x
         the block multiplier -> s32); with AVX-512 VNNI, LLVM fuses pmaddwd and its sum into
-        vpdpwssd. A row's last partial block is read with a masked load (never past K)."""
+        vpdpwssd; with AVX-512BW, two blocks per 64-byte product. A row's last partial block is
+        read with a masked load (never past K). ahead: the row to prefetch meanwhile (K bytes)."""
         slots = 8 // width
         shifts = [8 - width * (s + 1) for s in range(slots)]
         v8i32, v8f32, v16i16, v32i8 = vec(i32, 8), vec(f32, 8), vec(i16, 16), vec(i8, 32)
@@ -274,12 +274,16 @@ def _compile():
                     builder.store(ir.Constant(vec(i32, lanes), None), isums[s])
 
             def add_block(codes, b):
+                """The slot products of block b, whose codes are given."""
                 qv = builder.load(at(builder, q, builder.mul(b, n(BLOCK)), v32i8), align=1)
                 mv = splat(builder, builder.trunc(builder.load(builder.gep(m, [b])), i16), v16i16)
                 products(codes, qv, mv, isum, pmaddubsw, pmaddwd)
 
             def flush():
                 flush_into(acc, isum, 8)
+
+            def whole_block(off, b):
+                add_block(builder.load(at(builder, row, off, v32i8), align=1), b)
 
             def blocks(first, stop, step, add):
                 """add(offset, block) for blocks first, first + step, ... < stop, flushed every FLUSH calls."""
@@ -316,9 +320,9 @@ def _compile():
 
                 pairs_end = builder.mul(builder.sdiv(nb, n(2)), n(2))
                 blocks(n(0), pairs_end, 2, add_pair)
-                blocks(pairs_end, nb, 1, lambda off, b: add_block(builder.load(at(builder, row, off, v32i8), align=1), b))
+                blocks(pairs_end, nb, 1, whole_block)
             else:
-                blocks(n(0), nb, 1, lambda off, b: add_block(builder.load(at(builder, row, off, v32i8), align=1), b))
+                blocks(n(0), nb, 1, whole_block)
             tail = builder.trunc(builder.sub(K, builder.mul(nb, n(BLOCK))), i8)
             with builder.if_then(builder.icmp_unsigned("!=", tail, i8(0))):
                 mask = builder.icmp_unsigned("<", ir.Constant(v32i8, list(range(32))), splat(builder, tail, v32i8))

@@ -357,7 +357,8 @@ CPU_INT4_BITS = 4.25  # the CPU copies of 16-bit stores: int4 in groups of 128, 
 CPU_INT4_OF_RAM = 0.9  # the int4 kernel's share of RAM read speed (issue 16: 68-78 of 80-83 GB/s)
 # the in-place HQQ kernel's share of RAM read speed, 2 bits: on the GPU machine's Xeon a whole
 # expert reads 46.9 GB/s on 16 threads and 30.1 on 8 (docs/BENCHMARKS.md, 2026-12-03 evening),
-# against RAM reads of 115.9 and 84.8 GB/s measured the day before: 0.40 and 0.35
+# against RAM reads of 115.9 and 84.8 GB/s measured the day before: 0.40 and 0.35 (the lower
+# kept: a desktop has 8 threads or fewer for it)
 HQQ_CPU_OF_RAM = 0.35
 # Inside a GPU decode the CPU experts do worse than alone (docs/BENCHMARKS.md, 2026-12-03: the
 # kernel at 0.45-1.0 of its own rate, and a layer that runs one spends 0.1-0.6 ms more on the
