@@ -53,6 +53,7 @@ class FusedOps(EagerOps):
         self.routed_ids = torch.zeros(k, dtype=torch.long, device=dev)
         # a subset of the top-k (the others on the CPU): its positions, ids and weights
         self.at_host = torch.zeros(cfg.top_k, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.at_np = self.at_host.numpy()
         self.at = torch.zeros(cfg.top_k, dtype=torch.long, device=dev)
         self.at_ids = torch.zeros(cfg.top_k, dtype=torch.long, device=dev)
         self.at_weights = torch.zeros(cfg.top_k, dtype=torch.float32, device=dev)
@@ -98,8 +99,7 @@ class FusedOps(EagerOps):
     def stage(self, at: list[int]) -> None:
         """Send the top-k positions that experts(n=len(at)) runs (host, outside any graph; the
         buffer is rewritten only after the next routing sync)."""
-        for j, p in enumerate(at):  # no tensor made per layer and token
-            self.at_host[j] = p
+        self.at_np[:len(at)] = at  # no tensor made per layer and token
         self.at[:len(at)].copy_(self.at_host[:len(at)], non_blocking=True)
 
     def experts(self, mi: int, s: Step, ids: torch.Tensor, n: int | None = None) -> None:

@@ -41,6 +41,7 @@ import torch
 
 from moeferry.engine.errors import UserError
 from moeferry.engine.progress import ProgressLine
+from moeferry.engine.runtime.model import expand_units
 
 FORMAT, VERSION = "moeferry-routing-trace", 1
 
@@ -254,8 +255,10 @@ class TableRouting:
     forces = True
     CHUNK = 64
 
-    def __init__(self, top_k: int, device):
-        self.k, self.device = top_k, torch.device(device)
+    def __init__(self, top_k: int, device, units: int = 1):
+        """units > 1: the model's experts are cut into units (ModelConfig.expert_units); the
+        tables route whole experts and go to the device as units (expand_units), once per chunk."""
+        self.k, self.device, self.units = top_k, torch.device(device), units
         self.score = GuessScore()
         self.tokens = 0  # tokens routed so far
         self.chunk = None  # (ids, weights, guesses) on the device, found counts [n, D], next row
@@ -280,10 +283,10 @@ class TableRouting:
 
     def upload(self, n: int):
         ids, weights, guesses = self.next_tables(n)
-        return (torch.as_tensor(ids, dtype=torch.long).to(self.device),
-                torch.as_tensor(weights, dtype=torch.float32).to(self.device),
-                torch.as_tensor(np.maximum(guesses, 0), dtype=torch.long).to(self.device),
-                found_counts(ids, guesses))
+        w, e = expand_units(torch.as_tensor(weights, dtype=torch.float32).to(self.device),
+                            torch.as_tensor(ids, dtype=torch.long).to(self.device), self.units)
+        g = expand_units(None, torch.as_tensor(np.maximum(guesses, 0), dtype=torch.long).to(self.device), self.units)[1]
+        return e, w, g, found_counts(ids, guesses)
 
     def chunk_size(self) -> int:
         return self.CHUNK
@@ -302,8 +305,8 @@ class TableRouting:
 
 class UniformRouting(TableRouting):
     def __init__(self, num_layers: int, num_experts: int, top_k: int, device, recall: float = 0.85,
-                 depth: int = 1, seed: int = 0):
-        super().__init__(top_k, device)
+                 depth: int = 1, seed: int = 0, units: int = 1):
+        super().__init__(top_k, device, units)
         self.L, self.E, self.stated, self.D = num_layers, num_experts, recall, max(depth, 1)
         self.rng = np.random.default_rng(seed)
 
@@ -331,8 +334,8 @@ class UniformRouting(TableRouting):
 
 
 class TraceRouting(TableRouting):
-    def __init__(self, trace: RoutingTrace, device, path: str = ""):
-        super().__init__(trace.top_k, device)
+    def __init__(self, trace: RoutingTrace, device, path: str = "", units: int = 1):
+        super().__init__(trace.top_k, device, units)
         self.trace, self.path = trace, path
         self.drawn = 0  # tokens of the trace handed out (chunks run ahead of `tokens`)
 
@@ -421,7 +424,7 @@ def parse_routing(text: str, cfg, device, recall: float, depth: int, seed: int =
     units = getattr(cfg, "expert_units", 1)  # a forced routing routes whole experts (expand_units)
     E, k = cfg.num_experts // units, cfg.top_k // units
     if text == "uniform":
-        return UniformRouting(cfg.num_layers, E, k, device, recall, depth, seed)
+        return UniformRouting(cfg.num_layers, E, k, device, recall, depth, seed, units)
     if text == "model":
         return ModelRouting()
     if text.startswith("trace:"):
@@ -430,7 +433,7 @@ def parse_routing(text: str, cfg, device, recall: float, depth: int, seed: int =
         if depth > trace.depth:
             raise UserError(f"The trace holds guesses for {trace.depth} layers ahead and --prefetch is {depth}; "
                             f"lower --prefetch.")
-        return TraceRouting(trace, device, path)
+        return TraceRouting(trace, device, path, units)
     raise UserError(f"Unknown --routing {text!r}; use uniform, model or trace:PATH.")
 
 

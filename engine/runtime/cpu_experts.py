@@ -303,6 +303,8 @@ class CpuExperts:
         self.use_threads()
         self.stats = CpuRunStats()
         self.stage: torch.Tensor | None = None  # pinned [top_k, H]: results on their way up
+        self.stage_dev: torch.Tensor | None = None  # its twin on the device
+        self.down: torch.Tensor | None = None  # pinned [1, H]: a decoded token's h on its way down
         self.learning = False  # the running step was placed by choose_in_time: its CPU costs are learned
         self.chosen_at = 0.0  # when choose_in_time placed it (host clock)
 
@@ -331,14 +333,14 @@ class CpuExperts:
 
         if not self.every_expert and cache.policy != "lru":
             return {}, []
+        if self.mode == "auto" and len(ids_host) == 1 and cache.cuda and self.costs is not None:
+            return self.choose_in_time(layer, needed, ids_host[0], cache)  # decode: where each finishes first
         uses = {e: [(t, row.index(e)) for t, row in enumerate(ids_host) if e in row] for e in needed}
         if self.every_expert:
             return uses, []
         resident = set(cache.resident(layer))
         misses = [e for e in needed if e not in resident]
         able = {e for e in misses if (layer, e) in self.copies}
-        if self.mode == "auto" and len(ids_host) == 1 and cache.cuda and self.costs is not None:
-            return self.choose_in_time(layer, needed, uses, cache)  # decode: where each finishes first
         if self.mode == "all" or not able:  # all: computed here, copied for later off the critical path
             run = sorted(able)
             both = run if self.mode == "all" else []
@@ -349,7 +351,7 @@ class CpuExperts:
         cache.count_cpu_misses(len(run), len(both))
         return {e: uses[e] for e in run}, both
 
-    def choose_in_time(self, layer: int, needed: list[int], uses: dict, cache):
+    def choose_in_time(self, layer: int, needed: list[int], row: list[int], cache):
         """choose() for one decoded token on a GPU: the cache keeps the link's queue on the host
         clock (when each copy lands), so an expert whose copy would land later than the CPU
         could compute it runs on the CPU, a miss or a prefetched expert still in flight alike
@@ -364,26 +366,31 @@ class CpuExperts:
         # have computed it: it would only take the link from the copies that help
         cache.plan_link(1 / (self.costs.link_gbps * 1e9), placement.cpu_s(self.costs, self.sizes, 1))
         experts = [(e, cache.lands_at(layer, e)) for e in needed]
-        able = {e for e in needed if (layer, e) in self.copies}
         self.chosen_at = time.perf_counter()
+        if all(ready is not None and ready <= self.chosen_at for _, ready in experts):
+            return {}, []  # every expert in place: nothing can finish sooner on the CPU
+        able = {e for e in needed if (layer, e) in self.copies}
         run = sorted(placement.choose_by_finish(self.costs, self.sizes, self.chosen_at, cache.link_free_time(),
                                                 experts, able))
         cache.count_cpu_misses(len(run), 0)
         self.learning = bool(run)
-        return {e: uses[e] for e in run}, []
+        return {e: [(0, row.index(e))] for e in run}, []
 
     def start(self, layer: int, rows: dict, h: torch.Tensor, weights: torch.Tensor, out: torch.Tensor):
         """Send h down for rows' experts (see choose); returns finish(), to be called once the
         layer's device work is queued: it computes them and adds each output times its routing
         weight to out as the device path does: out += (y.to(out.dtype) * weight).to(out.dtype)."""
         experts = sorted(rows)
-        h_host = h.detach().to("cpu", torch.float32)  # the host synced on routing: h is final
-        jobs = [(self.copies[layer, e], h_host[[t for t, _ in rows[e]]]) for e in experts]
+        decode = h.shape[0] == 1
+        if decode:  # every expert takes the one token
+            jobs = [(self.copies[layer, e], self._down(h)) for e in experts]
+        else:
+            h_host = h.detach().to("cpu", torch.float32)  # the host synced on routing: h is final
+            jobs = [(self.copies[layer, e], h_host[[t for t, _ in rows[e]]]) for e in experts]
 
         def finish() -> None:
             started = time.perf_counter()
             ys = self.run(jobs)
-            decode = h.shape[0] == 1
             up = self._up(ys, out) if decode else [y.to(out.device, out.dtype) for y in ys]
             for e, y in zip(experts, up):
                 if decode:
@@ -401,16 +408,26 @@ class CpuExperts:
 
         return finish
 
+    def _down(self, h: torch.Tensor) -> torch.Tensor:
+        """A decoded token's h [1, H] -> float32 on the host, through a pinned buffer (the host
+        synced on routing and has queued nothing since: the copy does not wait)."""
+        if h.device.type == "cpu":
+            return h.float()
+        if self.down is None or self.down.shape != h.shape or self.down.dtype != h.dtype:
+            self.down = torch.empty(h.shape, dtype=h.dtype, pin_memory=True)
+        return self.down.copy_(h).float()
+
     def _up(self, ys: list[torch.Tensor], out: torch.Tensor) -> list[torch.Tensor]:
-        """Decode results [1, H] each -> on out's device, through one pinned staging buffer
-        (one copy, not waiting for the device). The buffer is rewritten only after the next
-        layer's routing sync, by which time this copy has run."""
+        """Decode results [1, H] each -> on out's device, through a pinned staging buffer and
+        its device twin (one copy, not waiting for the device). Both are rewritten only after
+        the next layer's routing sync, by which time this copy and the adds reading it have run."""
         if out.device.type == "cpu":
             return [y.to(out.dtype) for y in ys]
         n = len(ys)
         if self.stage is None or self.stage.shape[0] < n or self.stage.dtype != out.dtype:
             self.stage = torch.empty((max(n, 8), out.shape[-1]), dtype=out.dtype, pin_memory=True)
+            self.stage_dev = torch.empty(self.stage.shape, dtype=out.dtype, device=out.device)
         for j, y in enumerate(ys):
             self.stage[j].copy_(y[0])
-        up = self.stage[:n].to(out.device, non_blocking=True)
-        return [up[j:j + 1] for j in range(n)]
+        self.stage_dev[:n].copy_(self.stage[:n], non_blocking=True)
+        return [self.stage_dev[j:j + 1] for j in range(n)]

@@ -38,7 +38,7 @@ import torch
 
 from moeferry.engine.kernels import hqq_gpu
 from moeferry.engine.kernels.decode import FusedOps, add_rms_norm, attention_options, rope_attention, route_topk
-from moeferry.engine.runtime.model import EagerOps, expand_units, rope_cos_sin
+from moeferry.engine.runtime.model import EagerOps, rope_cos_sin
 
 
 def use_cuda_graphs(model, on: bool = True) -> None:
@@ -93,7 +93,7 @@ class GraphedDecode:
             m.cache.sync_tables()  # once: a fully resident cache never changes
             forced = self.is_forced()
             if forced:
-                for buf, table in zip(self.forced, expand_units(*m.routing.token_table(), m.cfg.expert_units)):
+                for buf, table in zip(self.forced, m.routing.token_table()):
                     buf.copy_(table)
             self.run(("token", forced), lambda: self.token_segment(forced))
             m.cache.count_hits(m.cfg.num_moe_layers * m.cfg.top_k)

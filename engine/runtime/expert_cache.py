@@ -70,6 +70,7 @@ class ExpertCache:
         # (kernels.moe_decode); a host mirror takes the updates, sync_table() sends a layer's row.
         # Entries of experts not resident are stale and never read.
         self.table_host = torch.zeros((L, E), dtype=torch.int32, pin_memory=self.cuda)
+        self.table_np = self.table_host.numpy()  # writes through numpy: 20x cheaper than a tensor's
         self.table = torch.zeros((L, E), dtype=torch.int32, device=device)
         self.table_dirty: set[int] = set()
         self.unused_prefetch: list[set[int]] = [set() for _ in range(L)]
@@ -82,12 +83,20 @@ class ExpertCache:
         self.ready_at = [[0.0] * self.K for _ in range(L)]
         self.prefetch_horizon_s = 0.0  # with the above: no prefetch while the link is busier than this
         if self.cuda:
+            # streams looked up by index: torch.cuda.current_stream(torch.device("cuda")) resolves
+            # the device again on every call, which cost more host time per copy than the copy itself
+            self.device_index = device.index if device.index is not None else torch.cuda.current_device()
             self.copy_stream = torch.cuda.Stream(device)
             self.ready = [[torch.cuda.Event() for _ in range(self.K)] for _ in range(L)]
             self.free = [torch.cuda.Event() for _ in range(L)]
+            # the copy stream has waited for the layer's last `free` (copies after the first skip the wait)
+            self.free_awaited = [True] * L
         self.awaited = [[True] * self.K for _ in range(L)]  # the compute stream waited for the slot's last copy
         self.in_use: list[set[int]] = [set() for _ in range(L)]  # slots acquired since the layer's last release
         self._fill(progress)
+        # each copy's source and destination, made once: a view costs microseconds per copy
+        self.slot_views = [[self.slots[l, s] for s in range(self.K)] for l in range(L)]
+        self.host_views = None if self.host is None else [[self.host[l, e] for e in range(E)] for l in range(L)]
 
     def _fill(self, progress) -> None:
         """Everything fits: load once, never copy again. Else pin the host copy (CUDA)."""
@@ -182,7 +191,7 @@ class ExpertCache:
             self.stats.misses += 1
             slot = self._load(layer, expert, keep)
         if self.cuda and not self.awaited[layer][slot]:
-            torch.cuda.current_stream(self.device).wait_event(self.ready[layer][slot])
+            torch.cuda.current_stream(self.device_index).wait_event(self.ready[layer][slot])
             self.awaited[layer][slot] = True
         self.in_use[layer].add(slot)
         return self._weights(layer, slot), slot
@@ -200,7 +209,8 @@ class ExpertCache:
         the device has run them."""
         self.in_use[layer].clear()
         if self.cuda:
-            self.free[layer].record(torch.cuda.current_stream(self.device))
+            self.free[layer].record(torch.cuda.current_stream(self.device_index))
+            self.free_awaited[layer] = False
 
     def prefetch(self, layer: int, experts: list[int]) -> None:
         """Start copying predicted experts (best guess first); never more than K per layer."""
@@ -236,18 +246,24 @@ class ExpertCache:
         if slot is None:  # else the caller's choice (the benchmark's naive cache)
             slot = len(lru) if len(lru) < self.K else self._evict(layer, keep)
         lru[expert] = slot
-        self.table_host[layer, expert] = slot
+        self.table_np[layer, expert] = slot
         self.table_dirty.add(layer)
-        src, dst = self.host[layer, expert], self.slots[layer, slot]
+        src, dst = self.host_views[layer][expert], self.slot_views[layer][slot]
         if self.cuda:
             if slot in self.in_use[layer]:  # used earlier in this step (a cache smaller than top-k)
                 self.release(layer)  # the copy waits for the work queued on it so far
-            with torch.cuda.stream(self.copy_stream):
-                self.copy_stream.wait_event(self.free[layer])
+            compute = torch.cuda.current_stream(self.device_index)
+            torch.cuda.set_stream(self.copy_stream)  # not torch.cuda.stream(): it resolves the device twice
+            try:
+                if not self.free_awaited[layer]:
+                    self.copy_stream.wait_event(self.free[layer])
+                    self.free_awaited[layer] = True
                 dst.copy_(src, non_blocking=self.pinned)
                 if self.pace_cycles:
                     torch.cuda._sleep(self.pace_cycles)
                 self.ready[layer][slot].record(self.copy_stream)
+            finally:
+                torch.cuda.set_stream(compute)
             self.awaited[layer][slot] = False
             if self.link_s_per_byte:
                 start = max(time.perf_counter(), self.link_free_at)

@@ -198,6 +198,7 @@ class LayerTimes:
     routed: float
     queued: float
     done: float
+    kernel: float = 0.0  # seconds of queued..done the CPU kernel itself ran (the rest: its hand-off)
 
 
 def run_now(key: tuple, fn) -> None:
@@ -375,15 +376,13 @@ class OffloadedMixtral:
             finish()
         if self.timeline is not None:
             copied = sum(1 for e in needed if e not in on_cpu and e not in resident)
-            self.timeline.append(LayerTimes(i, copied, len(on_cpu), routed, queued, time.perf_counter()))
+            kernel = self.hybrid.stats.last_seconds if on_cpu else 0.0
+            self.timeline.append(LayerTimes(i, copied, len(on_cpu), routed, queued, time.perf_counter(), kernel))
 
     def force_routing(self, i: int, s: Step, ids: torch.Tensor, guesses: torch.Tensor | None) -> None:
         """Hand MoE layer i's routing to self.routing (engine/measure/routing.py); what it chooses
         instead is written over the router's, on the device, before dispatch reads it."""
         weights, chosen, g = self.routing.choose(self, i, s.x, s.weights, ids, guesses)
-        if self.routing.forces and self.cfg.expert_units > 1:  # its tables route whole experts
-            weights, chosen = expand_units(weights, chosen, self.cfg.expert_units)
-            g = None if g is None else expand_units(None, g, self.cfg.expert_units)[1]
         if chosen is not ids:
             ids.copy_(chosen)
             s.weights.copy_(weights)

@@ -150,16 +150,18 @@ def test_the_layer_split_adds_each_kind_of_layer_up():
 
     ms = 1e-3
     times = [LayerTimes(0, 0, 0, 0.0, 0.1 * ms, 0.1 * ms),  # a hit: host 0.1, device 0.9
-             LayerTimes(1, 1, 1, 1.0 * ms, 1.2 * ms, 2.0 * ms),  # a split miss: host 0.2, CPU 0.8, device 0.5
+             LayerTimes(1, 1, 1, 1.0 * ms, 1.2 * ms, 2.0 * ms, 0.5 * ms),  # a split miss: host 0.2, CPU 0.8
+             # (its kernel 0.5), device 0.5
              LayerTimes(2, 1, 0, 2.5 * ms, 2.6 * ms, 2.6 * ms),  # the token's last: left out
              LayerTimes(0, 0, 0, 5.0 * ms, 5.1 * ms, 5.1 * ms),  # the next token, alike
-             LayerTimes(1, 1, 1, 6.0 * ms, 6.2 * ms, 7.0 * ms),
+             LayerTimes(1, 1, 1, 6.0 * ms, 6.2 * ms, 7.0 * ms, 0.7 * ms),
              LayerTimes(2, 0, 0, 7.5 * ms, 7.6 * ms, 7.6 * ms)]
     hit, split = bench.layer_split(times, steps=2)
     assert (hit["copied"], hit["on_cpu"], hit["per_token"]) == (0, 0, 1.0)
     assert (hit["ms"], hit["host_ms"], hit["cpu_ms"], hit["device_wait_ms"]) == pytest.approx((1.0, 0.1, 0.0, 0.9))
     assert (split["copied"], split["on_cpu"], split["per_token"]) == (1, 1, 1.0)
     assert (split["ms"], split["host_ms"], split["cpu_ms"], split["device_wait_ms"]) == pytest.approx((1.5, 0.2, 0.8, 0.5))
+    assert (hit["kernel_ms"], split["kernel_ms"]) == pytest.approx((0.0, 0.6))
 
 
 def test_the_bench_cuts_its_experts_into_units_and_routes_whole_experts():
