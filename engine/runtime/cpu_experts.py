@@ -28,9 +28,10 @@ torch has no 2- or 3-bit CPU kernel, and a pure-torch one (unpack, then matmul) 
 unpacked weights back to RAM: about 100x slower than int4 (benchmarks/cpu_experts.py); hence
 the numba kernel for the store's own bytes.
 
-The CPU experts run on the host thread, after it has queued the layer's GPU work (copies,
-the GPU's experts, prefetch): the GPU and the link work meanwhile, and the kernel's threads
-(numba's and torch's pools, which stay warm between calls) have the host to themselves. A
+The CPU experts run on the host thread once it has queued the link's copies (the layer's
+and the prefetches) and, where nothing is copied, the GPU's experts (OffloadedMixtral.dispatch
+says why the order): the GPU and the link work meanwhile, and the kernel's threads (numba's
+and torch's pools, which stay warm between calls) have the host to themselves. A
 worker thread would overlap the host's queuing too, but then fights it for the GIL at every
 Python step around the kernel: measured on the GPU machine (benchmarks/cpu_hybrid_probe.py,
 docs/BENCHMARKS.md), a 2-bit expert took 3.4 ms on a worker beside a busy host instead of
@@ -376,37 +377,18 @@ class CpuExperts:
         self.learning = bool(run)
         return {e: [(0, row.index(e))] for e in run}, []
 
-    def start(self, layer: int, rows: dict, h: torch.Tensor, weights: torch.Tensor, out: torch.Tensor):
-        """Send h down for rows' experts (see choose); returns finish(), to be called once the
-        layer's device work is queued: it computes them and adds each output times its routing
-        weight to out as the device path does: out += (y.to(out.dtype) * weight).to(out.dtype)."""
+    def start(self, layer: int, rows: dict, h: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> "CpuJob":
+        """Send h down for rows' experts (see choose); the job computes them (compute(), once the
+        link has its copies) and adds each output times its routing weight to out as the device
+        path does (add(), once the device's experts of the layer are queued: they write out):
+        out += (y.to(out.dtype) * weight).to(out.dtype)."""
         experts = sorted(rows)
-        decode = h.shape[0] == 1
-        if decode:  # every expert takes the one token
+        if h.shape[0] == 1:  # decode: every expert takes the one token
             jobs = [(self.copies[layer, e], self._down(h)) for e in experts]
         else:
             h_host = h.detach().to("cpu", torch.float32)  # the host synced on routing: h is final
             jobs = [(self.copies[layer, e], h_host[[t for t, _ in rows[e]]]) for e in experts]
-
-        def finish() -> None:
-            started = time.perf_counter()
-            ys = self.run(jobs)
-            up = self._up(ys, out) if decode else [y.to(out.device, out.dtype) for y in ys]
-            for e, y in zip(experts, up):
-                if decode:
-                    k = rows[e][0][1]
-                    out.add_((y * weights[:, k:k + 1]).to(out.dtype))
-                else:
-                    t = torch.tensor([t for t, _ in rows[e]], device=out.device)
-                    k = torch.tensor([k for _, k in rows[e]], device=out.device)
-                    out.index_add_(0, t, (y * weights[t, k, None]).to(out.dtype))
-            if self.learning:
-                hand_off = time.perf_counter() - self.chosen_at - self.stats.last_seconds
-                self.costs = learned_costs(self.costs, self.stats.last_bytes, self.stats.last_seconds,
-                                           hand_off if 0 < self.chosen_at < started else None)
-                self.learning, self.chosen_at = False, 0.0
-
-        return finish
+        return CpuJob(self, experts, rows, jobs, weights, out)
 
     def _down(self, h: torch.Tensor) -> torch.Tensor:
         """A decoded token's h [1, H] -> float32 on the host, through a pinned buffer (the host
@@ -431,3 +413,36 @@ class CpuExperts:
             self.stage[j].copy_(y[0])
         self.stage_dev[:n].copy_(self.stage[:n], non_blocking=True)
         return [self.stage_dev[j:j + 1] for j in range(n)]
+
+
+class CpuJob:
+    """One layer's CPU experts of one step (CpuExperts.start): compute() on the host thread,
+    then add() their weighted sum into the layer's output."""
+
+    def __init__(self, owner: CpuExperts, experts: list[int], rows: dict, jobs: list, weights, out):
+        self.owner, self.experts, self.rows, self.jobs = owner, experts, rows, jobs
+        self.weights, self.out = weights, out
+        self.ys: list[torch.Tensor] = []
+        self.started = 0.0
+
+    def compute(self) -> None:
+        self.started = time.perf_counter()
+        self.ys = self.owner.run(self.jobs)
+
+    def add(self) -> None:
+        o, out, weights = self.owner, self.out, self.weights
+        decode = out.shape[0] == 1
+        up = o._up(self.ys, out) if decode else [y.to(out.device, out.dtype) for y in self.ys]
+        for e, y in zip(self.experts, up):
+            if decode:
+                k = self.rows[e][0][1]
+                out.add_((y * weights[:, k:k + 1]).to(out.dtype))
+            else:
+                t = torch.tensor([t for t, _ in self.rows[e]], device=out.device)
+                k = torch.tensor([k for _, k in self.rows[e]], device=out.device)
+                out.index_add_(0, t, (y * weights[t, k, None]).to(out.dtype))
+        if o.learning:
+            hand_off = time.perf_counter() - o.chosen_at - o.stats.last_seconds
+            o.costs = learned_costs(o.costs, o.stats.last_bytes, o.stats.last_seconds,
+                                    hand_off if 0 < o.chosen_at < self.started else None)
+            o.learning, o.chosen_at = False, 0.0

@@ -189,16 +189,15 @@ class Step:
 @dataclass
 class LayerTimes:
     """One MoE layer of a decoded token on the host clock (OffloadedMixtral.timeline): its routing
-    read (the layer's sync: the device has done everything queued before), its device work and
-    copies queued, its CPU experts computed and added. The device's time shows in the next
-    layer's sync."""
+    read (the layer's sync: the device has done everything queued before), and the host done
+    with the layer (its device work and copies queued, its CPU experts computed and added). The
+    device's time shows in the next layer's sync."""
     layer: int
     copied: int  # experts that missed and were copied for this layer
     on_cpu: int  # experts computed on the CPU
     routed: float
-    queued: float
     done: float
-    kernel: float = 0.0  # seconds of queued..done the CPU kernel itself ran (the rest: its hand-off)
+    kernel: float = 0.0  # seconds of routed..done the CPU kernel ran (the rest: the host's Python)
 
 
 def run_now(key: tuple, fn) -> None:
@@ -346,7 +345,10 @@ class OffloadedMixtral:
         the experts at those top-k positions at once once they are in place (the device reads
         their slots from the cache's device table). With self.hybrid, io = (h, weights, out) of
         the layer: the experts it picks run on the CPU meanwhile and are added to out before
-        returning.
+        returning. The host computes them as soon as the link has its copies (this layer's,
+        then the prefetches) when there are any: the device's experts wait for those copies
+        anyway, so they are queued after the CPU's work; with nothing copied they are queued
+        first and run while the CPU works.
         """
         ids_host = ids.tolist()
         routed = time.perf_counter()
@@ -355,29 +357,36 @@ class OffloadedMixtral:
         resident = set(self.cache.lru[i]) if self.timeline is not None else set()
         if step is not None:
             step.append((tuple(ids_host[0]), self.cache.resident(i)))
-        on_cpu, both, finish = {}, [], None
+        on_cpu, both, job = {}, [], None
         if self.hybrid is not None and io is not None:
             on_cpu, both = self.hybrid.choose(i, needed, ids_host, self.cache)
-            if on_cpu:  # h goes down now; finish() computes them once the layer's GPU work is queued
-                finish = self.hybrid.start(i, on_cpu, *io)
+            if on_cpu:  # h goes down now
+                job = self.hybrid.start(i, on_cpu, *io)
+        copied_before = self.cache.stats.bytes_h2d
         for e in (e for e in needed if e not in on_cpu):  # copies and compute queued, waiting for neither
             w, slot = self.cache.acquire(i, e, keep=needed)
             if add_all is None:
                 add_expert(w, slot, e, ids_host[0].index(e) if len(ids_host) == 1 else None)
+        cpu_first = job is not None and self.cache.stats.bytes_h2d > copied_before
+        if cpu_first:
+            self.prefetcher.issue(self.cache, i, guesses_host)
+            job.compute()
         if add_all is not None:
             self.cache.sync_table(i)
             add_all([k for k, e in enumerate(ids_host[0]) if e not in on_cpu])
         self.cache.release(i)
-        self.prefetcher.issue(self.cache, i, guesses_host)  # queued behind the demand copies
+        if not cpu_first:
+            self.prefetcher.issue(self.cache, i, guesses_host)  # queued behind the demand copies
         for e in both:  # the link's idle time while the CPU works (engine/runtime/placement.py)
             self.cache.admit(i, e)
-        queued = time.perf_counter()
-        if finish is not None:
-            finish()
+        if job is not None:
+            if not cpu_first:
+                job.compute()
+            job.add()
         if self.timeline is not None:
             copied = sum(1 for e in needed if e not in on_cpu and e not in resident)
             kernel = self.hybrid.stats.last_seconds if on_cpu else 0.0
-            self.timeline.append(LayerTimes(i, copied, len(on_cpu), routed, queued, time.perf_counter(), kernel))
+            self.timeline.append(LayerTimes(i, copied, len(on_cpu), routed, time.perf_counter(), kernel))
 
     def force_routing(self, i: int, s: Step, ids: torch.Tensor, guesses: torch.Tensor | None) -> None:
         """Hand MoE layer i's routing to self.routing (engine/measure/routing.py); what it chooses

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # What a decoded layer that runs a CPU expert spends beside the kernel on a GPU machine: the
-# host's queuing of the layer's GPU work before the kernel starts, the activation down, the
+# host's queuing of the layer's copies before the kernel starts, the activation down, the
 # results up. On the GPU machine such a layer spent 0.1-0.6 ms more on the host than one that
 # copies (docs/BENCHMARKS.md, 2026-12-03); the engine starts from this and learns its own
 # (cpu_experts.learned_costs), which ended at 0.8-2.8 ms in the runs of that day.

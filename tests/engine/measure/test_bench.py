@@ -139,29 +139,27 @@ def test_the_hybrid_mode_reports_its_cpu_experts(monkeypatch):
     for result in (lru, hybrid):
         split = result["layer_split"]
         assert sum(row["per_token"] for row in split) == pytest.approx(s.cfg.num_moe_layers - 1, abs=0.02)
-    assert any(row["on_cpu"] > 0 and row["cpu_ms"] > 0 for row in hybrid["layer_split"])
-    assert all(row["on_cpu"] == 0 and row["cpu_ms"] < 0.01 for row in lru["layer_split"])
+    assert any(row["on_cpu"] > 0 and row["kernel_ms"] > 0 for row in hybrid["layer_split"])
+    assert all(row["on_cpu"] == 0 and row["kernel_ms"] == 0 for row in lru["layer_split"])
 
 
 def test_the_layer_split_adds_each_kind_of_layer_up():
     """bench.layer_split on stated times: each layer's time runs from its routing sync to the
-    next layer's; host, CPU and the device's share add up to it."""
+    next layer's; the host's Python, the CPU kernel and the device's share add up to it."""
     from moeferry.engine.runtime.model import LayerTimes
 
     ms = 1e-3
-    times = [LayerTimes(0, 0, 0, 0.0, 0.1 * ms, 0.1 * ms),  # a hit: host 0.1, device 0.9
-             LayerTimes(1, 1, 1, 1.0 * ms, 1.2 * ms, 2.0 * ms, 0.5 * ms),  # a split miss: host 0.2, CPU 0.8
-             # (its kernel 0.5), device 0.5
-             LayerTimes(2, 1, 0, 2.5 * ms, 2.6 * ms, 2.6 * ms),  # the token's last: left out
-             LayerTimes(0, 0, 0, 5.0 * ms, 5.1 * ms, 5.1 * ms),  # the next token, alike
-             LayerTimes(1, 1, 1, 6.0 * ms, 6.2 * ms, 7.0 * ms, 0.7 * ms),
-             LayerTimes(2, 0, 0, 7.5 * ms, 7.6 * ms, 7.6 * ms)]
+    times = [LayerTimes(0, 0, 0, 0.0, 0.1 * ms),  # a hit: host 0.1, device 0.9
+             LayerTimes(1, 1, 1, 1.0 * ms, 2.0 * ms, 0.5 * ms),  # a split miss: host 0.5, kernel 0.5, device 0.5
+             LayerTimes(2, 1, 0, 2.5 * ms, 2.6 * ms),  # the token's last: left out
+             LayerTimes(0, 0, 0, 5.0 * ms, 5.1 * ms),  # the next token, alike
+             LayerTimes(1, 1, 1, 6.0 * ms, 7.0 * ms, 0.7 * ms),
+             LayerTimes(2, 0, 0, 7.5 * ms, 7.6 * ms)]
     hit, split = bench.layer_split(times, steps=2)
     assert (hit["copied"], hit["on_cpu"], hit["per_token"]) == (0, 0, 1.0)
-    assert (hit["ms"], hit["host_ms"], hit["cpu_ms"], hit["device_wait_ms"]) == pytest.approx((1.0, 0.1, 0.0, 0.9))
+    assert (hit["ms"], hit["host_ms"], hit["kernel_ms"], hit["device_wait_ms"]) == pytest.approx((1.0, 0.1, 0.0, 0.9))
     assert (split["copied"], split["on_cpu"], split["per_token"]) == (1, 1, 1.0)
-    assert (split["ms"], split["host_ms"], split["cpu_ms"], split["device_wait_ms"]) == pytest.approx((1.5, 0.2, 0.8, 0.5))
-    assert (hit["kernel_ms"], split["kernel_ms"]) == pytest.approx((0.0, 0.6))
+    assert (split["ms"], split["host_ms"], split["kernel_ms"], split["device_wait_ms"]) == pytest.approx((1.5, 0.4, 0.6, 0.5))
 
 
 def test_the_bench_cuts_its_experts_into_units_and_routes_whole_experts():

@@ -73,9 +73,9 @@ def test_hybrid_tokens_equal_transformers_and_cache_only(store16, mode, costs, k
 
 
 def test_cpu_experts_run_after_the_layers_device_work_is_queued(store16, monkeypatch):
-    """The host computes a layer's CPU experts only once it has queued everything else of the
-    layer (the cache's copies and the device's experts, then the next layer's prefetch): the
-    device and the link work meanwhile."""
+    """The host computes a layer's CPU experts only once it has queued the layer's copies and
+    device experts (the eager path runs each as it is acquired) and the next layer's prefetch:
+    the device and the link work meanwhile."""
     from moeferry.engine.runtime import cpu_experts as ce
 
     path, want = store16
@@ -120,6 +120,54 @@ def test_cpu_experts_run_after_the_layers_device_work_is_queued(store16, monkeyp
         assert not after or after[0][1] != layer  # nothing of this layer after its CPU job
         mixed += ("acquire", layer) in between
     assert starts and mixed > 0  # some layers had device and CPU experts
+
+
+@pytest.mark.parametrize("copied", [True, False])
+def test_the_cpu_goes_first_when_the_link_copies_and_last_when_it_does_not(copied):
+    """dispatch with grouped device experts (one launch for the layer, add_all): with a copy
+    in the layer the host computes the CPU's experts as soon as the link has its copies and
+    the prefetches (the device's experts wait for the copies anyway); without one it queues the
+    device's experts first, which then run while the CPU works. The CPU's sum is added last
+    either way (the grouped launch writes out)."""
+    from types import SimpleNamespace
+
+    from moeferry.engine.runtime.model import OffloadedMixtral
+
+    events = []
+
+    class Cache:
+        stats = SimpleNamespace(bytes_h2d=0)
+
+        def acquire(self, layer, e, keep=()):
+            if copied and e == 2:
+                self.stats.bytes_h2d += 1
+                events.append("copy")
+            return None, 0
+
+        def sync_table(self, layer):
+            events.append("table")
+
+        def release(self, layer):
+            events.append("release")
+
+    class Hybrid:
+        def choose(self, layer, needed, ids_host, cache):
+            return {3: [(0, 2)]}, []
+
+        def start(self, layer, rows, *io):
+            events.append("h down")
+            return SimpleNamespace(compute=lambda: events.append("cpu compute"), add=lambda: events.append("cpu add"))
+
+    model = SimpleNamespace(cache=Cache(), hybrid=Hybrid(), timeline=None,
+                            prefetcher=SimpleNamespace(issue=lambda cache, i, g: events.append("prefetch")))
+    OffloadedMixtral.dispatch(model, 0, torch.tensor([[1, 2, 3]]), None, None,
+                              add_all=lambda at: events.append(f"device experts {at}"), io=(None, None, None))
+    if copied:
+        assert events == ["h down", "copy", "prefetch", "cpu compute", "table", "device experts [0, 1]", "release",
+                          "cpu add"]
+    else:
+        assert events == ["h down", "table", "device experts [0, 1]", "release", "prefetch", "cpu compute",
+                          "cpu add"]
 
 
 def test_every_expert_on_the_cpu_without_a_cache(store16):
@@ -169,8 +217,8 @@ def test_quantized_cpu_copies_stay_close_to_the_gpu_copies(tmp_path, fmt, tol):
 
 
 def test_cpu_work_is_queued_before_the_gpu_experts_and_awaited_after(store16, monkeypatch):
-    """The overlap's order in dispatch: the CPU job starts, then the device's experts are
-    queued, then the host waits for the CPU and adds its result."""
+    """The overlap's order in dispatch when nothing is copied: the CPU job starts (h down),
+    the device's experts are queued, the host computes the CPU's and adds their result."""
     path, _ = store16
     engine = load_engine(path, device="cpu", dtype="float32", cache_experts=1, prefetch=0,
                          cpu_experts="all", cpu_format="dense")
@@ -179,8 +227,11 @@ def test_cpu_work_is_queued_before_the_gpu_experts_and_awaited_after(store16, mo
 
     def spy_start(*a, **kw):
         events.append("cpu start")
-        finish = start(*a, **kw)
-        return lambda: (events.append("cpu finish"), finish())
+        job = start(*a, **kw)
+        compute, add = job.compute, job.add
+        job.compute = lambda: (events.append("cpu compute"), compute())
+        job.add = lambda: (events.append("cpu add"), add())
+        return job
 
     monkeypatch.setattr(model.hybrid, "start", spy_start)
     monkeypatch.setattr(model, "expert", lambda w, h: (events.append("device expert"), expert(w, h))[1])
@@ -192,9 +243,9 @@ def test_cpu_work_is_queued_before_the_gpu_experts_and_awaited_after(store16, mo
         model.cache.release(i)
     events.clear()
     model.forward(torch.tensor([5]), 0)  # the same routing: one hit, one miss per layer
-    layers = [events[i:i + 3] for i in range(0, len(events), 3)]
+    layers = [events[i:i + 4] for i in range(0, len(events), 4)]
     assert len(layers) == model.cfg.num_layers  # top-2 with one slot: one of each per layer
-    assert all(step == ["cpu start", "device expert", "cpu finish"] for step in layers), events
+    assert all(step == ["cpu start", "device expert", "cpu compute", "cpu add"] for step in layers), events
 
 
 def test_cpu_experts_options_are_checked(store16):
@@ -355,7 +406,9 @@ def test_the_cpu_rate_of_the_cost_model_is_learned_from_decoded_layers(store16):
     hybrid.costs = idle
     h, out = torch.randn(1, 64), torch.zeros(1, 64)
     hybrid.learning, hybrid.chosen_at = True, time.perf_counter()
-    hybrid.start(0, {5: [(0, 0)]}, h, torch.ones(1, 2), out)()
+    job = hybrid.start(0, {5: [(0, 0)]}, h, torch.ones(1, 2), out)
+    job.compute()
+    job.add()
     assert hybrid.costs is not idle and hybrid.costs.cpu_gbps != 40.0 and not hybrid.learning
     assert 0 < hybrid.costs.cpu_overhead_s < 0.01  # a fifth of its hand-off, learned from 0
     want = hybrid.copies[0, 5].forward(h)
