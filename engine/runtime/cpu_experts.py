@@ -424,10 +424,12 @@ class CpuJob:
         self.weights, self.out = weights, out
         self.ys: list[torch.Tensor] = []
         self.started = 0.0
+        self.seconds = 0.0  # compute()'s time on the host clock
 
     def compute(self) -> None:
         self.started = time.perf_counter()
         self.ys = self.owner.run(self.jobs)
+        self.seconds = time.perf_counter() - self.started
 
     def add(self) -> None:
         o, out, weights = self.owner, self.out, self.weights

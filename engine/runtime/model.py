@@ -197,7 +197,7 @@ class LayerTimes:
     on_cpu: int  # experts computed on the CPU
     routed: float
     done: float
-    kernel: float = 0.0  # seconds of routed..done the CPU kernel ran (the rest: the host's Python)
+    kernel: float = 0.0  # seconds of routed..done the CPU experts were computed (the rest: the host's Python)
 
 
 def run_now(key: tuple, fn) -> None:
@@ -385,8 +385,8 @@ class OffloadedMixtral:
             job.add()
         if self.timeline is not None:
             copied = sum(1 for e in needed if e not in on_cpu and e not in resident)
-            kernel = self.hybrid.stats.last_seconds if on_cpu else 0.0
-            self.timeline.append(LayerTimes(i, copied, len(on_cpu), routed, time.perf_counter(), kernel))
+            self.timeline.append(LayerTimes(i, copied, len(on_cpu), routed, time.perf_counter(),
+                                            job.seconds if job is not None else 0.0))
 
     def force_routing(self, i: int, s: Step, ids: torch.Tensor, guesses: torch.Tensor | None) -> None:
         """Hand MoE layer i's routing to self.routing (engine/measure/routing.py); what it chooses
