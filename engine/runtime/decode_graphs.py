@@ -58,7 +58,7 @@ class GraphedDecode:
                        torch.zeros(moe, cfg.top_k, dtype=torch.long, device=dev))
         if capture:
             self.pool = torch.cuda.graph_pool_handle()
-            self.capture_stream = torch.cuda.Stream(dev)
+            self.capture_stream = capture_stream(dev)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph | None] = {}  # capture=False: the keys run
         self.key = None
         # the fused operations wherever the fused GEMVs run; whether the expert cache allows the
@@ -265,6 +265,20 @@ class GraphedDecode:
             s.h, cache.slot_weights(0, 0), cache.slot_bytes, torch.arange(m.cfg.top_k, device=m.device),
             s.weights[0], torch.zeros(m.cfg.num_experts, dtype=torch.int32, device=m.device),
             torch.empty_like(s.out)), "grouped expert kernels")
+
+
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The device's one stream for capturing graphs, shared by every GraphedDecode. The fused
+    kernels keep their scratch per stream (hqq_gpu._Scratch, which never shrinks): a new stream
+    for each new set of graphs (a new expert cache, each run of the benchmark) left the last
+    one's scratch allocated, about 0.1 GiB each time, past what the VRAM budget sizes."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[index] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[index]
 
 
 def attention_span(start: int, capacity: int) -> int:
