@@ -69,20 +69,27 @@ def test_cuda_graph_decode_equals_eager_decode(tmp_path):
     assert runs[True] == runs[False]
 
 
-def test_cuda_new_graphs_for_a_new_cache_leave_no_memory_behind(tmp_path):
-    """Each new expert cache captures new graphs; the fused kernels' scratch (kept per stream)
-    must be reused, not left behind: memory after decoding is the same for the third cache as
-    for the first (it grew by the old graphs' scratch every time)."""
+def test_cuda_new_graphs_leave_no_memory_behind(tmp_path):
+    """Each engine load (and each run of the benchmark) makes a new GraphedDecode; the fused
+    kernels' scratch, kept per stream, must be reused, not left behind: memory after decoding
+    with the third set of graphs is what it was with the second (it grew every time when
+    each set captured on a stream of its own)."""
+    import gc
+
+    from moeferry.engine.runtime.decode_graphs import use_cuda_graphs
+
     make_checkpoint(tmp_path / "ck", seed=6, num_key_value_heads=4, hidden_size=256, intermediate_size=512,
                     num_local_experts=6, num_hidden_layers=3)
     convert_checkpoint(tmp_path / "ck", tmp_path / "st", 2, 4, "cuda")
     engine = load_engine(tmp_path / "st", device="cuda", dtype="bfloat16", cache_experts=3, prefetch=0)
     sampling = SamplingSettings(temperature=0, max_new_tokens=8)
     after = []
-    for k in (3, 4, 3, 4, 3):
-        engine.set_cache_experts(k)
+    for _ in range(3):
+        engine.model.graphs = None
+        gc.collect()  # the old graphs (model <-> graphs is a cycle)
+        use_cuda_graphs(engine.model)
         engine.cached_ids = []
         list(engine.generate_ids(PROMPT, sampling))
         torch.cuda.synchronize()
         after.append(torch.cuda.memory_allocated())
-    assert after[4] == after[2] == after[0] and after[3] == after[1], after
+    assert after[2] == after[1], after
