@@ -306,7 +306,9 @@ class CpuExperts:
         self.stage: torch.Tensor | None = None  # pinned [top_k, H]: results on their way up
         self.stage_dev: torch.Tensor | None = None  # its twin on the device
         self.down: torch.Tensor | None = None  # pinned [1, H]: a decoded token's h on its way down
+        self.weights_host: torch.Tensor | None = None  # its routing weights [1, k], beside it
         self.learning = False  # the running step was placed by choose_in_time: its CPU costs are learned
+        self.link_planned: tuple | None = None  # (cache, costs) last told to cache.plan_link
         self.chosen_at = 0.0  # when choose_in_time placed it (host clock)
 
     def nbytes(self) -> int:
@@ -361,15 +363,16 @@ class CpuExperts:
         layer it works (learned_costs)."""
         from moeferry.engine.runtime import placement
 
-        # told every layer: the costs are final by the first decoded token, and the cache may be
-        # a new one (Engine.set_cache_experts)
+        # told again whenever the costs (learned) or the cache (Engine.set_cache_experts) change;
         # a prefetch queued behind more than one CPU expert's time would land after the CPU could
         # have computed it: it would only take the link from the copies that help
-        cache.plan_link(1 / (self.costs.link_gbps * 1e9), placement.cpu_s(self.costs, self.sizes, 1))
-        experts = [(e, cache.lands_at(layer, e)) for e in needed]
+        if self.link_planned is None or self.link_planned[0] is not cache or self.link_planned[1] is not self.costs:
+            cache.plan_link(1 / (self.costs.link_gbps * 1e9), placement.cpu_s(self.costs, self.sizes, 1))
+            self.link_planned = (cache, self.costs)
         self.chosen_at = time.perf_counter()
-        if all(ready is not None and ready <= self.chosen_at for _, ready in experts):
+        if cache.link_free_time() <= self.chosen_at and cache.holds(layer, needed):
             return {}, []  # every expert in place: nothing can finish sooner on the CPU
+        experts = [(e, cache.lands_at(layer, e)) for e in needed]
         able = {e for e in needed if (layer, e) in self.copies}
         run = sorted(placement.choose_by_finish(self.costs, self.sizes, self.chosen_at, cache.link_free_time(),
                                                 experts, able))
@@ -384,33 +387,40 @@ class CpuExperts:
         out += (y.to(out.dtype) * weight).to(out.dtype)."""
         experts = sorted(rows)
         if h.shape[0] == 1:  # decode: every expert takes the one token
-            jobs = [(self.copies[layer, e], self._down(h)) for e in experts]
+            x = self._down(h, weights)
+            jobs = [(self.copies[layer, e], x) for e in experts]
         else:
             h_host = h.detach().to("cpu", torch.float32)  # the host synced on routing: h is final
             jobs = [(self.copies[layer, e], h_host[[t for t, _ in rows[e]]]) for e in experts]
         return CpuJob(self, experts, rows, jobs, weights, out)
 
-    def _down(self, h: torch.Tensor) -> torch.Tensor:
-        """A decoded token's h [1, H] -> float32 on the host, through a pinned buffer (the host
-        synced on routing and has queued nothing since: the copy does not wait)."""
+    def _down(self, h: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """A decoded token's h [1, H] -> float32 on the host, and its routing weights into
+        self.weights_host, through pinned buffers (the host synced on routing and has queued
+        nothing since: the copies do not wait)."""
         if h.device.type == "cpu":
+            self.weights_host = weights
             return h.float()
         if self.down is None or self.down.shape != h.shape or self.down.dtype != h.dtype:
             self.down = torch.empty(h.shape, dtype=h.dtype, pin_memory=True)
-        return self.down.copy_(h).float()
+        if self.weights_host is None or self.weights_host.shape != weights.shape:
+            self.weights_host = torch.empty(weights.shape, dtype=weights.dtype, pin_memory=True)
+        self.weights_host.copy_(weights, non_blocking=True)
+        return self.down.copy_(h).float()  # waits for both
 
-    def _up(self, ys: list[torch.Tensor], out: torch.Tensor) -> list[torch.Tensor]:
-        """Decode results [1, H] each -> on out's device, through a pinned staging buffer and
-        its device twin (one copy, not waiting for the device). Both are rewritten only after
-        the next layer's routing sync, by which time this copy and the adds reading it have run."""
+    def _up(self, contributions: list[torch.Tensor], out: torch.Tensor) -> list[torch.Tensor]:
+        """Decode results [1, H] each (weighted, in out's dtype) -> on out's device, through a
+        pinned staging buffer and its device twin (one copy, not waiting for the device). Both
+        are rewritten only after the next layer's routing sync, by which time this copy and the
+        adds reading it have run."""
         if out.device.type == "cpu":
-            return [y.to(out.dtype) for y in ys]
-        n = len(ys)
+            return contributions
+        n = len(contributions)
         if self.stage is None or self.stage.shape[0] < n or self.stage.dtype != out.dtype:
             self.stage = torch.empty((max(n, 8), out.shape[-1]), dtype=out.dtype, pin_memory=True)
             self.stage_dev = torch.empty(self.stage.shape, dtype=out.dtype, device=out.device)
-        for j, y in enumerate(ys):
-            self.stage[j].copy_(y[0])
+        for j, c in enumerate(contributions):
+            self.stage[j].copy_(c[0])
         self.stage_dev[:n].copy_(self.stage[:n], non_blocking=True)
         return [self.stage_dev[j:j + 1] for j in range(n)]
 
@@ -432,17 +442,18 @@ class CpuJob:
         self.seconds = time.perf_counter() - self.started
 
     def add(self) -> None:
-        o, out, weights = self.owner, self.out, self.weights
-        decode = out.shape[0] == 1
-        up = o._up(self.ys, out) if decode else [y.to(out.device, out.dtype) for y in self.ys]
-        for e, y in zip(self.experts, up):
-            if decode:
-                k = self.rows[e][0][1]
-                out.add_((y * weights[:, k:k + 1]).to(out.dtype))
-            else:
+        o, out = self.owner, self.out
+        if out.shape[0] == 1:  # decode: weighted here (the host has the weights), one add each there
+            w = o.weights_host
+            contributions = [(y.to(out.dtype) * w[:, self.rows[e][0][1], None]).to(out.dtype)
+                             for e, y in zip(self.experts, self.ys)]
+            for c in o._up(contributions, out):
+                out.add_(c)
+        else:
+            for e, y in zip(self.experts, self.ys):
                 t = torch.tensor([t for t, _ in self.rows[e]], device=out.device)
                 k = torch.tensor([k for _, k in self.rows[e]], device=out.device)
-                out.index_add_(0, t, (y * weights[t, k, None]).to(out.dtype))
+                out.index_add_(0, t, (y.to(out.device, out.dtype) * self.weights[t, k, None]).to(out.dtype))
         if o.learning:
             hand_off = time.perf_counter() - o.chosen_at - o.stats.last_seconds
             o.costs = learned_costs(o.costs, o.stats.last_bytes, o.stats.last_seconds,

@@ -160,6 +160,11 @@ class ExpertCache:
         slot = self.lru[layer].get(expert)
         return None if slot is None else self.ready_at[layer][slot]
 
+    def holds(self, layer: int, experts) -> bool:
+        """Whether every one of these experts is resident in the layer (copies maybe in flight)."""
+        lru = self.lru[layer]
+        return all(e in lru for e in experts)
+
     def link_free_time(self) -> float:
         """When the link has done every copy queued so far (host clock)."""
         return self.link_free_at

@@ -133,6 +133,7 @@ def test_what_the_hybrid_reads_goes_through_methods():
     cache.plan_link(1e-9, 0.5)
     use(cache, 0, 3)
     assert cache.lands_at(0, 3) == 0.0  # CPU copies are done when acquire returns
+    assert cache.holds(0, [3]) and not cache.holds(0, [3, 4]) and cache.holds(0, [])
     cache.count_cpu_misses(2, 1)
     assert (cache.stats.misses, cache.stats.misses_cpu, cache.stats.misses_both) == (3, 2, 1)
     assert make_cache(E).holds_every_expert and not make_cache(E - 1).holds_every_expert
