@@ -202,6 +202,8 @@ def quantize_int4(w: torch.Tensor, group_size: int | None = None) -> CpuMatrix:
 
 
 def quantize_int8(w: torch.Tensor) -> CpuMatrix:
+    if w.shape[1] % INPUT_MULTIPLE["int8"]:
+        raise ValueError(f"an int8 CPU copy needs the input size {w.shape[1]} to be a multiple of 8")
     wf = w.detach().float()
     s = (wf.abs().amax(dim=1) / 127).clamp(min=1e-10)
     q = (wf / s[:, None]).round().clamp(-127, 127).to(torch.int8)
@@ -224,9 +226,17 @@ def make_expert(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, fmt: str) 
     return CpuExpert(make_matrix(torch.cat([w1, w3]), fmt), make_matrix(w2, fmt))
 
 
+# Inputs per row each format needs a multiple of: int4's groups; int8's because torch's
+# _weight_int8pack_mm crashes the process (a segmentation fault, torch 2.13 on x86) for inputs
+# not a multiple of 8 once 4 or more rows go through it at once (a prompt).
+INPUT_MULTIPLE = {"int4": 32, "int8": 8, "dense": 1}
+
+
 def supported(fmt: str, hidden: int, intermediate: int) -> bool:
-    """Whether `fmt` can hold experts of this shape (int4 needs inputs in multiples of 32)."""
-    return fmt != "int4" or (hidden % 32 == 0 and intermediate % 32 == 0)
+    """Whether `fmt` can hold experts of this shape (its inputs, hidden for w1/w3 and
+    intermediate for w2, in multiples of INPUT_MULTIPLE[fmt])."""
+    m = INPUT_MULTIPLE[fmt]
+    return hidden % m == 0 and intermediate % m == 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -538,9 +538,11 @@ def check_cpu_options(mode: str, fmt: str | None, cfg: ModelConfig) -> None:
         raise UserError(f"--cpu-experts must be off, auto or all; got {mode!r}.")
     if fmt is not None and fmt not in ce.FORMATS:
         raise UserError(f"--cpu-format must be one of {', '.join(ce.FORMATS)}; got {fmt!r}.")
-    if fmt == "int4" and not ce.supported("int4", cfg.hidden_size, cfg.intermediate_size):
-        raise UserError("--cpu-format int4 needs hidden and intermediate sizes that are multiples of 32; "
-                        "use --cpu-format int8.")
+    if fmt in ce.COPY_FORMATS and not ce.supported(fmt, cfg.hidden_size, cfg.intermediate_size):
+        m = ce.INPUT_MULTIPLE[fmt]
+        other = "int8" if fmt == "int4" and ce.supported("int8", cfg.hidden_size, cfg.intermediate_size) else "dense"
+        raise UserError(f"--cpu-format {fmt} needs hidden and intermediate sizes that are multiples of {m} "
+                        f"(this model: {cfg.hidden_size} and {cfg.intermediate_size}); use --cpu-format {other}.")
 
 
 def make_cpu_experts(st: store_mod.Store, host: torch.Tensor, cache: ExpertCache, mode: str,
@@ -589,7 +591,7 @@ def cpu_copies_of(cfg: ModelConfig, host: torch.Tensor, view, device: torch.devi
     if fmt == "hqq":
         raise UserError("--cpu-format hqq runs HQQ experts of 2, 3 or 4 bits in place and needs numba; "
                         "this store's experts are not such, or numba is missing: use --cpu-format int4.")
-    fmt = fmt or ("int4" if ce.supported("int4", cfg.hidden_size, cfg.intermediate_size) else "int8")
+    fmt = fmt or next(f for f in ("int4", "int8", "dense") if ce.supported(f, cfg.hidden_size, cfg.intermediate_size))
     dtype = dtype if fmt == "dense" else torch.float32  # float32 in, the copy rounds it
 
     def copy(layer, e):

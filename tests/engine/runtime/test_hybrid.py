@@ -257,6 +257,23 @@ def test_cpu_experts_options_are_checked(store16):
         load_engine(store16[0], device="cpu", cpu_experts="all", cpu_format="int3")
 
 
+def test_a_16_bit_store_of_odd_sizes_gets_copies_its_kernel_can_run(tmp_path):
+    """Hidden 40 and FFN 20: int4 (multiples of 32) and int8 (of 8: torch's int8 kernel crashes
+    the process below that) cannot hold these experts, so the default CPU copies are dense and
+    the prompt, 10 tokens through every CPU expert at once, gives transformers' tokens; asking
+    for int8 gets one sentence naming what can."""
+    from moeferry.engine.errors import UserError
+
+    model = make_checkpoint(tmp_path / "ck", seed=5, num_local_experts=5, hidden_size=40, intermediate_size=20,
+                            num_attention_heads=4, num_key_value_heads=2)
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st", 16, 16, "cpu")
+    engine = load_engine(tmp_path / "st", device="cpu", dtype="float32", cpu_experts="all")
+    assert {c.w13.fmt for c in engine.model.hybrid.copies.values()} == {"dense"}
+    assert greedy(engine) == reference_greedy(model, PROMPT, 16)
+    with pytest.raises(UserError, match="--cpu-format int8 needs .* multiples of 8 .*40 and 20.*--cpu-format dense"):
+        load_engine(tmp_path / "st", device="cpu", cpu_experts="all", cpu_format="int8")
+
+
 def test_prefill_gives_the_cpu_the_experts_with_fewest_tokens(store16):
     """For T tokens a CPU expert costs max(read, 2 * params * T / flops) and a copy the same
     for any T: in each prefill layer the CPU takes the experts serving the fewest tokens and the
