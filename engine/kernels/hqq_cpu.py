@@ -74,9 +74,9 @@ def available() -> str:
         import numba  # noqa: F401
         from llvmlite import binding
     except ImportError as e:
-        return f"numba is not installed ({e}); the CPU experts use torch's int4 kernel instead."
+        return f"numba is not installed ({e})."
     if not binding.get_host_cpu_features().get("avx2"):
-        return "the processor has no AVX2 (the kernel's integer dot products); the CPU experts use torch's int4 kernel instead."
+        return "the processor has no AVX2 (the kernel's integer dot products)."
     return ""
 
 

@@ -139,7 +139,20 @@ def hqq_expert(w: dict, alpha: float | None = None, limit: float | None = None) 
 
 def hqq_supported(w: dict) -> bool:
     """Whether the stored expert (its views) can run in place ("hqq"), numba installed."""
-    return not hqq_cpu.available() and all(hqq_cpu.supported(w.get(m)) for m in ("w1", "w3", "w2"))
+    return not hqq_unsupported_reason(w)
+
+
+def hqq_unsupported_reason(w: dict) -> str:
+    """"" when the stored expert (its views) can run in place, else why not (one sentence)."""
+    missing = hqq_cpu.available()
+    if missing:
+        return missing
+    if all(hqq_cpu.supported(w.get(m)) for m in ("w1", "w3", "w2")):
+        return ""
+    if any(isinstance(w.get(m), torch.Tensor) for m in ("w1", "w3", "w2")):
+        return ("some of this store's expert matrices stayed at 16 bits when it was converted (their sizes do "
+                "not divide into the quantization groups), and the CPU kernel runs 2-, 3- and 4-bit HQQ only.")
+    return "this store's experts are not 2-, 3- or 4-bit HQQ, which is what the CPU kernel runs."
 
 
 # ---------------------------------------------------------------------------------------------

@@ -553,8 +553,12 @@ def make_cpu_experts(st: store_mod.Store, host: torch.Tensor, cache: ExpertCache
     view = lambda buf: store_mod.view_expert(buf, st.expert_fields, st.expert_quant, cfg)  # noqa: E731
     in_place = fmt in (None, "hqq") and runs_in_place(st, host)
     if st.expert_quant.get("method") == "mxfp4" or (cfg.expert_act != "silu" and not in_place):
+        from moeferry.engine.runtime import cpu_experts as ce
+
+        why = "" if st.expert_quant.get("method") == "mxfp4" else ce.hqq_unsupported_reason(view(host[0, 0]))
         raise UserError(f"--cpu-experts runs this {cfg.family} store's experts only when they are HQQ "
-                        f"(convert with --expert-bits 2, 3 or 4) in the hqq CPU format; use --cpu-experts off.")
+                        f"(convert with --expert-bits 2, 3 or 4) in the hqq CPU format"
+                        f"{'; ' + why[0].lower() + why[1:-1] if why else ''}; use --cpu-experts off.")
     if cache.host is not None:  # the pinned copy the cache copies from: the experts' home in RAM
         host = cache.host
     copies = cpu_copies_of(cfg, host, view, cache.device, fmt, ram_budget, cache.K, progress, dtype)

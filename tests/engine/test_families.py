@@ -502,3 +502,16 @@ def test_cpu_experts_refuse_a_16_bit_gpt_oss_store(tmp_path):
     convert_checkpoint(tmp_path / "ck", tmp_path / "st", 16, 16, "cpu")
     with pytest.raises(UserError, match="--expert-bits 2, 3 or 4"):
         load_engine(tmp_path / "st", device="cpu", dtype="float32", cpu_experts="all")
+
+
+def test_cpu_experts_say_why_a_2_bit_gpt_oss_store_of_odd_sizes_cannot_run_on_the_cpu(tmp_path):
+    """Converted at 2 bits, a gpt_oss model whose expert matrices do not divide into the
+    quantization groups keeps them at 16 bits; the CPU kernel cannot run them and gpt_oss has no
+    copy format: the sentence says that, not only how to convert."""
+    v = Variant("gpt_oss-odd", T.GptOssConfig, T.GptOssForCausalLM,
+                dict(num_local_experts=4, num_experts_per_tok=2, hidden_size=40, intermediate_size=20, head_dim=10,
+                     sliding_window=3, num_hidden_layers=2))
+    save(v, build(v), tmp_path / "ck")
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st", 2, 8, "cpu")
+    with pytest.raises(UserError, match="stayed at 16 bits.*use --cpu-experts off"):
+        load_engine(tmp_path / "st", device="cpu", dtype="float32", cpu_experts="all")
