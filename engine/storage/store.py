@@ -305,8 +305,14 @@ def model_config(hf: dict, what: str, exit_code: int = 2) -> ModelConfig:
                         f"those.", exit_code)
     try:
         cfg = ModelConfig.from_hf(hf)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
+    except KeyError as e:
         raise UserError(f"{what} has a config.json without a usable {e.args[0] if e.args else 'value'!s:.60}; "
+                        f"it is damaged or not a {kind} config.", exit_code) from None
+    except ZeroDivisionError:
+        raise UserError(f"{what} has a config.json with a count of zero where one divides another (such as "
+                        f"num_attention_heads); it is damaged.", exit_code) from None
+    except (TypeError, ValueError, AttributeError):
+        raise UserError(f"{what} has a config.json with a value of the wrong kind where a number is needed; "
                         f"it is damaged or not a {kind} config.", exit_code) from None
     for name, limit in CONFIG_LIMITS.items():
         v = getattr(cfg, name)

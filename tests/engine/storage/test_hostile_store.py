@@ -305,6 +305,8 @@ def test_a_store_whose_dense_file_claims_3_gib_is_refused_without_allocating(tin
     ({"num_experts_per_tok": 9}, "experts per token"),
     ({"rms_norm_eps": None}, "rms_norm_eps"),
     ({"vocab_size": None}, "vocab_size"),
+    ({"num_attention_heads": 0}, "count of zero"),
+    ({"hidden_size": "4096"}, "value of the wrong kind"),
 ])
 def test_config_counts_are_checked_before_anything_is_built(tiny_checkpoint, tmp_path, changes, needle):
     ck = tmp_path / "ck"
