@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterator, Protocol, runtime_checkable
 
 Progress = Callable[[float, str], None]
+MAX_SEED = 2**64 - 1  # the largest sampling seed (torch.Generator.manual_seed takes 0..2**64-1)
 
 
 @dataclass

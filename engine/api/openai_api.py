@@ -19,6 +19,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from moeferry.engine.contract import MAX_SEED
+
 ROLES = ("system", "user", "assistant")
 MAX_STOPS = 4  # as OpenAI allows
 
@@ -62,6 +64,8 @@ def parse_request(raw: bytes, chat: bool, model_id: str, max_context: int) -> Ap
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise ApiError(400, "The request body is not valid JSON; send a JSON object.") from None
+    except RecursionError:
+        raise ApiError(400, "The request body nests too deeply; send a flat JSON object.") from None
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.")
     model = body.get("model")
@@ -89,6 +93,11 @@ def parse_request(raw: bytes, chat: bool, model_id: str, max_context: int) -> Ap
     if not 0 < req.top_p <= 1:
         raise ApiError(400, f"'top_p' must be more than 0 and at most 1; got {req.top_p}.", "top_p")
     req.seed = _get(body, "seed", int, None)
+    if req.seed == -1:  # llama.cpp's server and others read -1 as "no seed"
+        req.seed = None
+    if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
+        raise ApiError(400, f"'seed' must be an integer from 0 to {MAX_SEED} (or -1 for none); got "
+                            f"{str(req.seed)[:40]}.", "seed")
     req.stop = parse_stop(body.get("stop"))
     return req
 

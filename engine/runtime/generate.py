@@ -19,7 +19,7 @@ from typing import Iterable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from moeferry.engine.contract import ExpertTrace, GenerationStats, SamplingSettings, TokenPiece  # noqa: F401 - re-exported
+from moeferry.engine.contract import MAX_SEED, ExpertTrace, GenerationStats, SamplingSettings, TokenPiece  # noqa: F401 - re-exported
 from moeferry.engine.errors import UserError
 from moeferry.engine.runtime import vram
 from moeferry.engine.runtime.decode_graphs import use_cuda_graphs
@@ -82,6 +82,8 @@ def check_sampling(s: SamplingSettings) -> None:
         raise UserError("--repeat-last-n must be -1 (the whole context), 0 (off) or more.")
     if s.no_repeat_ngram is not None and s.no_repeat_ngram < 0:
         raise UserError("--no-repeat-ngram must be 0 (off) or more.")
+    if s.seed is not None and not 0 <= s.seed <= MAX_SEED:
+        raise UserError(f"--seed must be a whole number from 0 to {MAX_SEED}, not {s.seed}.")
 
 
 class Repetition:

@@ -160,6 +160,8 @@ def test_bad_repetition_settings_are_one_sentence(capsys):
     assert "--repeat-penalty must be above 0" in capsys.readouterr().err
     assert cli.main(["generate", "demo", "--prompt", "hi", "--no-repeat-ngram", "-1"]) == 2
     assert "--no-repeat-ngram must be 0" in capsys.readouterr().err
+    assert cli.main(["generate", "demo", "--prompt", "hi", "--seed", str(10**30)]) == 2  # torch would raise
+    assert "--seed must be a whole number from 0 to" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------

@@ -157,6 +157,9 @@ def test_stop_matcher_cuts_across_pieces_and_holds_back_partial_matches():
     (json.dumps({"model": "demo", "messages": chat_messages(), "stop": ["a"] * 5}).encode(), "stop", 400),
     (json.dumps({"model": "demo", "messages": chat_messages(), "n": 2}).encode(), "n", 400),
     (json.dumps({"model": "other", "messages": chat_messages()}).encode(), "model", 404),
+    (b'{"model": "demo", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, 400),  # nested too deep
+    (json.dumps({"model": "demo", "messages": chat_messages(), "seed": 10**30}).encode(), "seed", 400),
+    (json.dumps({"model": "demo", "messages": chat_messages(), "seed": -2}).encode(), "seed", 400),
 ])
 def test_parse_request_refuses_bad_fields_naming_them(body, param, status):
     with pytest.raises(ApiError) as e:
@@ -175,6 +178,8 @@ def test_parse_request_reads_the_fields_it_knows_and_ignores_others():
     assert req.prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     assert (req.max_tokens, req.temperature, req.top_p, req.seed, req.stop) == (7, 1.0, 0.5, 3, ["\n"])
     assert req.stream and req.include_usage
+    body["seed"] = -1  # llama.cpp's "no seed"
+    assert parse_request(json.dumps(body).encode(), True, "demo", 1024).seed is None
 
 
 # Mixtral-8x7B-Instruct-v0.1's original chat template: user/assistant turns only
