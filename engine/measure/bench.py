@@ -8,8 +8,9 @@ it measures the paper's Table 2 ladder: naive (every expert copied on demand, sy
 no cache), lru (cache, no prefetch), full (cache + prefetch), each with the reference kernels
 (dequantize then matmul) and the fused ones, under a VRAM budget that emulates a gaming GPU.
 
-The bound for each mode: max(bytes moved per token / pinned bandwidth measured in this run,
-resident compute time per token measured in this run with nothing moving).
+The bound for each mode: max(bytes moved per token / the link's rate in this run (the pinned
+bandwidth measured, or under --h2d-gbps the rate the paced copies reached), resident compute
+time per token measured in this run with nothing moving).
 
 Random weights do not route like a trained model, so the router's choice is forced
 (engine/measure/routing.py, `--routing`): `uniform` (the default and the headline: no locality, the
@@ -424,6 +425,12 @@ def link_report(s: Synthetic, cond: Conditions, log) -> tuple[int, dict]:
     return cycles, link
 
 
+def link_bytes_per_s(link: dict) -> float:
+    """The link's rate for the bound, from link_report's section: the paced copies' achieved rate
+    when pacing, else the measured pinned bandwidth."""
+    return (link.get("achieved_paced_copy_gb_per_s") or link["measured_gb_per_s"]) * 1e9
+
+
 def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 128, new_tokens: int = 64,
             modes=("naive", "lru", "full"), kernels=("reference", "fused"), prefetch: int = 1, seed: int = 0,
             log=print, cond: Conditions | None = None) -> dict:
@@ -469,7 +476,7 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
                                                       link_gbps=cond.h2d_gbps)
             recall = {dd: v for dd, v in recall.items() if dd <= depth}  # the guesses prefetch used
             results.append(mode_result(mode, kern, kk, depth, first, decode, d, peak, recall, new_tokens,
-                                       bw, compute[kern], budget))
+                                       link_bytes_per_s(link), compute[kern], budget))
             r = results[-1]
             log(f"  {mode:6s} {kern:9s} {r.decode_tokens_per_s:7.2f} tok/s  first token {first:.2f} s  "
                 f"hits {r.hit_rate:.2f}  {r.gb_per_token:.2f} GB/token  peak {fmt_bytes(peak)}")

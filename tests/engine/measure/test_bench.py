@@ -184,3 +184,14 @@ def test_the_bench_cuts_its_experts_into_units_and_routes_whole_experts():
                       cond=bench.Conditions(routing="uniform"))
     assert r["expert_units"] == 2 and "each cut into 2 units" in bench.markdown_table(r)
     assert r["results"][0]["hit_rate"] == 1.0
+
+
+def test_the_bound_divides_by_the_paced_link_when_copies_are_paced():
+    """Under --h2d-gbps the bound is the bytes over the rate the paced copies reached, not over
+    the unpaced link (which made the desktop stand-in's bound half what it is)."""
+    unpaced = {"measured_gb_per_s": 55.0, "paced_gb_per_s": None}
+    paced = {**unpaced, "paced_gb_per_s": 25.0, "achieved_paced_copy_gb_per_s": 24.5}
+    assert bench.link_bytes_per_s(unpaced) == 55e9 and bench.link_bytes_per_s(paced) == 24.5e9
+    d = {"bytes_h2d": 63 * 490_000_000, "hits": 3, "misses": 1, "prefetch_used": 0, "prefetch_issued": 0}
+    r = bench.mode_result("lru", "fused", 6, 0, 0.5, 2.0, d, 0, {}, 64, bench.link_bytes_per_s(paced), 0.006, None)
+    assert r.bound_ms_per_token == pytest.approx(20.0)  # 0.49 GB at 24.5 GB/s, more than the compute
