@@ -515,8 +515,10 @@ def default_cpu_experts(dev: torch.device, st: store_mod.Store, host: torch.Tens
     read in place) where the store's experts can run in place and do not all fit the CPU's expert
     cache (vram.CPU_EXPERT_CACHE_BYTES), which would otherwise dequantize most of them again for
     every token. "off" for the demo (one dequantization each, then float32 products, is faster for
-    its small matrices), when a cache size or a copy format was asked for, and on a GPU
-    (docs/BENCHMARKS.md: the hybrid is not faster there yet)."""
+    its small matrices), when a cache size or a copy format was asked for, and on a GPU, where the
+    hybrid's gain depends on the link and the CPU (docs/BENCHMARKS.md, 2026-12-04: 29-48 % over the
+    cache alone on a 25 GB/s link with 8 threads, -6 to +16 % on PCIe 5 with 16) and its threads
+    keep cores busy: the user turns it on (--cpu-experts auto, or the app's settings)."""
     if dev.type != "cpu" or cache_experts is not None or cpu_format not in (None, "hqq"):
         return "off"
     if vram.cpu_cache_slots(per_slot, st.config.num_experts) >= st.config.num_experts:
