@@ -98,10 +98,11 @@ class SettingsPanel(QScrollArea):
         # its longest choice would otherwise set the panel's width: the side dock then scrolls sideways
         self.cpu_experts.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
         self.cpu_experts.setMinimumContentsLength(12)
-        self.cpu_experts.setToolTip("Whether experts that are not on the GPU are computed by the processor "
+        # rich text (<p>): Qt word-wraps it instead of drawing one line across the screen
+        self.cpu_experts.setToolTip("<p>Whether experts that are not on the GPU are computed by the processor "
                                     "instead of being copied to the GPU. \"When faster\" helps most where the "
                                     "GPU's link is slow (PCIe 4 or older): 1.3-1.5x faster than copying on a 25 GB/s link; "
-                                    "it keeps processor cores busy while replying. Changing it reloads the model")
+                                    "it keeps processor cores busy while replying. Changing it reloads the model</p>")
         form.addRow("Prefetch depth", self.prefetch)
         form.addRow("Experts cached per layer", self.cache)
         form.addRow("GPU memory limit", self.budget)
