@@ -22,7 +22,7 @@ import time
 import torch
 
 from moeferry.engine.kernels import hqq_cpu
-from moeferry.engine.runtime.cpu_experts import CpuMatrix
+from moeferry.engine.kernels.torch_cpu import CpuMatrix
 from moeferry.engine.storage import quant
 
 SHAPES = ((14336, 4096), (4096, 14336))  # (outputs N, inputs K)

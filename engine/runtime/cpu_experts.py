@@ -1,25 +1,11 @@
-"""Experts computed on the CPU from host memory, with torch's own weight-only kernels.
+"""Experts computed on the CPU from host memory.
 
 No compiler is needed on the user's machine. The default, "hqq", is not a copy at all: the
 kernel of engine/kernels/hqq_cpu.py (numba) reads an HQQ expert (2, 3 or 4 bits) in the host memory
 the GPU cache copies it from, metadata included, so every expert can run on the CPU at no RAM
-cost. The other formats are copies in their own layout for torch's prebuilt CPU ops (AVX2 / AVX-512), derived
-from the dequantized expert (the store's HQQ layout groups along OUTPUT rows, these kernels
-group along the INPUT dimension): for 16-bit stores, or where numba or AVX2 is missing. One
-CpuMatrix W [N, K] (N outputs, K inputs) is one of:
-
-  "int4"  torch.ops.aten._weight_int4pack_mm_for_cpu: codes q in [0, 16), groups of g input
-          columns (g = 128 where K allows, else 64 or 32), scale and zero per (group, row):
-              W[n, k] = (q[n, k] - 8) * s[k // g, n] + z[k // g, n]
-          `packed` = _convert_weight_to_int4pack_for_cpu(q int32 [N, K]) (uint8 [N, K / 2]),
-          `meta` = scales_and_zeros [K / g, N, 2] in bfloat16.
-          HQQ's (q - zh) * s is the same form with z = (8 - zh) * s.
-  "int8"  torch.ops.aten._weight_int8pack_mm: W[n, k] = q[n, k] * s[n], q int8 [N, K]
-          symmetric per output row, `meta` = s [N] in bfloat16.
-  "dense" the weight itself (the GPU copy's dequantized values: exact), `packed` [N, K] in
-          the model's compute dtype.
-int4 and int8 take bfloat16 activations: that is their fast path (measured on 2 cores, one
-14336x4096 matrix: int4 1.1 ms with bfloat16, 57 ms with float32 or float16 activations).
+cost. The other formats are copies in their own layout for torch's prebuilt CPU ops
+(engine/kernels/torch_cpu.py: int4, int8, dense), derived from the dequantized expert: for
+16-bit stores, or where numba or AVX2 is missing.
 
 An expert is two matrices: w13 = [w1; w3] ([2I, H], one product gives gate and up) and
 w2 [H, I]; out = w2 (silu(w1 x) * w3 x). forward() takes and returns float32; inside, x is
@@ -48,44 +34,11 @@ import torch
 import torch.nn.functional as F
 
 from moeferry.engine.kernels import hqq_cpu
+from moeferry.engine.kernels.torch_cpu import FORMATS as COPY_FORMATS, INPUT_MULTIPLE, CpuMatrix, make_matrix
 from moeferry.engine.runtime.model import clamped_swiglu
 
-COPY_FORMATS = ("int4", "int8", "dense")  # copies in their own layout
-FORMATS = ("hqq",) + COPY_FORMATS  # "hqq": the stored expert, in place
-GROUPS = (128, 64, 32)  # int4 groups used, largest (fewest bytes) first; the kernel also takes 256
-CLIPS = (1.0, 0.96, 0.92, 0.88, 0.84)  # int4 range shrink factors tried per group
+FORMATS = ("hqq",) + COPY_FORMATS  # "hqq": the stored expert, in place; the others copies in their own layout
 LEARN = 0.2  # weight of each decoded layer's CPU rate in the cost model's (learned_costs)
-
-
-@dataclass
-class CpuMatrix:
-    fmt: str
-    rows: int  # N (outputs)
-    cols: int  # K (inputs)
-    packed: torch.Tensor
-    meta: torch.Tensor | None = None
-    group_size: int = 0
-
-    def nbytes(self) -> int:
-        meta = 0 if self.meta is None else self.meta.numel() * self.meta.element_size()
-        return self.packed.numel() * self.packed.element_size() + meta
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The activations' dtype inside the kernel."""
-        return self.packed.dtype if self.fmt == "dense" else torch.bfloat16
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, K] -> float32 [T, N]."""
-        x = x.to(self.dtype)
-        if self.fmt == "int4":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.meta)
-        elif self.fmt == "int8":
-            y = torch.ops.aten._weight_int8pack_mm(x, self.packed, self.meta)
-        else:
-            y = F.linear(x, self.packed)
-        return y.float()
-
 
 
 @dataclass
@@ -159,90 +112,10 @@ def hqq_unsupported_reason(w: dict) -> str:
 # Making CPU copies
 
 
-def int4_group(cols: int) -> int:
-    g = next((g for g in GROUPS if cols % g == 0), None)
-    if g is None:
-        raise ValueError(f"an int4 CPU copy needs the input size {cols} to be a multiple of 32")
-    return g
-
-
-def int4_codes(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [N, K] float -> (q int32 [N, K] in [0, 16), s [N, K / g], z [N, K / g]) with
-    W ~ (q - 8) * s + z per group of g input columns (asymmetric); s and z are float32
-    holding bfloat16 values.
-
-    Per group the range [lo, hi] is shrunk about its centre by each factor of CLIPS and the
-    one with the least squared error is kept (clipping a few outliers beats a wide grid).
-    Rows go in blocks of 4 MB: the search keeps no full-size temporaries (a Mixtral matrix is
-    235 MB in float32).
-    """
-    N, K = w.shape
-    g = group_size
-    wg = w.detach().float().reshape(N, K // g, g)
-    rows = max(1, (1 << 20) // K)  # 4 MB of float32 per block
-    s, a = (torch.cat(part) for part in zip(*(_best_range(wg[r:r + rows]) for r in range(0, N, rows))))
-    # scale and zero as the kernel reads them (bfloat16), then the codes that fit those
-    s, z = s.bfloat16().float(), (a + 8 * s).bfloat16().float()  # (q - 8) * s + z == q * s + a
-    q = ((wg - z) / s + 8).round().clamp(0, 15)
-    return q.reshape(N, K).to(torch.int32), s.reshape(N, K // g), z.reshape(N, K // g)
-
-
-def _best_range(wg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """wg [n, groups, g] -> (scale, low end) [n, groups, 1] of the CLIPS factor with least error."""
-    lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
-    mid, half = (hi + lo) / 2, (hi - lo) / 2
-    best = None
-    for c in CLIPS:
-        a = mid - half * c
-        s = (2 * half * c / 15).clamp(min=1e-10)
-        err = ((((wg - a) / s).round().clamp(0, 15) * s + a - wg) ** 2).sum(-1, keepdim=True)
-        if best is None:
-            best = (err, s, a)
-        else:
-            take = err < best[0]
-            best = tuple(torch.where(take, new, old) for new, old in zip((err, s, a), best))
-    return best[1], best[2]
-
-
-def quantize_int4(w: torch.Tensor, group_size: int | None = None) -> CpuMatrix:
-    N, K = w.shape
-    g = group_size or int4_group(K)
-    q, s, z = int4_codes(w, g)
-    q = q.to(torch.uint8).cpu().to(torch.int32)  # a quarter of the bytes when q is on a GPU
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    meta = torch.stack([s.T, z.T], dim=-1).bfloat16().cpu().contiguous()  # [K / g, N, 2]
-    return CpuMatrix("int4", N, K, packed, meta, g)
-
-
-def quantize_int8(w: torch.Tensor) -> CpuMatrix:
-    if w.shape[1] % INPUT_MULTIPLE["int8"]:
-        raise ValueError(f"an int8 CPU copy needs the input size {w.shape[1]} to be a multiple of 8")
-    wf = w.detach().float()
-    s = (wf.abs().amax(dim=1) / 127).clamp(min=1e-10)
-    q = (wf / s[:, None]).round().clamp(-127, 127).to(torch.int8)
-    return CpuMatrix("int8", *w.shape, q.cpu().contiguous(), s.bfloat16().cpu())
-
-
-def make_matrix(w: torch.Tensor, fmt: str) -> CpuMatrix:
-    if fmt == "int4":
-        return quantize_int4(w)
-    if fmt == "int8":
-        return quantize_int8(w)
-    if fmt == "dense":
-        return CpuMatrix("dense", *w.shape, w.detach().cpu().contiguous())
-    raise ValueError(f"unknown CPU expert format {fmt!r}; use one of {', '.join(COPY_FORMATS)}")
-
-
 def make_expert(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, fmt: str) -> CpuExpert:
     """The CPU copy of one expert from its float weights (w1, w3 [I, H], w2 [H, I]) on any
     device (quantized there); the copy is in host memory."""
     return CpuExpert(make_matrix(torch.cat([w1, w3]), fmt), make_matrix(w2, fmt))
-
-
-# Inputs per row each format needs a multiple of: int4's groups; int8's because torch's
-# _weight_int8pack_mm crashes the process (a segmentation fault, torch 2.13 on x86) for inputs
-# not a multiple of 8 once 4 or more rows go through it at once (a prompt).
-INPUT_MULTIPLE = {"int4": 32, "int8": 8, "dense": 1}
 
 
 def supported(fmt: str, hidden: int, intermediate: int) -> bool:

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moeferry.engine.kernels import torch_cpu as tc
 from moeferry.engine.runtime import cpu_experts as ce
 from moeferry.engine.storage import quant
 
@@ -29,11 +30,11 @@ def reference_expert(w1, w3, w2, x):
 def test_int4_kernel_matches_its_dequantized_codes(g, T):
     gen = torch.Generator().manual_seed(g + T)
     w = torch.randn(96, 256, generator=gen) * 0.02
-    q, s, z = ce.int4_codes(w, g)
+    q, s, z = tc.int4_codes(w, g)
     assert q.min() >= 0 and q.max() <= 15 and q.dtype == torch.int32
     cols = torch.arange(256) // g
     ref_w = (q.float() - 8) * s[:, cols] + z[:, cols]  # the documented layout
-    m = ce.quantize_int4(w, g)
+    m = tc.quantize_int4(w, g)
     assert m.packed.dtype == torch.uint8 and m.packed.shape == (96, 128)
     assert m.meta.shape == (256 // g, 96, 2)
     assert torch.equal(m.meta[..., 0].float().T, s) and torch.equal(m.meta[..., 1].float().T, z)
@@ -48,7 +49,7 @@ def test_int4_kernel_matches_its_dequantized_codes(g, T):
 def test_int4_range_search_beats_plain_min_max():
     w = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))
     w[0, 5] = 9.0  # an outlier
-    q, s, z = ce.int4_codes(w, 32)
+    q, s, z = tc.int4_codes(w, 32)
     cols = torch.arange(128) // 32
     err = ((q.float() - 8) * s[:, cols] + z[:, cols] - w) ** 2
     lo, hi = w.view(64, 4, 32).amin(-1), w.view(64, 4, 32).amax(-1)
@@ -64,7 +65,7 @@ def test_int4_range_search_beats_plain_min_max():
 def test_int8_kernel_matches_its_dequantized_codes():
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(80, 96, generator=gen)
-    m = ce.quantize_int8(w)
+    m = tc.quantize_int8(w)
     ref_w = m.packed.float() * m.meta.float()[:, None]
     assert (ref_w - w).norm() / w.norm() < 0.01
     x = torch.randn(2, 96, generator=gen)
@@ -84,10 +85,10 @@ def test_cpu_expert_equals_reference_of_its_copy_and_reports_extra_error(expert_
     gpu = [quant.dequantize(quant.quantize_matrix(w, spec, optimize=False)) for w in src]
     cpu = ce.make_expert(*gpu, fmt)
     if fmt == "int4":
-        codes = [ce.int4_codes(w, ce.int4_group(w.shape[1])) for w in (torch.cat(gpu[:2]), gpu[2])]
+        codes = [tc.int4_codes(w, tc.int4_group(w.shape[1])) for w in (torch.cat(gpu[:2]), gpu[2])]
         deq = []
         for (q, s, z), w in zip(codes, (torch.cat(gpu[:2]), gpu[2])):
-            cols = torch.arange(w.shape[1]) // ce.int4_group(w.shape[1])
+            cols = torch.arange(w.shape[1]) // tc.int4_group(w.shape[1])
             deq.append((q.float() - 8) * s[:, cols] + z[:, cols])
     elif fmt == "int8":
         deq = [m.packed.float() * m.meta.float()[:, None] for m in (cpu.w13, cpu.w2)]
@@ -114,7 +115,7 @@ def test_expert_bytes_per_format():
     params = 3 * 256 * 128
     assert sizes["dense"] == 4 * params  # float32 weights stay float32
     assert sizes["int8"] == params + 2 * (512 + 128)  # + a bfloat16 scale per row
-    g13, g2 = ce.int4_group(128), ce.int4_group(256)
+    g13, g2 = tc.int4_group(128), tc.int4_group(256)
     assert sizes["int4"] == params // 2 + 4 * (512 * 128 // g13 + 128 * 256 // g2)
 
 
@@ -124,9 +125,9 @@ def test_int4_needs_inputs_in_multiples_of_32_and_int8_of_8():
     assert not ce.supported("int4", 48, 128) and ce.supported("int8", 48, 128)
     assert not ce.supported("int8", 40, 20) and ce.supported("dense", 40, 20)
     with pytest.raises(ValueError, match="multiple of 32"):
-        ce.quantize_int4(torch.randn(8, 48))
+        tc.quantize_int4(torch.randn(8, 48))
     with pytest.raises(ValueError, match="multiple of 8"):
-        ce.quantize_int8(torch.randn(8, 20))
+        tc.quantize_int8(torch.randn(8, 20))
 
 
 def test_cpu_experts_run_on_the_calling_thread_with_their_threads_and_count_bytes():
