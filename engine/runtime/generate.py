@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from moeferry.engine.contract import MAX_SEED, ExpertTrace, GenerationStats, SamplingSettings, TokenPiece  # noqa: F401 - re-exported
 from moeferry.engine.errors import UserError
+from moeferry.engine.kernels import hqq_cpu
 from moeferry.engine.runtime import vram
 from moeferry.engine.runtime.decode_graphs import use_cuda_graphs
 from moeferry.engine.runtime.expert_cache import ExpertCache
@@ -374,10 +375,17 @@ def compute_ready(w, dtype):
     return store_mod.as_float(w, dtype)
 
 
-def move_dense(dense: dict, device, dtype) -> tuple[dict, int]:
+def move_dense(dense: dict, device, dtype, in_place: bool = False) -> tuple[dict, int]:
+    """The dense weights on the device, and their bytes there. On the CPU a quantized matrix is
+    dequantized once, or with in_place (the CPU engine that runs every expert in place) kept as
+    stored, for the HQQ CPU kernel (model.OffloadedMixtral.linear) where it takes its width: a
+    quarter of float32's bytes read per token at 4 bits, and the RAM they would take."""
     out, nbytes = {}, 0
     for name, w in dense.items():
-        if isinstance(w, quant.QMatrix) and device.type == "cpu":
+        if in_place and device.type == "cpu" and hqq_cpu.supported(w):
+            out[name] = hqq_cpu.from_qmatrix(w)
+            nbytes += out[name].nbytes()
+        elif isinstance(w, quant.QMatrix) and device.type == "cpu":
             out[name] = compute_ready(w, dtype)
             nbytes += out[name].numel() * out[name].element_size()
         elif isinstance(w, quant.QMatrix):
@@ -464,7 +472,11 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
                         f"run `moeferry verify {st.path}`.") from None
     if dev.type == "cpu" and vram.cpu_one_thread(cfg.hidden_size * cfg.intermediate_size) and not cpu_threads:
         torch.set_num_threads(1)
-    dense, dense_b = move_dense(store_mod.read_dense(st), dev, dtype)
+    if cpu_experts is None:
+        cpu_experts = default_cpu_experts(dev, st, host, cfg.num_moe_layers * st.expert_bytes, cache_experts,
+                                          cpu_format)
+    every_expert = cpu_experts != "off" and dev.type == "cpu" and cache_experts is None
+    dense, dense_b = move_dense(store_mod.read_dense(st), dev, dtype, every_expert and not hqq_cpu.available())
     sizing = device_bytes(cfg, dense_b, st.expert_bytes, context, dtype, dev, kernels)
     if budget is None and dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
@@ -473,9 +485,6 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
         limit = sizing.needed(max(1, vram.cpu_cache_slots(sizing.per_slot, cfg.num_experts)))
     else:
         limit = budget
-    if cpu_experts is None:
-        cpu_experts = default_cpu_experts(dev, st, host, sizing.per_slot, cache_experts, cpu_format)
-    every_expert = cpu_experts != "off" and dev.type == "cpu" and cache_experts is None
     k = cache_experts if cache_experts is not None else sizing.slots(limit)
     k = 1 if every_expert else k  # the CPU kernels run every expert: the cache is never read
     if k < 1 or (budget is not None):
@@ -619,7 +628,6 @@ def cpu_copies_of(cfg: ModelConfig, host: torch.Tensor, view, device: torch.devi
 def cpu_experts_for(copies: dict, cfg: ModelConfig, host: torch.Tensor, cache: ExpertCache, mode: str,
                     threads: int | None = None, every_expert: bool = False):
     """The CpuExperts over these copies; for "auto", with its costs measured here."""
-    from moeferry.engine.kernels import hqq_cpu
     from moeferry.engine.runtime import cpu_experts as ce
 
     params = 3 * cfg.hidden_size * cfg.intermediate_size

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moeferry.engine.kernels import hqq_cpu
 from moeferry.engine.kernels.hqq_gpu import qlinear
 from moeferry.engine.kernels.mxfp4_gpu import mxfp4_linear
 from moeferry.engine.runtime.expert_cache import SERIALS
@@ -532,6 +533,9 @@ class OffloadedMixtral:
     def linear(self, x: torch.Tensor, w) -> torch.Tensor:
         if isinstance(w, Mxfp4Matrix):  # gpt_oss's experts as imported
             return mxfp4_linear(x, w, self.kernels)
+        if isinstance(w, hqq_cpu.CpuQMatrix):  # the CPU engine's dense matrices, in place (move_dense)
+            y = hqq_cpu.matmul(x.reshape(-1, w.cols).float().numpy(), w)
+            return torch.from_numpy(y).reshape(*x.shape[:-1], w.rows).to(x.dtype)
         return qlinear(x, w, self.kernels)
 
 

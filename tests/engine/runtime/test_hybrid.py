@@ -358,6 +358,29 @@ def test_quantized_store_runs_its_own_bytes_on_the_cpu_by_default(tmp_path, bits
         assert engine.last_stats.cpu_expert_runs > 0
 
 
+@pytest.mark.parametrize("attn_bits,in_place", [(4, True), (8, False)])
+def test_the_cpu_engine_runs_its_quantized_attention_in_place(tmp_path, attn_bits, in_place):
+    """Every expert on the CPU kernel (no cache): the attention's 2-4 bit matrices run on the
+    same kernel from their stored bytes (no float32 copy in RAM, a quarter of its bytes read per
+    token at 4 bits); 8-bit ones, which the kernel does not take, are dequantized as before.
+    Either way the logits stay within the kernel's int8-activation rounding of the dequantized
+    model's, and the greedy tokens equal it."""
+    from moeferry.engine.kernels.hqq_cpu import CpuQMatrix
+
+    make_checkpoint(tmp_path / "ck", seed=5, num_local_experts=4, hidden_size=64, intermediate_size=128)
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st", 2, attn_bits, "cpu")
+    want = reference_greedy(load_dequantized_hf_model(tmp_path / "st"), PROMPT, 16)
+    every = load_engine(tmp_path / "st", device="cpu", dtype="float32", cpu_experts="all")
+    cached = load_engine(tmp_path / "st", device="cpu", dtype="float32", cpu_experts="off")  # all dequantized
+    q_proj = every.model.moe_layers[0]["q_proj"]
+    assert isinstance(q_proj, CpuQMatrix) == in_place
+    assert (every.model.dense_bytes < cached.model.dense_bytes) == in_place
+    with torch.inference_mode():
+        got, ref = (e.model.forward(torch.tensor(PROMPT), 0) for e in (every, cached))
+    assert ((got - ref).norm() / ref.norm()).item() < 0.03
+    assert greedy(every) == want and greedy(cached) == want
+
+
 def test_a_cpu_machine_runs_a_model_too_big_for_its_expert_cache_on_the_cpu_kernel(tmp_path, monkeypatch):
     """No --cpu-experts on a CPU device: a model whose experts fit the CPU cache whole keeps it
     (the demo's fast path, no CPU kernels); one that does not fit (Mixtral on a CPU-only PC; here

@@ -1,0 +1,104 @@
+"""The CPU engine (a machine without a GPU) on a synthetic full-width model: every expert runs on
+the HQQ CPU kernel from its stored bytes, as `moeferry generate --device cpu` runs a model too
+big for the CPU's expert cache; the dense matrices either in place on the same kernel (what
+load_engine does now) or dequantized to float32 (what it did before). For llama.cpp beside it on
+the same machine, write the same shape with benchmarks/gguf_random.py (--layers) and run
+llama-bench -ngl 0 with the same threads, prompt and tokens.
+
+    python -m benchmarks.cpu_engine --layers 8 --expert-bits 2 --group-size 32 --threads 2
+    python -m benchmarks.cpu_engine --model qwen3-30b-a3b --layers 8 --expert-bits 4 --threads 2
+
+Routing is uniform (engine/measure/routing.py): a random router sends most tokens to the same
+few experts, which the L3 would then serve. Each variant decodes --new-tokens after a prompt of
+--prompt-len, --repeats times; the median decode rate is printed with the dense weights' RAM and
+the bytes a decoded token reads (the routed experts and the dense matrices; the head included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moeferry.engine.kernels import hqq_cpu  # noqa: E402
+from moeferry.engine.measure import bench, routing as routing_mod  # noqa: E402
+from moeferry.engine.measure.bench_shapes import MODEL_SHAPES, shape_config  # noqa: E402
+from moeferry.engine.runtime.generate import cpu_copies_of, cpu_experts_for, move_dense  # noqa: E402
+from moeferry.engine.units import fmt_bytes  # noqa: E402
+
+
+def decode_rate(s: bench.Synthetic, prompt: list[int], new_tokens: int, threads: int) -> tuple[float, float]:
+    """(first token s, decoded tokens/s) of one run of the CPU engine over s."""
+    model = s.model("lru", 1, 0, "reference")
+    views = bench.expert_views(s.cfg, s.fields, s.eq)
+    copies = cpu_copies_of(s.cfg, s.host, views, s.device, None, None, 1)
+    model.hybrid = cpu_experts_for(copies, s.cfg, s.host, model.cache, "all", threads, every_expert=True)
+    model.routing = routing_mod.parse_routing("uniform", s.cfg, s.device, 0.85, 1, 0)
+    model.setup_kv(len(prompt) + new_tokens)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        tok = int(model.forward(torch.tensor(prompt), 0)[-1].argmax())
+        first = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        for n in range(new_tokens - 1):
+            tok = int(model.forward(torch.tensor([tok]), len(prompt) + n)[-1].argmax())
+    return first, (new_tokens - 1) / (time.perf_counter() - t1)
+
+
+def token_bytes(s: bench.Synthetic, dense: dict) -> int:
+    """Bytes one decoded token reads: top_k experts per MoE layer and every dense matrix but the
+    embedding (one row of it)."""
+    experts = s.cfg.num_moe_layers * s.cfg.top_k * s.host.shape[2]
+    matrices = 0
+    for name, w in dense.items():
+        if "embed_tokens" in name:
+            continue
+        matrices += w.nbytes() if isinstance(w, hqq_cpu.CpuQMatrix) else w.numel() * w.element_size()
+    return experts + matrices
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cpu_engine")
+    p.add_argument("--model", default="mixtral-8x7b", choices=tuple(MODEL_SHAPES))
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--expert-bits", type=int, default=2, choices=(2, 3, 4))
+    p.add_argument("--group-size", type=int, help="HQQ rows per scale (default: the width's own)")
+    p.add_argument("--attn-bits", type=int, default=4, choices=(4, 8))
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    cpu = torch.device("cpu")
+    cfg = shape_config(a.model, a.layers)
+    t = time.perf_counter()
+    dense_q, _, host, fields, eq = bench.synthetic_model(cfg, a.expert_bits, a.attn_bits, cpu, 0, torch.float32,
+                                                         "hqq", a.group_size)
+    print(f"{a.model}, first {cfg.num_layers} layers, {a.expert_bits}-bit experts (groups of {eq['group_size']}, "
+          f"{host.shape[2] / 1e6:.1f} MB each), {a.attn_bits}-bit attention, built in {time.perf_counter() - t:.0f} s; "
+          f"{a.threads} threads, P={a.prompt_len}, T={a.new_tokens}, uniform routing", flush=True)
+    prompt = torch.randint(0, cfg.vocab_size, (a.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    print("| dense matrices | their RAM | GB read per token | first token s | decode tok/s (median; all) |")
+    print("|---|---|---|---|---|")
+    for label, in_place in (("in place (HQQ CPU kernel)", True), ("dequantized to float32", False)):
+        dense, dense_bytes = move_dense(dense_q, cpu, torch.float32, in_place)
+        s = bench.Synthetic(cfg, dense, dense_bytes, host, fields, eq, cpu, 0.0, a.expert_bits, a.attn_bits,
+                            torch.float32, a.model)
+        decode_rate(s, prompt, 3, a.threads)  # numba's compile and the pools' start
+        runs = [decode_rate(s, prompt, a.new_tokens, a.threads) for _ in range(a.repeats)]
+        rates = [r for _, r in runs]
+        print(f"| {label} | {fmt_bytes(dense_bytes)} | {token_bytes(s, dense) / 1e9:.2f} | "
+              f"{statistics.median(f for f, _ in runs):.2f} | **{statistics.median(rates):.2f}** "
+              f"({', '.join(f'{r:.2f}' for r in rates)}) |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
