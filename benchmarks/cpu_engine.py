@@ -1,7 +1,7 @@
 """The CPU engine (a machine without a GPU) on a synthetic full-width model: every expert runs on
 the HQQ CPU kernel from its stored bytes, as `moeferry generate --device cpu` runs a model too
-big for the CPU's expert cache; the dense matrices either in place on the same kernel (what
-load_engine does now) or dequantized to float32 (what it did before). For llama.cpp beside it on
+big for the CPU's expert cache; the dense matrices either in place on the same kernel with the
+head in int8 (what load_engine does) or dequantized to float32, the head too. For llama.cpp beside it on
 the same machine, write the same shape with benchmarks/gguf_random.py (--layers) and run
 llama-bench -ngl 0 with the same threads, prompt and tokens.
 
@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moeferry.engine.kernels import hqq_cpu  # noqa: E402
+from moeferry.engine.kernels.torch_cpu import CpuMatrix  # noqa: E402
 from moeferry.engine.measure import bench, routing as routing_mod  # noqa: E402
 from moeferry.engine.measure.bench_shapes import MODEL_SHAPES, shape_config  # noqa: E402
 from moeferry.engine.runtime.generate import cpu_copies_of, cpu_experts_for, move_dense  # noqa: E402
@@ -59,7 +60,7 @@ def token_bytes(s: bench.Synthetic, dense: dict) -> int:
     for name, w in dense.items():
         if "embed_tokens" in name:
             continue
-        matrices += w.nbytes() if isinstance(w, hqq_cpu.CpuQMatrix) else w.numel() * w.element_size()
+        matrices += w.nbytes() if isinstance(w, (hqq_cpu.CpuQMatrix, CpuMatrix)) else w.numel() * w.element_size()
     return experts + matrices
 
 
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
     prompt = torch.randint(0, cfg.vocab_size, (a.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     print("| dense matrices | their RAM | GB read per token | first token s | decode tok/s (median; all) |")
     print("|---|---|---|---|---|")
-    for label, in_place in (("in place (HQQ CPU kernel)", True), ("dequantized to float32", False)):
+    for label, in_place in (("in place (HQQ CPU kernel), int8 head", True), ("dequantized to float32", False)):
         dense, dense_bytes = move_dense(dense_q, cpu, torch.float32, in_place)
         s = bench.Synthetic(cfg, dense, dense_bytes, host, fields, eq, cpu, 0.0, a.expert_bits, a.attn_bits,
                             torch.float32, a.model)

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from moeferry.engine.kernels import hqq_cpu
 from moeferry.engine.kernels.hqq_gpu import qlinear
 from moeferry.engine.kernels.mxfp4_gpu import mxfp4_linear
+from moeferry.engine.kernels.torch_cpu import CpuMatrix
 from moeferry.engine.runtime.expert_cache import SERIALS
 from moeferry.engine.runtime.prefetch import Prefetcher
 from moeferry.engine.storage.mxfp4 import Mxfp4Matrix
@@ -433,7 +434,8 @@ class OffloadedMixtral:
         """The last FFN's output added, the final norm, the LM head: logits float32 [T or 1, vocab]
         (into out when given)."""
         ops.add_norm(s.x, s.out, self.norm, s.hn)
-        y = F.linear(s.hn[-1:] if last_only else s.hn, self.lm_head)
+        x = s.hn[-1:] if last_only else s.hn
+        y = self.lm_head.matmul(x) if isinstance(self.lm_head, CpuMatrix) else F.linear(x, self.lm_head)
         return y.float() if out is None else out.copy_(y)
 
     # -- the eager operations (EagerOps calls these) ------------------------------------------------

@@ -117,6 +117,7 @@ class ModelSizes:
     dense_params: int = 0  # of which embed_params are only looked up, not read per token
     embed_params: int = 0
     embed_bytes: int = 0
+    head_params: int = 0  # the LM head's (0 when tied to the embedding)
     expert_bits: int | None = None
     attn_bits: int | None = None
     name: str = ""
@@ -165,7 +166,7 @@ class ModelSizes:
                    expert_bytes=expert_bytes, dense_bytes=attn_bytes + 2 * (embed + head + small),
                    kv_bytes_per_token=vram.kv_cache_bytes(L, 1, nkv, hd), expert_params=expert_params,
                    dense_params=attn_params + embed + head + small, embed_params=embed,
-                   embed_bytes=2 * embed, expert_bits=expert_bits, attn_bits=attn_bits, name=name,
+                   embed_bytes=2 * embed, head_params=head, expert_bits=expert_bits, attn_bits=attn_bits, name=name,
                    moe_layers=_moe_layer_count(config), ffn_matrix_params=H * F,
                    max_context=config.get("max_position_embeddings"))
 
@@ -195,7 +196,7 @@ class ModelSizes:
             if "config" in entry:  # the shape's fields the sizes leave out
                 shape = cls.from_config(entry["config"], entry["expert_bits"], entry["attn_bits"])
                 known = dict(moe_layers=shape.moe_layers, ffn_matrix_params=shape.ffn_matrix_params,
-                             max_context=shape.max_context) | known
+                             max_context=shape.max_context, head_params=shape.head_params) | known
             return cls(**known, expert_bits=entry.get("expert_bits"),
                        attn_bits=entry.get("attn_bits"), name=entry.get("name", entry.get("id", "")))
         return cls.from_config(entry["config"], entry["expert_bits"], entry["attn_bits"],
@@ -360,6 +361,7 @@ CPU_INT4_OF_RAM = 0.9  # the int4 kernel's share of RAM read speed (issue 16: 68
 # against RAM reads of 115.9 and 84.8 GB/s measured the day before: 0.40 and 0.35 (the lower
 # kept: a desktop has 8 threads or fewer for it)
 HQQ_CPU_OF_RAM = 0.35
+IN_PLACE_BITS = (2, 3, 4)  # widths the HQQ CPU kernel runs (engine/kernels/hqq_cpu.py)
 # Inside a GPU decode the CPU experts do worse than alone (docs/BENCHMARKS.md, 2026-12-03: the
 # kernel at 0.45-1.0 of its own rate, and a layer that runs one spends 0.1-0.6 ms more on the
 # host); the hybrid's prediction takes both, so it does not promise what the engine misses.
@@ -375,8 +377,9 @@ def predict_cpu(hw: dict, m: ModelSizes, coeffs: Coefficients = DEFAULT,
                 prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> dict:
     """Decode on the CPU. A quantized model whose experts do not all fit the CPU's expert cache
     (Mixtral) runs them on the in-place kernel (generate.default_cpu_experts): each routed
-    expert's stored bytes read at the kernel's share of RAM speed, the dense weights as fp32
-    matvecs. Otherwise (the demo, 16-bit stores) every active weight is one fp32 matvec from
+    expert's stored bytes read at the kernel's share of RAM speed, and so its 2-4 bit attention,
+    with the head in int8 (generate.move_dense; 8-bit attention and the head with it stay fp32
+    matvecs). Otherwise (the demo, 16-bit stores) every active weight is one fp32 matvec from
     RAM, and an expert that misses the CPU's expert cache is dequantized first."""
     cores = hw.get("cpu_cores_physical") or hw.get("cpu_cores_logical") or 2
     rate = hw.get("cpu_matvec_params_per_s") or 0.5e9 * cores  # fp32 weights per second
@@ -387,8 +390,12 @@ def predict_cpu(hw: dict, m: ModelSizes, coeffs: Coefficients = DEFAULT,
     uses = m.num_moe_layers * m.top_k
     overhead = m.num_layers * coeffs.cpu_layer_overhead_s + coeffs.token_overhead_s
     if on_cpu_kernels(m):
-        t = (uses * m.expert_bytes / (HQQ_CPU_OF_RAM * 4.0 * big_rate)
-             + (m.active_params - uses * m.expert_params) / rate + overhead)
+        kernel = HQQ_CPU_OF_RAM * 4.0 * big_rate  # bytes/s
+        if m.attn_bits in IN_PLACE_BITS:  # the dense bytes as stored, the head's bfloat16 halved
+            dense_s = (m.dense_bytes - m.embed_bytes - m.head_params) / kernel
+        else:
+            dense_s = (m.active_params - uses * m.expert_params) / rate
+        t = uses * m.expert_bytes / kernel + dense_s + overhead
         h, misses = 0.0, 0.0
     else:
         h = hit_rate(max(1, cpu_cache_experts(m)), m.num_experts, coeffs)
@@ -530,7 +537,9 @@ def cpu_note(m: ModelSizes, coeffs: Coefficients) -> str:
     """How predict_cpu priced this model, in one sentence."""
     if on_cpu_kernels(m):
         return (f"CPU speed estimated from the measured fp32 matrix-vector rate: the experts run on the CPU "
-                f"kernel, reading {m.top_k} experts per layer at {HQQ_CPU_OF_RAM:g} of the RAM's read speed.")
+                f"kernel, reading {m.top_k} experts per layer"
+                f"{' and the attention' if m.attn_bits in IN_PLACE_BITS else ''} at {HQQ_CPU_OF_RAM:g} of the "
+                f"RAM's read speed.")
     return ("CPU speed estimated from the measured fp32 matrix-vector rate, "
             f"{coeffs.cpu_kernel_factor:g}x for dequantizing an expert that is not "
             f"cached and {coeffs.cpu_layer_overhead_s * 1e3:g} ms per layer.")

@@ -364,8 +364,10 @@ def test_the_cpu_engine_runs_its_quantized_attention_in_place(tmp_path, attn_bit
     same kernel from their stored bytes (no float32 copy in RAM, a quarter of its bytes read per
     token at 4 bits); 8-bit ones, which the kernel does not take, are dequantized as before.
     Either way the logits stay within the kernel's int8-activation rounding of the dequantized
-    model's, and the greedy tokens equal it."""
+    model's, and the greedy tokens equal it. With its attention in place the model's head is
+    int8 (llama.cpp's files round theirs too), within int8's rounding of the float32 head."""
     from moeferry.engine.kernels.hqq_cpu import CpuQMatrix
+    from moeferry.engine.kernels.torch_cpu import CpuMatrix
 
     make_checkpoint(tmp_path / "ck", seed=5, num_local_experts=4, hidden_size=64, intermediate_size=128)
     convert_checkpoint(tmp_path / "ck", tmp_path / "st", 2, attn_bits, "cpu")
@@ -374,6 +376,7 @@ def test_the_cpu_engine_runs_its_quantized_attention_in_place(tmp_path, attn_bit
     cached = load_engine(tmp_path / "st", device="cpu", dtype="float32", cpu_experts="off")  # all dequantized
     q_proj = every.model.moe_layers[0]["q_proj"]
     assert isinstance(q_proj, CpuQMatrix) == in_place
+    assert isinstance(every.model.lm_head, CpuMatrix) == in_place
     assert (every.model.dense_bytes < cached.model.dense_bytes) == in_place
     with torch.inference_mode():
         got, ref = (e.model.forward(torch.tensor(PROMPT), 0) for e in (every, cached))

@@ -426,15 +426,22 @@ def test_the_plan_predicts_the_benchmarks_gpu_speed():
 def test_mixtral_without_a_gpu_is_priced_on_the_cpu_kernels():
     """Mixtral's experts do not fit the CPU's expert cache, so the engine runs them on the
     in-place kernel (generate.default_cpu_experts): a token reads top_k stored experts per layer
-    at the kernel's share of RAM speed, plus the dense weights; a 2-bit store is therefore
-    faster than a 4-bit one, and a faster RAM makes it faster in proportion."""
+    at the kernel's share of RAM speed, plus the dense weights: as stored at the same rate where
+    the attention is 2-4 bit (the head in int8), else as fp32 matvecs; a 2-bit store is therefore
+    faster than a 4-bit one, 4-bit attention faster than 8-bit, and a faster RAM makes it faster
+    in proportion."""
     two, four = ModelSizes.from_config(MIXTRAL_8X7B_CONFIG, 2, 4), ModelSizes.from_config(MIXTRAL_8X7B_CONFIG, 4, 4)
+    attn8 = ModelSizes.from_config(MIXTRAL_8X7B_CONFIG, 2, 8)
     assert P.cpu_cache_experts(two) < 8
     p2 = P.predict_cpu(CPU_ONLY, two)
     rate = CPU_ONLY["cpu_matvec_params_per_s"]
-    experts_s = 32 * 2 * two.expert_bytes / (P.HQQ_CPU_OF_RAM * 4 * rate)
-    dense_s = (two.active_params - 64 * two.expert_params) / rate
+    kernel = P.HQQ_CPU_OF_RAM * 4 * rate
+    experts_s = 32 * 2 * two.expert_bytes / kernel
+    dense_s = (two.dense_bytes - two.embed_bytes - two.head_params) / kernel
     assert 1 / p2["tokens_per_s"] == pytest.approx(experts_s + dense_s, rel=0.05)
+    fp32_dense_s = (attn8.active_params - 64 * attn8.expert_params) / rate
+    assert 1 / P.predict_cpu(CPU_ONLY, attn8)["tokens_per_s"] == pytest.approx(experts_s + fp32_dense_s, rel=0.05)
     assert p2["tokens_per_s"] > P.predict_cpu(CPU_ONLY, four)["tokens_per_s"]
+    assert p2["tokens_per_s"] > 1.2 * P.predict_cpu(CPU_ONLY, attn8)["tokens_per_s"]
     fast = dict(CPU_ONLY, cpu_matvec_params_per_s=2 * rate)
     assert P.predict_cpu(fast, two)["tokens_per_s"] > 1.8 * p2["tokens_per_s"]
