@@ -12,11 +12,15 @@ Routing is uniform (engine/measure/routing.py): a random router sends most token
 few experts, which the L3 would then serve. Each variant decodes --new-tokens after a prompt of
 --prompt-len, --repeats times; the median decode rate is printed with the dense weights' RAM and
 the bytes a decoded token reads (the routed experts and the dense matrices; the head included).
+--profile then runs the engine as load_engine makes it once more under cProfile (prompt and
+decode) and prints the functions that took the most time.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import sys
 import time
@@ -75,6 +79,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--profile", action="store_true", help="also profile one run of the in-place engine")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     cpu = torch.device("cpu")
@@ -98,6 +103,10 @@ def main(argv=None) -> int:
         print(f"| {label} | {fmt_bytes(dense_bytes)} | {token_bytes(s, dense) / 1e9:.2f} | "
               f"{statistics.median(f for f, _ in runs):.2f} | **{statistics.median(rates):.2f}** "
               f"({', '.join(f'{r:.2f}' for r in rates)}) |", flush=True)
+        if a.profile and in_place:
+            profile = cProfile.Profile()
+            profile.runcall(decode_rate, s, prompt, a.new_tokens, a.threads)
+            pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(12)
     return 0
 
 
