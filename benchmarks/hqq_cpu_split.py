@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+import timeit
 
 import numpy as np
 import torch
@@ -24,13 +24,8 @@ from moeferry.engine.storage import quant
 
 
 def median_s(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    fn()  # numba's compile, the caches
+    return statistics.median(timeit.repeat(fn, number=1, repeat=reps))
 
 
 def main() -> None:
