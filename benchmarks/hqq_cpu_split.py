@@ -44,7 +44,7 @@ def main() -> None:
 
     @njit(fastmath=True)
     def every_group(x, scale, smeta, zero, zmeta, center):
-        xs, amax, q, m = scratch(x.shape[1])
+        xs, amax, q, m, _, _ = scratch(x.shape[1], 1)
         total = np.float32(0.0)
         for j in range(scale.shape[0]):
             total += group_inputs(x, 0, j, scale, smeta, zero, zmeta, center, xs, amax, q, m)[0]

@@ -5,7 +5,8 @@
 
 Each KERNEL is a kernel module's file or a git revision (benchmarks/hqq_cpu_ab.load_old). All
 run the same random 2-bit (--bits) matrices in groups of --group rows: the w1/w3 (14336x4096)
-and w2 (4096x14336) shapes, or with --expert whole experts (gate, up and down in one call).
+and w2 (4096x14336) shapes, or with --expert whole experts (gate, up and down in one call), on
+--tokens rows of input (1: decoding; more: a prompt).
 Calls are interleaved (kernel 1, kernel 2, ..., kernel 1, ...), each on the next of enough
 copies that the L3 cannot serve them (--rotate-gib). Prints the median time and GB/s (of the
 stored bytes) per kernel and thread count, and each one's relative difference from the first's
@@ -36,6 +37,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--rotate-gib", type=float, default=0.6)
     ap.add_argument("--expert", action="store_true", help="whole experts instead of lone matrices")
+    ap.add_argument("--tokens", type=int, default=1, help="rows of the input (a prompt's tokens; default 1)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
     mods = [load_old(k, tmp, f"v{i}_" + re.sub(r"\W", "_", Path(k).stem)) for i, k in enumerate(args.kernels)]
@@ -64,7 +66,7 @@ def main() -> None:
         def call(mod, view, x):
             return mod.swiglu_expert(x, *view) if args.expert else mod.matmul(x, view[0])
 
-        x = rng.standard_normal((1, parts[0][1]), dtype=np.float32)
+        x = rng.standard_normal((args.tokens, parts[0][1]), dtype=np.float32)
         ref = call(mods[0], views[0][0], x)
         errs = [np.linalg.norm(call(m, v[0], x) - ref) / np.linalg.norm(ref) for m, v in zip(mods, views)]
         for threads in args.threads:
@@ -82,7 +84,7 @@ def main() -> None:
                     times[mi].append(time.perf_counter() - t0)
             for mod, t, err in zip(mods, times, errs):
                 med = float(np.median(t))
-                print(f"{name} {args.bits}-bit g{args.group} threads {threads:2d} {Path(mod.__file__).stem:12s} "
+                print(f"{name} {args.bits}-bit g{args.group} T={args.tokens} threads {threads:2d} {Path(mod.__file__).stem:12s} "
                       f"{med * 1e3:7.3f} ms {nbytes / med / 1e9:6.2f} GB/s, rel. difference from the first {err:.1e}",
                       flush=True)
 

@@ -148,7 +148,7 @@ def _compile():
     # Module globals, not closure variables: numba keys its disk cache on a pickle of the
     # closure, and intrinsics and dispatchers pickle with a fresh uuid in every process.
     global prange, u8_f32, half, block_absmax, quantize_blocks, dot_2bit, dot_4bit, dot_1bit
-    global group_inputs, add_plane, scratch, group_rows, qmatmul, swiglu
+    global group_inputs, decoded_group, token_inputs, round_inputs, add_plane, scratch, group_rows, qmatmul, swiglu
     import numba
     from llvmlite import binding, ir
     from numba import njit, prange, types
@@ -374,6 +374,43 @@ def _compile():
             k0 += n
             si = (si + n) % ms
             zi = (zi + n) % mz
+        return round_inputs(xs, zsum, center, amax, q, m)
+
+    @serial
+    def decoded_group(j, scale, smeta, zero, zmeta, center, s_out, z_out):
+        """Group j's scales s[j, :] and zeros z[j, :] - center in float32, as group_inputs
+        decodes them: a prompt's tokens all use them (group_rows decodes them once)."""
+        K = s_out.shape[0]
+        ms, mz = smeta.shape[1], zmeta.shape[1]
+        si, zi = (j * K) % ms, (j * K) % mz
+        srow, zrow = scale[j], zero[j]
+        s_scale, s_zero, z_scale, z_zero = smeta[0], smeta[1], zmeta[0], zmeta[1]
+        k0 = 0
+        while k0 < K:
+            n = min(K - k0, ms - si, mz - zi)
+            sq, zq, so_, zo_ = srow[k0:k0 + n], zrow[k0:k0 + n], s_out[k0:k0 + n], z_out[k0:k0 + n]
+            ss, so, zs, zo = s_scale[si:si + n], s_zero[si:si + n], z_scale[zi:zi + n], z_zero[zi:zi + n]
+            for d in range(n):
+                so_[d] = (u8_f32(sq[d]) - half(so[d])) * half(ss[d])
+                zo_[d] = (u8_f32(zq[d]) - half(zo[d])) * half(zs[d]) - center
+            k0 += n
+            si = (si + n) % ms
+            zi = (zi + n) % mz
+
+    @serial
+    def token_inputs(x, t, s_dec, z_dec, center, xs, amax, q, m):
+        """group_inputs for one token of a prompt, from its group's decoded_group."""
+        xrow = x[t]
+        zsum = np.float32(0.0)
+        for k in range(xrow.shape[0]):
+            v = xrow[k] * s_dec[k]
+            xs[k] = v
+            zsum += v * z_dec[k]
+        return round_inputs(xs, zsum, center, amax, q, m)
+
+    @serial
+    def round_inputs(xs, zsum, center, amax, q, m):
+        """The int8 blocks of xs (group_inputs says how); returns (zsum + center * sum_k D * m * q, D)."""
         nb = amax.shape[0]
         top = np.float32(0.0)
         for b in range(nb):
@@ -410,24 +447,33 @@ def _compile():
                     o[r + s * stride] += mult * D * c8[s]
 
     @serial
-    def scratch(K):
-        """One thread's buffers for group_inputs: xs (its padding to whole blocks stays 0), amax, q, m."""
+    def scratch(K, T):
+        """One thread's buffers for group_inputs: xs (its padding to whole blocks stays 0), amax,
+        q, m; for T > 1 tokens also decoded_group's scales and zeros."""
         nb = (K + BLOCK - 1) // BLOCK
+        dec = K if T > 1 else 0
         return (np.zeros(nb * BLOCK, dtype=np.float32), np.empty(nb, dtype=np.float32),
-                np.empty(nb * BLOCK, dtype=np.int8), np.empty(nb, dtype=np.int32))
+                np.empty(nb * BLOCK, dtype=np.int8), np.empty(nb, dtype=np.int32),
+                np.empty(dec, dtype=np.float32), np.empty(dec, dtype=np.float32))
 
     @serial
     def group_rows(x, j, plane0, width0, plane1, group_size, scale, smeta, zero, zmeta, out, buf):
         """Rows j, j + G, ... of out [T, rows] = x [T, K] @ W.T (one group of rows).
-        plane1 (the 1-bit low plane) is empty but for 3 bits."""
+        plane1 (the 1-bit low plane) is empty but for 3 bits. A prompt's tokens share the
+        group's decoded scales and zeros (decoded_group); a lone token decodes them as it goes."""
         G = scale.shape[0]
         rows = G * group_size
         low = plane1.shape[0] > 0
         mult0 = np.float32(2.0) if low else np.float32(1.0)  # 3 bits: code = 2 * high + low
         center = np.float32(((1 << width0) * (2 if low else 1) - 1) / 2)
-        xs, amax, q, m = buf
+        xs, amax, q, m, s_dec, z_dec = buf
+        if x.shape[0] > 1:
+            decoded_group(j, scale, smeta, zero, zmeta, center, s_dec, z_dec)
         for t in range(x.shape[0]):
-            shared, D = group_inputs(x, t, j, scale, smeta, zero, zmeta, center, xs, amax, q, m)
+            if x.shape[0] > 1:
+                shared, D = token_inputs(x, t, s_dec, z_dec, center, xs, amax, q, m)
+            else:
+                shared, D = group_inputs(x, t, j, scale, smeta, zero, zmeta, center, xs, amax, q, m)
             for n in range(j, rows, G):
                 out[t, n] = -shared
             add_plane(plane0, width0, mult0, j, G, q, m, D, out, t)
@@ -439,7 +485,7 @@ def _compile():
         G = scale.shape[0]
         nc = min(G, chunks)
         for c in prange(nc):
-            buf = scratch(x.shape[1])
+            buf = scratch(x.shape[1], x.shape[0])
             for j in range(c * G // nc, (c + 1) * G // nc):
                 group_rows(x, j, plane0, width0, plane1, group_size, scale, smeta, zero, zmeta, out, buf)
 
@@ -452,7 +498,7 @@ def _compile():
         Ga, G = a_s.shape[0], a_s.shape[0] + b_s.shape[0]
         nc = min(G, chunks)
         for c in prange(nc):
-            buf = scratch(x.shape[1])
+            buf = scratch(x.shape[1], x.shape[0])
             for j in range(c * G // nc, (c + 1) * G // nc):
                 if j < Ga:
                     group_rows(x, j, a0, aw, a1, ag, a_s, a_sm, a_z, a_zm, gate, buf)
@@ -465,7 +511,7 @@ def _compile():
         Gc = c_s.shape[0]
         nc = min(Gc, chunks)
         for c in prange(nc):
-            buf = scratch(gate.shape[1])
+            buf = scratch(gate.shape[1], gate.shape[0])
             for j in range(c * Gc // nc, (c + 1) * Gc // nc):
                 group_rows(gate, j, c0, cw, c1, cg, c_s, c_sm, c_z, c_zm, out, buf)
 

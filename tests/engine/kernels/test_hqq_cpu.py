@@ -65,6 +65,19 @@ def test_matmul_matches_dequantized_reference_to_int8_input_rounding(spec, rows,
     assert (torch.from_numpy(hqq_cpu.matmul(x.numpy(), w)) - want).norm() / want.norm() < 0.01
 
 
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.bits}bit-g{s.group_size}-m{s.meta_group}")
+def test_a_prompts_rows_equal_each_token_run_alone(spec):
+    """A prompt (T > 1) decodes each group's scales and zeros once for all its tokens, a lone
+    token as it goes: the same products, to float32 rounding (the zero term's sum over the
+    inputs runs in another order), far below the int8 rounding of the inputs (about 1e-2)."""
+    qm = qmatrix(192, 1160, spec, 7)
+    w = hqq_cpu.from_qmatrix(qm)
+    x = torch.randn(5, 1160, generator=torch.Generator().manual_seed(5)).numpy()
+    together = hqq_cpu.matmul(x, w)
+    alone = np.concatenate([hqq_cpu.matmul(x[t:t + 1], w) for t in range(5)])
+    assert np.abs(together - alone).max() <= 1e-4 * np.abs(alone).max()
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_swiglu_expert_equals_reference_on_the_stored_views(bits):
     """The in-place expert (views of one packed buffer, as the cache's host copy holds it)."""
