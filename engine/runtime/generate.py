@@ -377,34 +377,37 @@ def compute_ready(w, dtype):
 
 def move_dense(dense: dict, device, dtype, in_place: bool = False) -> tuple[dict, int]:
     """The dense weights on the device, and their bytes there. On the CPU a quantized matrix is
-    dequantized once, or with in_place (the CPU engine that runs every expert in place) kept as
-    stored, for the HQQ CPU kernel (model.OffloadedMixtral.linear) where it takes its width: a
-    quarter of float32's bytes read per token at 4 bits, and the RAM they would take. A model
-    quantized so (its attention at 2-4 bits) then also gets its LM head in int8 (torch_cpu), the
-    rounding llama.cpp's files give theirs: float32 it is most of what a token reads in a small
-    MoE (Qwen3-30B-A3B's is 1.2 GB), and torch's int8 kernel reads it 2.7x faster (32000x4096,
-    2 cores, AVX2 and AVX-512 alike; bfloat16 would be slower than float32 without AVX-512)."""
+    dequantized once, unless in_place (the CPU engine that runs every expert on the HQQ kernel):
+    then the matrices of a quantized model are read in low-bit forms, for a quarter of
+    float32's bytes per token and of its RAM or less: 2-4 bit ones as stored, on the same
+    kernel (model.OffloadedMixtral.linear), 8-bit ones (which it does not take) and the LM
+    head rounded per row to int8 for torch's kernel (torch_cpu), as llama.cpp's files round
+    theirs. float32, the head is most of what a token reads in a small MoE (Qwen3-30B-A3B's is
+    1.2 GB); torch's int8 kernel reads it 2.7x faster (32000x4096, 2 cores, AVX2 and AVX-512
+    alike; bfloat16 would be slower than float32 without AVX-512)."""
+    on_cpu = device.type == "cpu"
+    low_bit = in_place and on_cpu and any(isinstance(w, quant.QMatrix) for w in dense.values())
     out, nbytes = {}, 0
     for name, w in dense.items():
-        if in_place and device.type == "cpu" and hqq_cpu.supported(w):
+        if low_bit and hqq_cpu.supported(w):
             out[name] = hqq_cpu.from_qmatrix(w)
-            nbytes += out[name].nbytes()
-        elif isinstance(w, quant.QMatrix) and device.type == "cpu":
+        elif low_bit and (isinstance(w, quant.QMatrix) or name == "lm_head.weight") and int8_fits(w):
+            out[name] = torch_cpu.quantize_int8(compute_ready(w, torch.float32))
+        elif isinstance(w, quant.QMatrix) and on_cpu:
             out[name] = compute_ready(w, dtype)
-            nbytes += out[name].numel() * out[name].element_size()
         elif isinstance(w, quant.QMatrix):
             t = {k: v.to(device) for k, v in w.tensors().items()}
             out[name] = quant.QMatrix.from_tensors(w.info(), t)
-            nbytes += w.nbytes()
         else:
             out[name] = w.to(device=device, dtype=dtype)
-            nbytes += out[name].numel() * out[name].element_size()
-    head = out.get("lm_head.weight")
-    if (any(isinstance(w, hqq_cpu.CpuQMatrix) for w in out.values()) and isinstance(head, torch.Tensor)
-            and head.shape[1] % torch_cpu.INPUT_MULTIPLE["int8"] == 0):
-        out["lm_head.weight"] = torch_cpu.quantize_int8(head)
-        nbytes += out["lm_head.weight"].nbytes() - head.numel() * head.element_size()
+        nbytes += out[name].nbytes if isinstance(out[name], torch.Tensor) else out[name].nbytes()
     return out, nbytes
+
+
+def int8_fits(w) -> bool:
+    """Whether torch's int8 CPU kernel takes a matrix of w's input size (torch_cpu.INPUT_MULTIPLE)."""
+    cols = w.cols if isinstance(w, quant.QMatrix) else w.shape[-1]
+    return cols % torch_cpu.INPUT_MULTIPLE["int8"] == 0
 
 
 def resolve_device(device: str) -> torch.device:
@@ -431,6 +434,7 @@ def check_kernels(kernels: str, dev: torch.device) -> None:
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_THREADS = torch.get_num_threads()  # torch's own choice, before any load changes it
 
 
 def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = None,
@@ -479,19 +483,21 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad folder
         raise UserError(f"Cannot load the tokenizer from {st.path} ({type(e).__name__}); "
                         f"run `moeferry verify {st.path}`.") from None
-    if dev.type == "cpu" and vram.cpu_one_thread(cfg.hidden_size * cfg.intermediate_size) and not cpu_threads:
-        torch.set_num_threads(1)
     if cpu_experts is None:
-        cpu_experts = default_cpu_experts(dev, st, host, cfg.num_moe_layers * st.expert_bytes, cache_experts,
-                                          cpu_format)
+        cpu_experts = default_cpu_experts(dev, st, host, cache_experts, cpu_format)
     every_expert = cpu_experts != "off" and dev.type == "cpu" and cache_experts is None
+    if dev.type == "cpu" and not cpu_threads:
+        # torch's largest product: the experts' (dequantized cache), or with every expert on the
+        # numba kernel the head's; one thread when that is small (vram.cpu_one_thread says why)
+        torch_matrix = cfg.vocab_size * cfg.hidden_size if every_expert else cfg.hidden_size * cfg.intermediate_size
+        torch.set_num_threads(1 if vram.cpu_one_thread(torch_matrix) else TORCH_THREADS)
     dense, dense_b = move_dense(store_mod.read_dense(st), dev, dtype, every_expert and not hqq_cpu.available())
     sizing = device_bytes(cfg, dense_b, st.expert_bytes, context, dtype, dev, kernels)
     if budget is None and dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
         limit = vram.auto_budget(free + dense_b)  # the dense weights are already on the device
     elif budget is None:
-        limit = sizing.needed(max(1, vram.cpu_cache_slots(sizing.per_slot, cfg.num_experts)))
+        limit = sizing.needed(max(1, vram.cpu_cache_slots(cfg.num_moe_layers, expert_params(cfg), cfg.num_experts)))
     else:
         limit = budget
     k = cache_experts if cache_experts is not None else sizing.slots(limit)
@@ -527,8 +533,8 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
 # Experts computed on the CPU (engine/runtime/cpu_experts.py)
 
 
-def default_cpu_experts(dev: torch.device, st: store_mod.Store, host: torch.Tensor, per_slot: int,
-                        cache_experts: int | None, cpu_format: str | None) -> str:
+def default_cpu_experts(dev: torch.device, st: store_mod.Store, host: torch.Tensor, cache_experts: int | None,
+                        cpu_format: str | None) -> str:
     """--cpu-experts when none is given: on a CPU device, "all" (every expert on the CPU kernel,
     read in place) where the store's experts can run in place and do not all fit the CPU's expert
     cache (vram.CPU_EXPERT_CACHE_BYTES), which would otherwise dequantize most of them again for
@@ -539,9 +545,15 @@ def default_cpu_experts(dev: torch.device, st: store_mod.Store, host: torch.Tens
     keep cores busy: the user turns it on (--cpu-experts auto, or the app's settings)."""
     if dev.type != "cpu" or cache_experts is not None or cpu_format not in (None, "hqq"):
         return "off"
-    if vram.cpu_cache_slots(per_slot, st.config.num_experts) >= st.config.num_experts:
+    cfg = st.config
+    if vram.cpu_cache_slots(cfg.num_moe_layers, expert_params(cfg), cfg.num_experts) >= cfg.num_experts:
         return "off"
     return "all" if runs_in_place(st, host) else "off"
+
+
+def expert_params(cfg: ModelConfig) -> int:
+    """Weights of one expert (of one unit where experts are cut into units)."""
+    return 3 * cfg.hidden_size * cfg.intermediate_size
 
 
 def runs_in_place(st: store_mod.Store, host: torch.Tensor) -> bool:
@@ -639,7 +651,7 @@ def cpu_experts_for(copies: dict, cfg: ModelConfig, host: torch.Tensor, cache: E
     """The CpuExperts over these copies; for "auto", with its costs measured here."""
     from moeferry.engine.runtime import cpu_experts as ce
 
-    params = 3 * cfg.hidden_size * cfg.intermediate_size
+    params = expert_params(cfg)
     if cache.cuda and not every_expert:
         hqq_cpu.spin_between_layers()  # before the CpuExperts start numba's threads
     hybrid = ce.CpuExperts(copies, mode, None, host.shape[2], params, every_expert, threads)

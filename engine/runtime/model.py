@@ -536,8 +536,10 @@ class OffloadedMixtral:
         if isinstance(w, Mxfp4Matrix):  # gpt_oss's experts as imported
             return mxfp4_linear(x, w, self.kernels)
         if isinstance(w, hqq_cpu.CpuQMatrix):  # the CPU engine's dense matrices, in place (move_dense)
-            y = hqq_cpu.matmul(x.reshape(-1, w.cols).float().numpy(), w)
-            return torch.from_numpy(y).reshape(*x.shape[:-1], w.rows).to(x.dtype)
+            y = torch.from_numpy(hqq_cpu.matmul(x.reshape(-1, w.cols).float().numpy(), w))
+            return y.reshape(*x.shape[:-1], w.rows).to(x.dtype)
+        if isinstance(w, CpuMatrix):  # the same, rounded to int8 (move_dense)
+            return w.matmul(x.reshape(-1, w.cols)).reshape(*x.shape[:-1], w.rows).to(x.dtype)
         return qlinear(x, w, self.kernels)
 
 

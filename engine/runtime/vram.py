@@ -73,8 +73,6 @@ class DeviceBytes:
         return int(max(0, min(self.num_experts, (budget - self.fixed) // max(self.per_slot, 1))))
 
 
-# The CPU engine's expert cache: as many experts per layer as fit in this many packed bytes
-# (the cached ones are kept dequantized; all of them for the demo model).
 # Below this many weights per expert matrix (the demo), the CPU engine runs on one thread: small
 # matrices gain nothing from threads, and OpenMP's spinning threads collapse when another
 # process holds a core (measured 1.4 vs 130 tokens/s on 2 cores). The planner predicts with it.
@@ -86,11 +84,15 @@ def cpu_one_thread(matrix_params: int) -> bool:
     return matrix_params < CPU_ONE_THREAD_MATRIX_PARAMS
 
 
+# The CPU engine's expert cache keeps its experts dequantized to float32 (all of them for the
+# demo model): as many per layer as fit in this many bytes of float32.
 CPU_EXPERT_CACHE_BYTES = 4 * GiB
 
 
-def cpu_cache_slots(per_slot: int, num_experts: int) -> int:
-    """Experts per layer the CPU engine keeps when no cache size is given."""
+def cpu_cache_slots(num_moe_layers: int, expert_params: int, num_experts: int) -> int:
+    """Experts per layer the CPU engine keeps when no cache size is given. Counted in float32
+    bytes, not stored ones: at 4 bits an expert takes 7.5x its stored bytes once dequantized."""
+    per_slot = num_moe_layers * expert_params * 4
     return int(min(num_experts, CPU_EXPERT_CACHE_BYTES // max(per_slot, 1)))
 
 

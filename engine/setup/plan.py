@@ -370,29 +370,31 @@ CPU_IN_DECODE_OF_ALONE = 0.6  # near the low end of that range: a figure most me
 
 def cpu_cache_experts(m: ModelSizes) -> int:
     """Experts per layer the CPU engine keeps dequantized (all of them for the demo model)."""
-    return vram.cpu_cache_slots(m.num_moe_layers * m.expert_bytes, m.num_experts)
+    return vram.cpu_cache_slots(m.num_moe_layers, m.expert_params, m.num_experts)
 
 
 def predict_cpu(hw: dict, m: ModelSizes, coeffs: Coefficients = DEFAULT,
                 prompt_tokens: int = DEFAULT_PROMPT_TOKENS) -> dict:
     """Decode on the CPU. A quantized model whose experts do not all fit the CPU's expert cache
     (Mixtral) runs them on the in-place kernel (generate.default_cpu_experts): each routed
-    expert's stored bytes read at the kernel's share of RAM speed, and so its 2-4 bit attention,
-    with the head in int8 (generate.move_dense; 8-bit attention and the head with it stay fp32
-    matvecs). Otherwise (the demo, 16-bit stores) every active weight is one fp32 matvec from
+    expert's stored bytes read at the kernel's share of RAM speed, and so its dense matrices in
+    their low-bit forms (generate.move_dense: 2-4 bit attention as stored, 8-bit attention and
+    the head in int8; 16-bit attention stays fp32 matvecs). Otherwise (the demo, 16-bit stores) every active weight is one fp32 matvec from
     RAM, and an expert that misses the CPU's expert cache is dequantized first."""
     cores = hw.get("cpu_cores_physical") or hw.get("cpu_cores_logical") or 2
     rate = hw.get("cpu_matvec_params_per_s") or 0.5e9 * cores  # fp32 weights per second
-    big_rate = rate
-    if vram.cpu_one_thread(m.expert_params // 3) and hw.get("cpu_small_matvec_params_per_s"):
+    kernels = on_cpu_kernels(m)
+    if not kernels and vram.cpu_one_thread(m.expert_params // 3) and hw.get("cpu_small_matvec_params_per_s"):
         rate = hw["cpu_small_matvec_params_per_s"]  # one thread over small matrices, as the engine runs it
     flops = hw.get("cpu_matmul_flops") or 15e9 * cores
     uses = m.num_moe_layers * m.top_k
     overhead = m.num_layers * coeffs.cpu_layer_overhead_s + coeffs.token_overhead_s
-    if on_cpu_kernels(m):
-        kernel = HQQ_CPU_OF_RAM * 4.0 * big_rate  # bytes/s
+    if kernels:
+        kernel = HQQ_CPU_OF_RAM * 4.0 * rate  # bytes/s
         if m.attn_bits in IN_PLACE_BITS:  # the dense bytes as stored, the head's bfloat16 halved
             dense_s = (m.dense_bytes - m.embed_bytes - m.head_params) / kernel
+        elif m.attn_bits == 8:  # int8 copies of the attention and the head: a byte per weight
+            dense_s = (m.dense_params - m.embed_params) / kernel
         else:
             dense_s = (m.active_params - uses * m.expert_params) / rate
         t = uses * m.expert_bytes / kernel + dense_s + overhead
@@ -512,7 +514,7 @@ def _cpu_plan(hw: dict, m: ModelSizes, reason: str, coeffs: Coefficients, prompt
               common: dict) -> Plan:
     p = predict_cpu(hw, m, coeffs, prompt_tokens)
     ram_total = hw.get("ram_total_bytes")
-    needed = m.store_bytes + HOST_RESERVE_BYTES
+    needed = cpu_ram_bytes(m) + HOST_RESERVE_BYTES
     fits = ram_total is None or ram_total >= needed
     speed = p["tokens_per_s"]
     big = m.store_bytes > 4 * GiB
@@ -527,10 +529,23 @@ def _cpu_plan(hw: dict, m: ModelSizes, reason: str, coeffs: Coefficients, prompt
                 notes=[cpu_note(m, coeffs)], **common)
 
 
+def cpu_ram_bytes(m: ModelSizes) -> int:
+    """RAM the CPU engine takes for the model: its stored experts, its dense weights as it
+    computes with them and its expert cache's float32. With every expert on the kernel and the
+    attention quantized, the dense weights stay at most as stored (generate.move_dense) but for
+    the embedding, float32 (twice its stored bytes); otherwise all of them are float32, and so
+    are the cached experts."""
+    if on_cpu_kernels(m) and m.attn_bits in IN_PLACE_BITS + (8,):
+        return m.all_expert_bytes + m.dense_bytes + m.embed_bytes
+    cache = cpu_cache_experts(m) * m.num_moe_layers * m.expert_params * 4
+    return m.all_expert_bytes + 4 * m.dense_params + cache
+
+
 def on_cpu_kernels(m: ModelSizes) -> bool:
     """Whether a CPU-only engine runs this model's experts on the in-place kernel (as
-    generate.default_cpu_experts decides: quantized, and too big for the CPU's expert cache)."""
-    return bits_per_param(m) < 16 and cpu_cache_experts(m) < m.num_experts
+    generate.default_cpu_experts decides: HQQ at 2-4 bits, and too big for the CPU's expert cache;
+    gpt-oss's MXFP4 experts, kept as released, are not HQQ)."""
+    return m.expert_bits in IN_PLACE_BITS and cpu_cache_experts(m) < m.num_experts
 
 
 def cpu_note(m: ModelSizes, coeffs: Coefficients) -> str:
@@ -538,8 +553,8 @@ def cpu_note(m: ModelSizes, coeffs: Coefficients) -> str:
     if on_cpu_kernels(m):
         return (f"CPU speed estimated from the measured fp32 matrix-vector rate: the experts run on the CPU "
                 f"kernel, reading {m.top_k} experts per layer"
-                f"{' and the attention' if m.attn_bits in IN_PLACE_BITS else ''} at {HQQ_CPU_OF_RAM:g} of the "
-                f"RAM's read speed.")
+                f"{' and the attention' if m.attn_bits in IN_PLACE_BITS + (8,) else ''} at {HQQ_CPU_OF_RAM:g} of "
+                f"the RAM's read speed.")
     return ("CPU speed estimated from the measured fp32 matrix-vector rate, "
             f"{coeffs.cpu_kernel_factor:g}x for dequantizing an expert that is not "
             f"cached and {coeffs.cpu_layer_overhead_s * 1e3:g} ms per layer.")

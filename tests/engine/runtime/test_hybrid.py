@@ -358,14 +358,14 @@ def test_quantized_store_runs_its_own_bytes_on_the_cpu_by_default(tmp_path, bits
         assert engine.last_stats.cpu_expert_runs > 0
 
 
-@pytest.mark.parametrize("attn_bits,in_place", [(4, True), (8, False)])
-def test_the_cpu_engine_runs_its_quantized_attention_in_place(tmp_path, attn_bits, in_place):
+@pytest.mark.parametrize("attn_bits,form", [(4, "in place"), (8, "int8")])
+def test_the_cpu_engine_reads_its_dense_matrices_in_low_bit_forms(tmp_path, attn_bits, form):
     """Every expert on the CPU kernel (no cache): the attention's 2-4 bit matrices run on the
-    same kernel from their stored bytes (no float32 copy in RAM, a quarter of its bytes read per
-    token at 4 bits); 8-bit ones, which the kernel does not take, are dequantized as before.
-    Either way the logits stay within the kernel's int8-activation rounding of the dequantized
-    model's, and the greedy tokens equal it. With its attention in place the model's head is
-    int8 (llama.cpp's files round theirs too), within int8's rounding of the float32 head."""
+    same kernel from their stored bytes, 8-bit ones (which it does not take) and the head are
+    rounded per row to int8 (as llama.cpp's files round theirs), where before all of them were
+    float32: a quarter of the bytes or less, in RAM and per token. The logits stay within the
+    roundings of the dequantized model's, and the greedy tokens equal it. A cache keeps them
+    dequantized."""
     from moeferry.engine.kernels.hqq_cpu import CpuQMatrix
     from moeferry.engine.kernels.torch_cpu import CpuMatrix
 
@@ -375,9 +375,10 @@ def test_the_cpu_engine_runs_its_quantized_attention_in_place(tmp_path, attn_bit
     every = load_engine(tmp_path / "st", device="cpu", dtype="float32", cpu_experts="all")
     cached = load_engine(tmp_path / "st", device="cpu", dtype="float32", cpu_experts="off")  # all dequantized
     q_proj = every.model.moe_layers[0]["q_proj"]
-    assert isinstance(q_proj, CpuQMatrix) == in_place
-    assert isinstance(every.model.lm_head, CpuMatrix) == in_place
-    assert (every.model.dense_bytes < cached.model.dense_bytes) == in_place
+    assert isinstance(q_proj, CpuQMatrix if form == "in place" else CpuMatrix)
+    assert isinstance(every.model.lm_head, CpuMatrix) and every.model.lm_head.fmt == "int8"
+    assert isinstance(cached.model.lm_head, torch.Tensor) and cached.model.lm_head.dtype == torch.float32
+    assert every.model.dense_bytes < cached.model.dense_bytes
     with torch.inference_mode():
         got, ref = (e.model.forward(torch.tensor(PROMPT), 0) for e in (every, cached))
     assert ((got - ref).norm() / ref.norm()).item() < 0.03
@@ -398,7 +399,8 @@ def test_a_cpu_machine_runs_a_model_too_big_for_its_expert_cache_on_the_cpu_kern
     small = load_engine(tmp_path / "st", device="cpu", dtype="float32")
     assert small.model.hybrid is None and small.model.cache.K == 4
     assert greedy(small) == want
-    per_slot = small.model.cfg.num_moe_layers * small.store.expert_bytes  # one cache slot in every layer
+    cfg = small.model.cfg
+    per_slot = cfg.num_moe_layers * 3 * cfg.hidden_size * cfg.intermediate_size * 4  # float32, every layer
     monkeypatch.setattr(vram, "CPU_EXPERT_CACHE_BYTES", 4 * per_slot // 3)
     big = load_engine(tmp_path / "st", device="cpu", dtype="float32")
     assert big.model.hybrid is not None and big.model.hybrid.every_expert
@@ -411,6 +413,27 @@ def test_a_cpu_machine_runs_a_model_too_big_for_its_expert_cache_on_the_cpu_kern
     monkeypatch.setattr(vram, "CPU_EXPERT_CACHE_BYTES", 1)
     plain = load_engine(tmp_path / "st16", device="cpu", dtype="float32")
     assert plain.model.hybrid is None and plain.model.cache.K >= 1
+
+
+def test_the_cpu_expert_cache_is_sized_in_the_float32_it_holds(tmp_path, monkeypatch):
+    """The CPU engine keeps its cached experts dequantized to float32, so its cache is sized in
+    those bytes: a budget that holds every stored 4-bit expert (OLMoE's 3.4 GB store under the
+    4 GiB default) holds fewer dequantized, 7.5x larger (OLMoE's would have grown to 26 GB)."""
+    from moeferry.engine.runtime import vram
+
+    make_checkpoint(tmp_path / "ck", seed=6, num_local_experts=4, hidden_size=64, intermediate_size=128)
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st", 4, 16, "cpu")
+    probe = load_engine(tmp_path / "st", device="cpu", dtype="float32", cpu_experts="off")
+    cfg, stored = probe.model.cfg, probe.store.expert_bytes
+    dequantized = cfg.num_moe_layers * 3 * cfg.hidden_size * cfg.intermediate_size * 4  # one slot per layer
+    monkeypatch.setattr(vram, "CPU_EXPERT_CACHE_BYTES", 2 * dequantized)
+    assert vram.CPU_EXPERT_CACHE_BYTES >= cfg.num_moe_layers * 4 * stored  # every expert as stored fits
+    engine = load_engine(tmp_path / "st", device="cpu", dtype="float32", cpu_experts="off")
+    assert engine.model.cache.K == 2
+    greedy(engine)
+    held = sum(t.numel() * t.element_size() for layer in engine.model.cache.decoded for d in layer if d
+               for t in d.values())
+    assert 0 < held <= vram.CPU_EXPERT_CACHE_BYTES
 
 
 def test_the_cpu_rate_of_the_cost_model_is_learned_from_decoded_layers(store16):
