@@ -1,7 +1,8 @@
 """The CPU engine (a machine without a GPU) on a synthetic full-width model: every expert runs on
 the HQQ CPU kernel from its stored bytes, as `moeferry generate --device cpu` runs a model too
-big for the CPU's expert cache; the dense matrices either in place on the same kernel with the
-head in int8 (what load_engine does) or dequantized to float32, the head too. For llama.cpp beside it on
+big for the CPU's expert cache; the dense matrices either in their low-bit forms (2-4 bit ones in
+place on the same kernel, 8-bit ones and the head in int8: what load_engine does) or
+dequantized to float32, the head too. For llama.cpp beside it on
 the same machine, write the same shape with benchmarks/gguf_random.py (--layers) and run
 llama-bench -ngl 0 with the same threads, prompt and tokens.
 
@@ -93,7 +94,7 @@ def main(argv=None) -> int:
     prompt = torch.randint(0, cfg.vocab_size, (a.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     print("| dense matrices | their RAM | GB read per token | first token s | decode tok/s (median; all) |")
     print("|---|---|---|---|---|")
-    for label, in_place in (("in place (HQQ CPU kernel), int8 head", True), ("dequantized to float32", False)):
+    for label, in_place in (("low-bit: 2-4 bit in place, 8-bit and the head int8", True), ("dequantized to float32", False)):
         dense, dense_bytes = move_dense(dense_q, cpu, torch.float32, in_place)
         s = bench.Synthetic(cfg, dense, dense_bytes, host, fields, eq, cpu, 0.0, a.expert_bits, a.attn_bits,
                             torch.float32, a.model)
