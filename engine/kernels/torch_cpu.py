@@ -62,9 +62,10 @@ class CpuMatrix:
 
 
 # Inputs per row each format needs a multiple of: int4's groups; int8's because torch's
-# _weight_int8pack_mm crashes the process (a segmentation fault, torch 2.13 on x86) for inputs
-# not a multiple of 8 once 4 or more rows go through it at once (a prompt).
-INPUT_MULTIPLE = {"int4": 32, "int8": 8, "dense": 1}
+# _weight_int8pack_mm corrupts memory and crashes the process (a segmentation fault, torch 2.13
+# on an AVX-512 Xeon) for inputs not a multiple of 16 once 4 or more rows go through it (a
+# prompt): 8, 24, 40, 56 crashed, every multiple of 16 tried ran, whatever the rows before.
+INPUT_MULTIPLE = {"int4": 32, "int8": 16, "dense": 1}
 
 
 def int4_group(cols: int) -> int:
@@ -124,7 +125,8 @@ def quantize_int4(w: torch.Tensor, group_size: int | None = None) -> CpuMatrix:
 
 def quantize_int8(w: torch.Tensor) -> CpuMatrix:
     if w.shape[1] % INPUT_MULTIPLE["int8"]:
-        raise ValueError(f"an int8 CPU copy needs the input size {w.shape[1]} to be a multiple of 8")
+        raise ValueError(f"an int8 CPU copy needs the input size {w.shape[1]} to be a multiple of "
+                         f"{INPUT_MULTIPLE['int8']}")
     wf = w.detach().float()
     s = (wf.abs().amax(dim=1) / 127).clamp(min=1e-10)
     q = (wf / s[:, None]).round().clamp(-127, 127).to(torch.int8)

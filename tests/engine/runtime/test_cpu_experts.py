@@ -119,15 +119,15 @@ def test_expert_bytes_per_format():
     assert sizes["int4"] == params // 2 + 4 * (512 * 128 // g13 + 128 * 256 // g2)
 
 
-def test_int4_needs_inputs_in_multiples_of_32_and_int8_of_8():
+def test_int4_needs_inputs_in_multiples_of_32_and_int8_of_16():
     """int8's limit is torch's: _weight_int8pack_mm kills the process (a segmentation fault)
-    for 4 or more rows of inputs not a multiple of 8, so such a copy is refused before it exists."""
+    for 4 or more rows of inputs not a multiple of 16, so such a copy is refused before it exists."""
     assert not ce.supported("int4", 48, 128) and ce.supported("int8", 48, 128)
     assert not ce.supported("int8", 40, 20) and ce.supported("dense", 40, 20)
     with pytest.raises(ValueError, match="multiple of 32"):
         tc.quantize_int4(torch.randn(8, 48))
-    with pytest.raises(ValueError, match="multiple of 8"):
-        tc.quantize_int8(torch.randn(8, 20))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        tc.quantize_int8(torch.randn(8, 40))
 
 
 def test_cpu_experts_run_on_the_calling_thread_with_their_threads_and_count_bytes():

@@ -258,8 +258,8 @@ def test_cpu_experts_options_are_checked(store16):
 
 
 def test_a_16_bit_store_of_odd_sizes_gets_copies_its_kernel_can_run(tmp_path):
-    """Hidden 40 and FFN 20: int4 (multiples of 32) and int8 (of 8: torch's int8 kernel crashes
-    the process below that) cannot hold these experts, so the default CPU copies are dense and
+    """Hidden 40 and FFN 20: int4 (multiples of 32) and int8 (of 16: torch's int8 kernel crashes
+    the process otherwise) cannot hold these experts, so the default CPU copies are dense and
     the prompt, 10 tokens through every CPU expert at once, gives transformers' tokens; asking
     for int8 gets one sentence naming what can."""
     from moeferry.engine.errors import UserError
@@ -270,7 +270,7 @@ def test_a_16_bit_store_of_odd_sizes_gets_copies_its_kernel_can_run(tmp_path):
     engine = load_engine(tmp_path / "st", device="cpu", dtype="float32", cpu_experts="all")
     assert {c.w13.fmt for c in engine.model.hybrid.copies.values()} == {"dense"}
     assert greedy(engine) == reference_greedy(model, PROMPT, 16)
-    with pytest.raises(UserError, match="--cpu-format int8 needs .* multiples of 8 .*40 and 20.*--cpu-format dense"):
+    with pytest.raises(UserError, match="--cpu-format int8 needs .* multiples of 16 .*40 and 20.*--cpu-format dense"):
         load_engine(tmp_path / "st", device="cpu", cpu_experts="all", cpu_format="int8")
 
 
