@@ -421,7 +421,7 @@ def predict_hybrid(hw: dict, m: ModelSizes, k: int, coeffs: Coefficients = DEFAU
 
     base = predict_gpu(hw, m, k, coeffs, prefetch_depth)
     ram = 4.0 * (hw.get("cpu_matvec_params_per_s") or 0.5e9 * (hw.get("cpu_cores_physical") or 2))
-    in_place = bits_per_param(m) < 16
+    in_place = m.expert_bits in IN_PLACE_BITS
     alone = (HQQ_CPU_OF_RAM if in_place else CPU_INT4_OF_RAM) * ram
     costs = placement.Costs(link_gbps=base["h2d_bytes_per_s"] / 1e9, cpu_gbps=CPU_IN_DECODE_OF_ALONE * alone / 1e9,
                             gpu_expert_s=0.0, cpu_overhead_s=placement.CUDA_HAND_OFF_S)
@@ -495,7 +495,7 @@ def make_plan(hw: dict, model, vram_budget_bytes: int | None = None, *,
         verdict = (f"Keep {k} expert{'s' if k != 1 else ''} per layer on the GPU and the rest in "
                    f"RAM: about {p['tokens_per_s']:.1f} tokens/s, first token after about "
                    f"{p['first_token_s']:.1f} s, limited by {link}.")
-    hybrid = predict_hybrid(hw, m, k, coeffs, prefetch_depth) if k < m.num_experts else None
+    hybrid = predict_hybrid(hw, m, k, coeffs, prefetch_depth) if k < m.num_experts and runs_on_cpu(m) else None
     if hybrid is not None:
         ram_note = (f"int4 copies taking {gib(hybrid['extra_ram_bytes'])} more RAM" if hybrid["extra_ram_bytes"]
                     else "from the experts already in RAM")
@@ -539,6 +539,13 @@ def cpu_ram_bytes(m: ModelSizes) -> int:
         return m.all_expert_bytes + m.dense_bytes + m.embed_bytes
     cache = cpu_cache_experts(m) * m.num_moe_layers * m.expert_params * 4
     return m.all_expert_bytes + 4 * m.dense_params + cache
+
+
+def runs_on_cpu(m: ModelSizes) -> bool:
+    """Whether --cpu-experts can run the model's experts on the CPU: HQQ at 2-4 bits in place,
+    16-bit ones from int4 copies; not gpt-oss's MXFP4 kept as released (expert_bits 16, 4.25
+    bits a weight), which has no CPU kernel."""
+    return m.expert_bits in IN_PLACE_BITS or bits_per_param(m) >= 16
 
 
 def on_cpu_kernels(m: ModelSizes) -> bool:

@@ -450,3 +450,18 @@ def test_mixtral_without_a_gpu_is_priced_on_the_cpu_kernels():
     assert speeds[0] > speeds[1] > speeds[2]
     fast = dict(CPU_ONLY, cpu_matvec_params_per_s=2 * rate)
     assert P.predict_cpu(fast, two)["tokens_per_s"] > 1.8 * p2["tokens_per_s"]
+
+
+def test_no_hybrid_is_offered_for_experts_without_a_cpu_kernel():
+    """gpt-oss's MXFP4 experts, kept as released, have no CPU kernel (the engine refuses
+    --cpu-experts for them): its GPU plan offers no hybrid figure, a 2-bit Mixtral's does."""
+    from tests.engine.setup.test_hardware import gpu_machine
+
+    hw = gpu_machine()
+    hw.update(vram_total_bytes=8 * GiB, vram_free_bytes=int(7.2 * GiB))
+    cat = {e["id"]: e for e in json.loads(CATALOG.read_text())["models"]}
+    gpt_oss = P.make_plan(hw, ModelSizes.from_catalog(cat["gpt-oss-20b-mxfp4"]))
+    mixtral = P.make_plan(hw, ModelSizes.from_catalog(cat["mixtral-8x7b-instruct-2bit"]))
+    assert gpt_oss.cache_experts_per_layer < 32 and gpt_oss.predicted_hybrid_tokens_per_s is None
+    assert not any("--cpu-experts" in n for n in gpt_oss.notes)
+    assert mixtral.predicted_hybrid_tokens_per_s is not None
