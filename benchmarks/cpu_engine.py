@@ -73,6 +73,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.cpu_engine")
     p.add_argument("--model", default="mixtral-8x7b", choices=tuple(MODEL_SHAPES))
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--expert-format", choices=("hqq", "mxfp4"), default="hqq",
+                   help="mxfp4: gpt-oss's experts as released (--expert-bits unused)")
     p.add_argument("--expert-bits", type=int, default=2, choices=(2, 3, 4))
     p.add_argument("--group-size", type=int, help="HQQ rows per scale (default: the width's own)")
     p.add_argument("--attn-bits", type=int, default=4, choices=(4, 8))
@@ -87,9 +89,10 @@ def main(argv=None) -> int:
     cfg = shape_config(a.model, a.layers)
     t = time.perf_counter()
     dense_q, _, host, fields, eq = bench.synthetic_model(cfg, a.expert_bits, a.attn_bits, cpu, 0, torch.float32,
-                                                         "hqq", a.group_size)
-    print(f"{a.model}, first {cfg.num_layers} layers, {a.expert_bits}-bit experts (groups of {eq['group_size']}, "
-          f"{host.shape[2] / 1e6:.1f} MB each), {a.attn_bits}-bit attention, built in {time.perf_counter() - t:.0f} s; "
+                                                         a.expert_format, a.group_size)
+    experts = "MXFP4" if a.expert_format == "mxfp4" else f"{a.expert_bits}-bit, groups of {eq['group_size']}"
+    print(f"{a.model}, first {cfg.num_layers} layers, experts {experts} ({host.shape[2] / 1e6:.1f} MB each), "
+          f"{a.attn_bits}-bit attention, built in {time.perf_counter() - t:.0f} s; "
           f"{a.threads} threads, P={a.prompt_len}, T={a.new_tokens}, uniform routing", flush=True)
     prompt = torch.randint(0, cfg.vocab_size, (a.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     print("| dense matrices | their RAM | GB read per token | first token s | decode tok/s (median; all) |")

@@ -36,7 +36,7 @@ import torch
 from moeferry.engine.errors import UserError
 from moeferry.engine.measure import routing as routing_mod
 from moeferry.engine.measure.bench_shapes import MODEL_SHAPES, family_dense, native_expert_format, shape_config
-from moeferry.engine.runtime.cpu_experts import HqqExpert
+from moeferry.engine.runtime.cpu_experts import HqqExpert, Mxfp4Expert
 from moeferry.engine.runtime.decode_graphs import use_cuda_graphs
 from moeferry.engine.runtime.expert_cache import ExpertCache, pace_cycles, pin, pinned_empty, sleep_cycles_per_s
 from moeferry.engine.runtime.generate import compute_ready, cpu_copies_of, cpu_experts_for, device_bytes, parse_size
@@ -437,8 +437,6 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
     """The ladder under one budget, on the weights of `s`; a report (see markdown_table)."""
     cond = cond or Conditions()
     cfg, device, bw = s.cfg, s.device, s.pinned_bytes_per_s
-    if "hybrid" in modes and s.expert_format != "hqq":  # as the engine (generate.make_cpu_experts)
-        raise UserError("The hybrid mode runs experts on the CPU only in HQQ; use --expert-format hqq.")
     budget = parse_size(vram_budget)
     stride = s.host.shape[2]
     # each kernel path gets the cache its workspace leaves room for under the budget
@@ -518,7 +516,8 @@ def cpu_experts_report(copies: dict | None, cfg) -> dict | None:
     one = next(iter(copies.values()))
     in_place = isinstance(one, HqqExpert)
     extra = sum(c.copied_bytes() if in_place else c.nbytes() for c in copies.values())
-    return {"format": "hqq" if in_place else one.w13.fmt, "experts": len(copies), "extra_ram_bytes": extra,
+    fmt = ("mxfp4" if isinstance(one, Mxfp4Expert) else "hqq") if in_place else one.w13.fmt
+    return {"format": fmt, "experts": len(copies), "extra_ram_bytes": extra,
             "bits_per_weight": one.nbytes() * 8 / (3 * cfg.hidden_size * cfg.intermediate_size)}
 
 

@@ -1,9 +1,10 @@
 """Experts computed on the CPU from host memory.
 
 No compiler is needed on the user's machine. The default, "hqq", is not a copy at all: the
-kernel of engine/kernels/hqq_cpu.py (numba) reads an HQQ expert (2, 3 or 4 bits) in the host memory
-the GPU cache copies it from, metadata included, so every expert can run on the CPU at no RAM
-cost. The other formats are copies in their own layout for torch's prebuilt CPU ops
+kernel of engine/kernels/hqq_cpu.py (numba) reads an HQQ expert (2, 3 or 4 bits), and that of
+engine/kernels/mxfp4_cpu.py an MXFP4 one (gpt-oss's, as released), in the host memory the GPU
+cache copies it from, metadata included, so every expert can run on the CPU at no RAM cost.
+The other formats are copies in their own layout for torch's prebuilt CPU ops
 (engine/kernels/torch_cpu.py: int4, int8, dense), derived from the dequantized expert: for
 16-bit stores, or where numba or AVX2 is missing.
 
@@ -33,9 +34,10 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from moeferry.engine.kernels import hqq_cpu
+from moeferry.engine.kernels import hqq_cpu, mxfp4_cpu
 from moeferry.engine.kernels.torch_cpu import FORMATS as COPY_FORMATS, INPUT_MULTIPLE, CpuMatrix, make_matrix
 from moeferry.engine.runtime.model import clamped_swiglu
+from moeferry.engine.storage.mxfp4 import Mxfp4Matrix
 
 FORMATS = ("hqq",) + COPY_FORMATS  # "hqq": the stored expert, in place; the others copies in their own layout
 LEARN = 0.2  # weight of each decoded layer's CPU rate in the cost model's (learned_costs)
@@ -59,12 +61,13 @@ class CpuExpert:
 class HqqExpert:
     """An expert as stored (HQQ QMatrix views of host memory), run by engine/kernels/hqq_cpu.py.
     With biases (gpt_oss) it is the clamped SwiGLU of engine/runtime/model.py's clamped_swiglu_expert."""
-    w1: object  # hqq_cpu.CpuQMatrix
+    w1: object  # hqq_cpu.CpuQMatrix (Mxfp4Expert: Mxfp4Matrix)
     w3: object
     w2: object
     biases: tuple | None = None  # (b1, b3, b2) float32, gpt_oss
     alpha: float | None = None  # its clamped SwiGLU's constants (ModelConfig.swiglu_*)
     limit: float | None = None
+    kernel = hqq_cpu  # the module whose matmul takes its matrices
 
     def nbytes(self) -> int:
         return self.w1.nbytes() + self.w3.nbytes() + self.w2.nbytes()
@@ -75,18 +78,31 @@ class HqqExpert:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float().numpy()
-        if self.biases is None:
+        if self.biases is None and self.kernel is hqq_cpu:
             return torch.from_numpy(hqq_cpu.swiglu_expert(x, self.w1, self.w3, self.w2))
-        b1, b3, b2 = self.biases
-        act = clamped_swiglu(torch.from_numpy(hqq_cpu.matmul(x, self.w1)) + b1,
-                             torch.from_numpy(hqq_cpu.matmul(x, self.w3)) + b3, self.alpha, self.limit)
-        return torch.from_numpy(hqq_cpu.matmul(act.numpy(), self.w2)) + b2
+        b1, b3, b2 = self.biases or (0.0, 0.0, 0.0)
+        gate = torch.from_numpy(self.kernel.matmul(x, self.w1)) + b1
+        up = torch.from_numpy(self.kernel.matmul(x, self.w3)) + b3
+        act = F.silu(gate) * up if self.biases is None else clamped_swiglu(gate, up, self.alpha, self.limit)
+        return torch.from_numpy(self.kernel.matmul(act.numpy(), self.w2)) + b2
+
+
+@dataclass
+class Mxfp4Expert(HqqExpert):
+    """gpt-oss's expert as released (Mxfp4Matrix views of host memory), run by engine/kernels/mxfp4_cpu.py."""
+    kernel = mxfp4_cpu
+
+    def copied_bytes(self) -> int:
+        return 0  # the views are the stored bytes
 
 
 def hqq_expert(w: dict, alpha: float | None = None, limit: float | None = None) -> HqqExpert:
-    """w: the stored expert's views ("w1", "w3", "w2" QMatrix; "b1", "b3", "b2" where the
-    family has biases), in host memory; alpha and limit: the clamped SwiGLU's (gpt_oss)."""
+    """The stored expert, run in place. w: its views ("w1", "w3", "w2": HQQ QMatrix or
+    Mxfp4Matrix; "b1", "b3", "b2" where the family has biases), in host memory; alpha and limit:
+    the clamped SwiGLU's (gpt_oss)."""
     biases = tuple(w[b].float() for b in ("b1", "b3", "b2")) if "b1" in w else None
+    if isinstance(w["w1"], Mxfp4Matrix):
+        return Mxfp4Expert(w["w1"], w["w3"], w["w2"], biases, alpha, limit)
     return HqqExpert(*(hqq_cpu.from_qmatrix(w[m]) for m in ("w1", "w3", "w2")), biases, alpha, limit)
 
 
@@ -97,15 +113,15 @@ def hqq_supported(w: dict) -> bool:
 
 def hqq_unsupported_reason(w: dict) -> str:
     """"" when the stored expert (its views) can run in place, else why not (one sentence)."""
-    missing = hqq_cpu.available()
+    missing = hqq_cpu.available()  # numba and AVX2: what both kernels need
     if missing:
         return missing
-    if all(hqq_cpu.supported(w.get(m)) for m in ("w1", "w3", "w2")):
+    if all(hqq_cpu.supported(w.get(m)) or isinstance(w.get(m), Mxfp4Matrix) for m in ("w1", "w3", "w2")):
         return ""
     if any(isinstance(w.get(m), torch.Tensor) for m in ("w1", "w3", "w2")):
         return ("some of this store's expert matrices stayed at 16 bits when it was converted (their sizes do "
                 "not divide into the quantization groups), and the CPU kernel runs 2-, 3- and 4-bit HQQ only.")
-    return "this store's experts are not 2-, 3- or 4-bit HQQ, which is what the CPU kernel runs."
+    return "this store's experts are neither 2-, 3- or 4-bit HQQ nor MXFP4, which is what the CPU kernels run."
 
 
 # ---------------------------------------------------------------------------------------------

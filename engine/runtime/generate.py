@@ -557,12 +557,11 @@ def expert_params(cfg: ModelConfig) -> int:
 
 
 def runs_in_place(st: store_mod.Store, host: torch.Tensor) -> bool:
-    """Whether the store's experts run on the CPU where they lie (the "hqq" CPU format:
-    HQQ-quantized, numba and AVX2 here)."""
+    """Whether the store's experts run on the CPU where they lie (the "hqq" CPU format: HQQ at
+    2-4 bits or MXFP4, numba and AVX2 here)."""
     from moeferry.engine.runtime import cpu_experts as ce
 
-    return st.expert_quant.get("method", "hqq") == "hqq" and ce.hqq_supported(
-        store_mod.view_expert(host[0, 0], st.expert_fields, st.expert_quant, st.config))
+    return ce.hqq_supported(store_mod.view_expert(host[0, 0], st.expert_fields, st.expert_quant, st.config))
 
 
 def check_cpu_options(mode: str, fmt: str | None, cfg: ModelConfig) -> None:
@@ -586,12 +585,12 @@ def make_cpu_experts(st: store_mod.Store, host: torch.Tensor, cache: ExpertCache
     cfg = st.config
     view = lambda buf: store_mod.view_expert(buf, st.expert_fields, st.expert_quant, cfg)  # noqa: E731
     in_place = fmt in (None, "hqq") and runs_in_place(st, host)
-    if st.expert_quant.get("method") == "mxfp4" or (cfg.expert_act != "silu" and not in_place):
+    if not in_place and (st.expert_quant.get("method") == "mxfp4" or cfg.expert_act != "silu"):
         from moeferry.engine.runtime import cpu_experts as ce
 
-        why = "" if st.expert_quant.get("method") == "mxfp4" else ce.hqq_unsupported_reason(view(host[0, 0]))
-        raise UserError(f"--cpu-experts runs this {cfg.family} store's experts only when they are HQQ "
-                        f"(convert with --expert-bits 2, 3 or 4) in the hqq CPU format"
+        why = ce.hqq_unsupported_reason(view(host[0, 0])) if fmt in (None, "hqq") else ""
+        raise UserError(f"--cpu-experts runs this {cfg.family} store's experts only in place, as stored "
+                        f"(MXFP4, or HQQ: convert with --expert-bits 2, 3 or 4), in the hqq CPU format"
                         f"{'; ' + why[0].lower() + why[1:-1] if why else ''}; use --cpu-experts off.")
     if cache.host is not None:  # the pinned copy the cache copies from: the experts' home in RAM
         host = cache.host

@@ -421,11 +421,11 @@ def predict_hybrid(hw: dict, m: ModelSizes, k: int, coeffs: Coefficients = DEFAU
 
     base = predict_gpu(hw, m, k, coeffs, prefetch_depth)
     ram = 4.0 * (hw.get("cpu_matvec_params_per_s") or 0.5e9 * (hw.get("cpu_cores_physical") or 2))
-    in_place = m.expert_bits in IN_PLACE_BITS
-    alone = (HQQ_CPU_OF_RAM if in_place else CPU_INT4_OF_RAM) * ram
+    stored = in_place(m)
+    alone = (HQQ_CPU_OF_RAM if stored else CPU_INT4_OF_RAM) * ram
     costs = placement.Costs(link_gbps=base["h2d_bytes_per_s"] / 1e9, cpu_gbps=CPU_IN_DECODE_OF_ALONE * alone / 1e9,
                             gpu_expert_s=0.0, cpu_overhead_s=placement.CUDA_HAND_OFF_S)
-    cpu_bytes = m.expert_bytes if in_place else int(m.expert_params * CPU_INT4_BITS / 8)
+    cpu_bytes = m.expert_bytes if stored else int(m.expert_params * CPU_INT4_BITS / 8)
     sizes = placement.ExpertSizes(m.expert_bytes, cpu_bytes, m.expert_params)
     miss = 1.0 - base["hit_rate"]
     per_layer = {n: comb(m.top_k, n) * miss ** n * (1 - miss) ** (m.top_k - n) for n in range(m.top_k + 1)}
@@ -433,7 +433,7 @@ def predict_hybrid(hw: dict, m: ModelSizes, k: int, coeffs: Coefficients = DEFAU
     hybrid = sum(p * placement.predicted_miss_s(costs, sizes, n, m.top_k - n)[1] for n, p in per_layer.items())
     t = 1.0 / base["tokens_per_s"] - m.num_layers * (copy_only - hybrid)
     return {"tokens_per_s": 1.0 / t, "cpu_bytes_per_s": costs.cpu_gbps * 1e9, "cpu_expert_bytes": sizes.cpu_bytes,
-            "extra_ram_bytes": 0 if in_place else m.all_expert_bytes * CPU_INT4_BITS / bits_per_param(m)}
+            "extra_ram_bytes": 0 if stored else m.all_expert_bytes * CPU_INT4_BITS / bits_per_param(m)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -541,18 +541,22 @@ def cpu_ram_bytes(m: ModelSizes) -> int:
     return m.all_expert_bytes + 4 * m.dense_params + cache
 
 
+def in_place(m: ModelSizes) -> bool:
+    """Whether the model's experts run on a CPU kernel as stored: HQQ at 2-4 bits, or gpt-oss's
+    MXFP4 kept as released (expert_bits 16 at 4.25 bits a weight)."""
+    return m.expert_bits in IN_PLACE_BITS or (m.expert_bits == 16 and bits_per_param(m) < 16)
+
+
 def runs_on_cpu(m: ModelSizes) -> bool:
-    """Whether --cpu-experts can run the model's experts on the CPU: HQQ at 2-4 bits in place,
-    16-bit ones from int4 copies; not gpt-oss's MXFP4 kept as released (expert_bits 16, 4.25
-    bits a weight), which has no CPU kernel."""
-    return m.expert_bits in IN_PLACE_BITS or bits_per_param(m) >= 16
+    """Whether --cpu-experts can run the model's experts on the CPU: in place, or 16-bit ones
+    from int4 copies (not HQQ at 8 bits, which no CPU kernel takes)."""
+    return in_place(m) or bits_per_param(m) >= 16
 
 
 def on_cpu_kernels(m: ModelSizes) -> bool:
-    """Whether a CPU-only engine runs this model's experts on the in-place kernel (as
-    generate.default_cpu_experts decides: HQQ at 2-4 bits, and too big for the CPU's expert cache;
-    gpt-oss's MXFP4 experts, kept as released, are not HQQ)."""
-    return m.expert_bits in IN_PLACE_BITS and cpu_cache_experts(m) < m.num_experts
+    """Whether a CPU-only engine runs this model's experts on an in-place kernel (as
+    generate.default_cpu_experts decides: in place, and too big for the CPU's expert cache)."""
+    return in_place(m) and cpu_cache_experts(m) < m.num_experts
 
 
 def cpu_note(m: ModelSizes, coeffs: Coefficients) -> str:

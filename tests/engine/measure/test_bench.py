@@ -48,8 +48,8 @@ def test_gpt_oss_benches_mxfp4_experts_by_default():
     (result,) = r["results"]
     assert result["decode_tokens_per_s"] > 0 and result["hit_rate"] == 1.0  # no budget: every expert cached
     assert "MXFP4 experts, 4.25 bits/weight" in bench.markdown_table(r)
-    with pytest.raises(UserError):  # the CPU experts run HQQ only
-        bench.measure(s, None, 8, 6, ("hybrid",), ("reference",), 1, log=lambda m: None)
+    r = bench.measure(s, None, 8, 6, ("hybrid",), ("reference",), 1, log=lambda m: None)  # MXFP4 in place
+    assert r["cpu_experts"]["format"] == "mxfp4" and r["cpu_experts"]["extra_ram_bytes"] == 0
 
 
 def test_the_expert_format_is_explicit_on_the_command_line():

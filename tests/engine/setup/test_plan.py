@@ -452,16 +452,22 @@ def test_mixtral_without_a_gpu_is_priced_on_the_cpu_kernels():
     assert P.predict_cpu(fast, two)["tokens_per_s"] > 1.8 * p2["tokens_per_s"]
 
 
-def test_no_hybrid_is_offered_for_experts_without_a_cpu_kernel():
-    """gpt-oss's MXFP4 experts, kept as released, have no CPU kernel (the engine refuses
-    --cpu-experts for them): its GPU plan offers no hybrid figure, a 2-bit Mixtral's does."""
+def test_a_hybrid_is_offered_only_for_experts_a_cpu_kernel_runs():
+    """HQQ at 2-4 bits and gpt-oss's MXFP4 (kept as released) run in place on a CPU kernel, so
+    their GPU plans give a hybrid figure with no extra RAM; HQQ at 8 bits has no CPU kernel (the
+    engine refuses --cpu-experts for it): no figure."""
     from tests.engine.setup.test_hardware import gpu_machine
 
     hw = gpu_machine()
     hw.update(vram_total_bytes=8 * GiB, vram_free_bytes=int(7.2 * GiB))
     cat = {e["id"]: e for e in json.loads(CATALOG.read_text())["models"]}
-    gpt_oss = P.make_plan(hw, ModelSizes.from_catalog(cat["gpt-oss-20b-mxfp4"]))
-    mixtral = P.make_plan(hw, ModelSizes.from_catalog(cat["mixtral-8x7b-instruct-2bit"]))
-    assert gpt_oss.cache_experts_per_layer < 32 and gpt_oss.predicted_hybrid_tokens_per_s is None
-    assert not any("--cpu-experts" in n for n in gpt_oss.notes)
-    assert mixtral.predicted_hybrid_tokens_per_s is not None
+    gpt_oss = ModelSizes.from_catalog(cat["gpt-oss-20b-mxfp4"])
+    mixtral = ModelSizes.from_catalog(cat["mixtral-8x7b-instruct-2bit"])
+    eight = replace(mixtral, expert_bits=8, expert_bytes=mixtral.expert_params)
+    for m in (gpt_oss, mixtral):
+        plan = P.make_plan(hw, m)
+        assert plan.cache_experts_per_layer < m.num_experts and plan.predicted_hybrid_tokens_per_s is not None
+        assert any("--cpu-experts auto, from the experts already in RAM" in n for n in plan.notes)
+    plan = P.make_plan(hw, eight)
+    assert plan.cache_experts_per_layer < 8 and plan.predicted_hybrid_tokens_per_s is None
+    assert not any("--cpu-experts" in n for n in plan.notes)
