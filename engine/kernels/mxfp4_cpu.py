@@ -9,6 +9,8 @@ product is then an integer dot: its 32 codes become twice their FP4 values (inte
 inputs with the codes' signs (psignb) in pmaddubsw, pmaddwd sums the pairs into int32 lanes,
 and those go to float32 times the block's scale times d[b] / 2. q is stored with each block's
 even inputs first, so the low and the high nibbles of a block's 16 bytes line up with them.
+Each block also prefetches the codes and the scale two rows ahead: read from RAM, one 2880x2880
+matrix went from 4.0 to 8.7 GB/s on one thread and from 7.0 to 14.4 on two (2-core box).
 Compiled by numba like engine/kernels/hqq_cpu.py (no compiler on the user's machine; AVX2).
 Only the rounding of x is inexact: about 0.5 % of |y| (rms) for Gaussian inputs
 (tests/engine/kernels/test_mxfp4_cpu.py holds it to the exact bound).
@@ -26,6 +28,7 @@ from moeferry.engine.storage.mxfp4 import BLOCK, Mxfp4Matrix
 
 _JIT = None
 TWICE_FP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # 2 x engine/storage/mxfp4.FP4_VALUES
+ROWS_AHEAD = 2  # rows of codes prefetched ahead of the one multiplied
 SCALES = np.ldexp(np.float32(0.5), np.arange(256) - 127).astype(np.float32)  # 2 ** (e - 127) / 2
 
 
@@ -80,9 +83,14 @@ def _compile():
             table = ir.Constant(v32i8, [v & 0xFF for v in TWICE_FP4] * 2)
             magnitude = ir.Constant(v32i8, [abs(v) for v in TWICE_FP4] * 2)
             ones = ir.Constant(v16i16, [1] * 16)
+            prefetch = declare(builder, "llvm.prefetch.p0", ir.VoidType(), [cp.type, i32, i32, i32])
+            ahead = builder.mul(nblocks, n(16 * ROWS_AHEAD))
             acc = cgutils.alloca_once_value(builder, ir.Constant(v8f32, None))
             with cgutils.for_range(builder, nblocks) as loop:
                 b = loop.index
+                builder.call(prefetch, [builder.gep(cp, [builder.add(builder.mul(b, n(16)), ahead)]), i32(0), i32(3), i32(1)])
+                builder.call(prefetch, [builder.gep(sp, [builder.add(b, builder.mul(nblocks, n(ROWS_AHEAD)))]),
+                                        i32(0), i32(3), i32(1)])
                 raw = builder.load(builder.bitcast(builder.gep(cp, [builder.mul(b, n(16))]), v16i8.as_pointer()), align=1)
                 low = builder.and_(raw, ir.Constant(v16i8, [15] * 16))
                 high = builder.lshr(raw, ir.Constant(v16i8, [4] * 16))
