@@ -13,10 +13,10 @@ scale and zero of column k): W[n, k] = (code[n, k] - z[n % G, k]) * s[n % G, k],
 xs[j, k] = s[j, k] * x[k] and any constant c (the middle of the code range),
     y[n] = sum_k (code[n, k] - c) * xs[n % G, k]  -  sum_k (z[n % G, k] - c) * xs[n % G, k].
 A thread takes a few groups j at a time: it decodes s and z of group j once (a row of K
-values; for a prompt, once for all its tokens), computes the second sum in float32, and rounds xs to int8 per block of BLOCK = 32
-inputs, as llama.cpp's Q8_0 activations: xs[k] ~ D * m_b * q[k], D one float per row, m_b
-<= MMAX an integer per block, |q| <= 127. Then it streams the group's g rows of codes against
-q in integers, 32 bytes at a time (64, two blocks, where the CPU has AVX-512BW): pmaddubsw (u8
+values; for a prompt, once for all its tokens), computes the second sum in float32, and rounds
+xs to int8 per block of BLOCK = 32 inputs, as llama.cpp's Q8_0 activations: xs[k] ~ D * m_b *
+q[k], D one float per row, m_b <= MMAX an integer per block, |q| <= 127. Then it streams the
+group's g rows of codes against q in integers, 32 bytes at a time (64, two blocks, where the CPU has AVX-512BW): pmaddubsw (u8
 codes x s8 q, pairs summed into s16) and pmaddwd (x m_b, into s32 lanes), flushed to float32
 every FLUSH blocks, while it prefetches the next row it will read; the codes of one
 plane byte belong to rows r, r + rows/p, ... (p codes per byte, the same group), so each
@@ -144,6 +144,42 @@ def swiglu_expert(x: np.ndarray, w1: CpuQMatrix, w3: CpuQMatrix, w2: CpuQMatrix)
     return out
 
 
+def numba_disk_cache() -> bool:
+    """Whether numba may cache the compiled kernels beside their source: a frozen app has no
+    source files (it compiles once per run there)."""
+    return not getattr(sys, "frozen", False) and os.access(os.path.dirname(__file__), os.W_OK)
+
+
+# LLVM IR helpers of the numba intrinsics here and in engine/kernels/mxfp4_cpu.py
+
+
+def llvm_function(builder, name, ret, args):
+    """The function `name` (an LLVM intrinsic) of type ret(args), declared in builder's module."""
+    from llvmlite import ir
+    from numba.core import cgutils
+
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
+
+
+def vector_at(builder, p, off, t):
+    """Pointer to a vector of type t at element off of p."""
+    return builder.bitcast(builder.gep(p, [off]), t.as_pointer())
+
+
+def splat_vector(builder, v, t):
+    """The vector type t with every lane v."""
+    from llvmlite import ir
+
+    i32 = ir.IntType(32)
+    return builder.shuffle_vector(builder.insert_element(ir.Constant(t, None), v, i32(0)), ir.Constant(t, None),
+                                  ir.Constant(ir.VectorType(i32, t.count), None))
+
+
+def array_data(context, builder, ty, arr):
+    """The data pointer of a numba array argument."""
+    return context.make_array(ty)(context, builder, arr).data
+
+
 def _compile():
     # Module globals, not closure variables: numba keys its disk cache on a pickle of the
     # closure, and intrinsics and dispatchers pickle with a fresh uuid in every process.
@@ -155,8 +191,7 @@ def _compile():
     from numba.core import cgutils
     from numba.extending import intrinsic
 
-    # A frozen app has no source files for numba's cache; compile once per run there.
-    cache = not getattr(sys, "frozen", False) and os.access(os.path.dirname(__file__), os.W_OK)
+    cache = numba_disk_cache()
     jit = njit(parallel=True, fastmath=True, nogil=True, cache=cache)
     serial = njit(fastmath=True, nogil=True, cache=cache)
     f32, i1, i8, i16, i32 = ir.FloatType(), ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32)
@@ -164,20 +199,6 @@ def _compile():
 
     def vec(t, n):
         return ir.VectorType(t, n)
-
-    def declare(builder, name, ret, args):
-        return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
-
-    def at(builder, p, off, t):
-        """Pointer to a vector of type t at element off of p."""
-        return builder.bitcast(builder.gep(p, [off]), t.as_pointer())
-
-    def splat(builder, v, t):
-        return builder.shuffle_vector(builder.insert_element(ir.Constant(t, None), v, i32(0)), ir.Constant(t, None),
-                                      ir.Constant(vec(i32, t.count), None))
-
-    def data(context, builder, ty, arr):
-        return context.make_array(ty)(context, builder, arr).data
 
     @intrinsic
     def u8_f32(typingctx, b):
@@ -199,10 +220,10 @@ def _compile():
         """max |xs[k]| over block b, in vector IR (numba's max loop stays scalar)."""
         def codegen(context, builder, signature, args):
             vf = vec(f32, BLOCK)
-            x = builder.load(at(builder, data(context, builder, signature.args[0], args[0]),
+            x = builder.load(vector_at(builder, array_data(context, builder, signature.args[0], args[0]),
                                 builder.mul(args[1], args[1].type(BLOCK)), vf), align=4)
-            x = builder.call(declare(builder, f"llvm.fabs.v{BLOCK}f32", vf, [vf]), [x])
-            return builder.call(declare(builder, f"llvm.vector.reduce.fmax.v{BLOCK}f32", f32, [vf]), [x], fastmath=("fast",))
+            x = builder.call(llvm_function(builder, f"llvm.fabs.v{BLOCK}f32", vf, [vf]), [x])
+            return builder.call(llvm_function(builder, f"llvm.vector.reduce.fmax.v{BLOCK}f32", f32, [vf]), [x], fastmath=("fast",))
         return types.float32(xs, b), codegen
 
     @intrinsic
@@ -212,27 +233,27 @@ def _compile():
         of block b's q (float32, exact per block). AVX2: cvtps2dq, then packssdw and packsswb,
         whose 128-bit lanes leave the dwords in the order 0 4 1 5 2 6 3 7 of the 8 wanted."""
         def codegen(context, builder, signature, args):
-            xs_p, q_p, inv_p, m_p = (data(context, builder, t, a) for t, a in zip(signature.args[:4], args[:4]))
+            xs_p, q_p, inv_p, m_p = (array_data(context, builder, t, a) for t, a in zip(signature.args[:4], args[:4]))
             v8f32, v8i32, v16i16, v32i8 = vec(f32, 8), vec(i32, 8), vec(i16, 16), vec(i8, 32)
-            cvt = declare(builder, "llvm.x86.avx.cvt.ps2dq.256", v8i32, [v8f32])
-            packssdw = declare(builder, "llvm.x86.avx2.packssdw", v16i16, [v8i32, v8i32])
-            packsswb = declare(builder, "llvm.x86.avx2.packsswb", v32i8, [v16i16, v16i16])
+            cvt = llvm_function(builder, "llvm.x86.avx.cvt.ps2dq.256", v8i32, [v8f32])
+            packssdw = llvm_function(builder, "llvm.x86.avx2.packssdw", v16i16, [v8i32, v8i32])
+            packsswb = llvm_function(builder, "llvm.x86.avx2.packsswb", v32i8, [v16i16, v16i16])
             order = ir.Constant(vec(i32, 8), [0, 4, 1, 5, 2, 6, 3, 7])
             acc = cgutils.alloca_once_value(builder, ir.Constant(v8f32, None))
             with cgutils.for_range(builder, args[4]) as blk:
                 b = blk.index
                 k = builder.mul(b, b.type(BLOCK))
-                scale = splat(builder, builder.load(builder.gep(inv_p, [b])), v8f32)
-                c = [builder.call(cvt, [builder.fmul(builder.load(at(builder, xs_p, builder.add(k, k.type(8 * i)), v8f32), align=4),
+                scale = splat_vector(builder, builder.load(builder.gep(inv_p, [b])), v8f32)
+                c = [builder.call(cvt, [builder.fmul(builder.load(vector_at(builder, xs_p, builder.add(k, k.type(8 * i)), v8f32), align=4),
                                                      scale, flags=("fast",))]) for i in range(4)]
                 packed = builder.call(packsswb, [builder.call(packssdw, [c[0], c[1]]), builder.call(packssdw, [c[2], c[3]])])
                 packed = builder.bitcast(builder.shuffle_vector(builder.bitcast(packed, v8i32), ir.Constant(v8i32, None), order), v32i8)
-                builder.store(packed, at(builder, q_p, k, v32i8), align=1)
+                builder.store(packed, vector_at(builder, q_p, k, v32i8), align=1)
                 total = builder.add(builder.add(c[0], c[1]), builder.add(c[2], c[3]))
-                mb = splat(builder, builder.sitofp(builder.load(builder.gep(m_p, [b])), f32), v8f32)
+                mb = splat_vector(builder, builder.sitofp(builder.load(builder.gep(m_p, [b])), f32), v8f32)
                 builder.store(builder.fadd(builder.load(acc), builder.fmul(builder.sitofp(total, v8f32), mb, flags=("fast",)),
                                            flags=("fast",)), acc)
-            return builder.call(declare(builder, "llvm.vector.reduce.fadd.v8f32", f32, [f32, v8f32]),
+            return builder.call(llvm_function(builder, "llvm.vector.reduce.fadd.v8f32", f32, [f32, v8f32]),
                                 [f32(0.0), builder.load(acc)], fastmath=("fast",))
         return types.float32(xs, q, inv, m, nb), codegen
 
@@ -249,13 +270,13 @@ def _compile():
         v8i32, v8f32, v16i16, v32i8 = vec(i32, 8), vec(f32, 8), vec(i16, 16), vec(i8, 32)
 
         def codegen(context, builder, signature, args):
-            row, q, m, ahead = (data(context, builder, t, a) for t, a in zip(signature.args[:4], args[:4]))
+            row, q, m, ahead = (array_data(context, builder, t, a) for t, a in zip(signature.args[:4], args[:4]))
             K = args[4]
-            prefetch = declare(builder, "llvm.prefetch.p0", ir.VoidType(), [row.type, i32, i32, i32])
+            prefetch = llvm_function(builder, "llvm.prefetch.p0", ir.VoidType(), [row.type, i32, i32, i32])
             n = K.type
             nb = builder.sdiv(K, n(BLOCK))
-            pmaddubsw = declare(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8])
-            pmaddwd = declare(builder, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16])
+            pmaddubsw = llvm_function(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8])
+            pmaddwd = llvm_function(builder, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16])
             acc = [cgutils.alloca_once_value(builder, ir.Constant(v8f32, None)) for _ in range(slots)]
             isum = [cgutils.alloca_once_value(builder, ir.Constant(v8i32, None)) for _ in range(slots)]
 
@@ -275,15 +296,15 @@ def _compile():
 
             def add_block(codes, b):
                 """The slot products of block b, whose codes are given."""
-                qv = builder.load(at(builder, q, builder.mul(b, n(BLOCK)), v32i8), align=1)
-                mv = splat(builder, builder.trunc(builder.load(builder.gep(m, [b])), i16), v16i16)
+                qv = builder.load(vector_at(builder, q, builder.mul(b, n(BLOCK)), v32i8), align=1)
+                mv = splat_vector(builder, builder.trunc(builder.load(builder.gep(m, [b])), i16), v16i16)
                 products(codes, qv, mv, isum, pmaddubsw, pmaddwd)
 
             def flush():
                 flush_into(acc, isum, 8)
 
             def whole_block(off, b):
-                add_block(builder.load(at(builder, row, off, v32i8), align=1), b)
+                add_block(builder.load(vector_at(builder, row, off, v32i8), align=1), b)
 
             def blocks(first, stop, step, add):
                 """add(offset, block) for blocks first, first + step, ... < stop, flushed every FLUSH calls."""
@@ -303,15 +324,15 @@ def _compile():
 
             if wide:
                 v16i32, v16f32, v32i16, v64i8 = vec(i32, 16), vec(f32, 16), vec(i16, 32), vec(i8, 64)
-                pmaddubsw_w = declare(builder, "llvm.x86.avx512.pmaddubs.w.512", v32i16, [v64i8, v64i8])
-                pmaddwd_w = declare(builder, "llvm.x86.avx512.pmaddw.d.512", v16i32, [v32i16, v32i16])
+                pmaddubsw_w = llvm_function(builder, "llvm.x86.avx512.pmaddubs.w.512", v32i16, [v64i8, v64i8])
+                pmaddwd_w = llvm_function(builder, "llvm.x86.avx512.pmaddw.d.512", v16i32, [v32i16, v32i16])
                 acc_w = [cgutils.alloca_once_value(builder, ir.Constant(v16f32, None)) for _ in range(slots)]
                 isum_w = [cgutils.alloca_once_value(builder, ir.Constant(v16i32, None)) for _ in range(slots)]
 
                 def add_pair(off, b):  # blocks b and b + 1 at once: s32 lanes 0-7 are b's, 8-15 b + 1's
-                    codes = builder.load(at(builder, row, off, v64i8), align=1)
-                    qv = builder.load(at(builder, q, off, v64i8), align=1)
-                    m2 = builder.trunc(builder.load(at(builder, m, b, vec(i32, 2)), align=4), vec(i16, 2))
+                    codes = builder.load(vector_at(builder, row, off, v64i8), align=1)
+                    qv = builder.load(vector_at(builder, q, off, v64i8), align=1)
+                    m2 = builder.trunc(builder.load(vector_at(builder, m, b, vec(i32, 2)), align=4), vec(i16, 2))
                     mv = builder.shuffle_vector(m2, ir.Constant(vec(i16, 2), None), ir.Constant(vec(i32, 32), [0] * 16 + [1] * 16))
                     products(codes, qv, mv, isum_w, pmaddubsw_w, pmaddwd_w)
 
@@ -325,8 +346,8 @@ def _compile():
                 blocks(n(0), nb, 1, whole_block)
             tail = builder.trunc(builder.sub(K, builder.mul(nb, n(BLOCK))), i8)
             with builder.if_then(builder.icmp_unsigned("!=", tail, i8(0))):
-                mask = builder.icmp_unsigned("<", ir.Constant(v32i8, list(range(32))), splat(builder, tail, v32i8))
-                masked_load = declare(builder, "llvm.masked.load.v32i8.p0", v32i8, [row.type, i32, vec(i1, 32), v32i8])
+                mask = builder.icmp_unsigned("<", ir.Constant(v32i8, list(range(32))), splat_vector(builder, tail, v32i8))
+                masked_load = llvm_function(builder, "llvm.masked.load.v32i8.p0", v32i8, [row.type, i32, vec(i1, 32), v32i8])
                 codes = builder.call(masked_load, [builder.gep(row, [builder.mul(nb, n(BLOCK))]), i32(1), mask,
                                                    ir.Constant(v32i8, None)])
                 add_block(codes, nb)
@@ -334,11 +355,12 @@ def _compile():
             sums = []
             for s in range(slots):
                 v = builder.load(acc[s])
-                total = builder.call(declare(builder, "llvm.vector.reduce.fadd.v8f32", f32, [f32, v8f32]),
+                total = builder.call(llvm_function(builder, "llvm.vector.reduce.fadd.v8f32", f32, [f32, v8f32]),
                                      [f32(0.0), v], fastmath=("fast",))
                 if wide:
-                    total = builder.fadd(total, builder.call(declare(builder, "llvm.vector.reduce.fadd.v16f32", f32, [f32, vec(f32, 16)]),
-                                                             [f32(0.0), builder.load(acc_w[s])], fastmath=("fast",)), flags=("fast",))
+                    reduce16 = llvm_function(builder, "llvm.vector.reduce.fadd.v16f32", f32, [f32, vec(f32, 16)])
+                    total = builder.fadd(total, builder.call(reduce16, [f32(0.0), builder.load(acc_w[s])],
+                                                             fastmath=("fast",)), flags=("fast",))
                 sums.append(total)
             return context.make_tuple(builder, signature.return_type, sums)
 
@@ -379,7 +401,8 @@ def _compile():
     @serial
     def decoded_group(j, scale, smeta, zero, zmeta, center, s_out, z_out):
         """Group j's scales s[j, :] and zeros z[j, :] - center in float32, as group_inputs
-        decodes them: a prompt's tokens all use them (group_rows decodes them once)."""
+        decodes them: a prompt's tokens all use them (group_rows decodes them once). A lone
+        token keeps group_inputs' fused loop: through these buffers it was 10-17 % slower."""
         K = s_out.shape[0]
         ms, mz = smeta.shape[1], zmeta.shape[1]
         si, zi = (j * K) % ms, (j * K) % mz

@@ -18,12 +18,11 @@ Only the rounding of x is inexact: about 0.5 % of |y| (rms) for Gaussian inputs
 
 from __future__ import annotations
 
-import os
-import sys
 from types import SimpleNamespace
 
 import numpy as np
 
+from moeferry.engine.kernels.hqq_cpu import array_data, llvm_function, numba_disk_cache, splat_vector, vector_at
 from moeferry.engine.storage.mxfp4 import BLOCK, Mxfp4Matrix
 
 _JIT = None
@@ -56,16 +55,10 @@ def _compile():
     from numba.core import cgutils
     from numba.extending import intrinsic
 
-    cache = not getattr(sys, "frozen", False) and os.access(os.path.dirname(__file__), os.W_OK)
+    cache = numba_disk_cache()
     i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
     v16i8, v32i8, v16i16, v8i32, v8f32 = (ir.VectorType(t, n) for t, n in
                                           ((i8, 16), (i8, 32), (i16, 16), (i32, 8), (f32, 8)))
-
-    def declare(builder, name, ret, args):
-        return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
-
-    def data(context, builder, ty, arr):
-        return context.make_array(ty)(context, builder, arr).data
 
     @intrinsic
     def block_products(typingctx, codes, scales, q, d, halves, nb):
@@ -73,17 +66,17 @@ def _compile():
         (codes: a row's bytes [nb * 16], scales: its [nb], q: int8 [nb * 32], each block's even
         inputs first, d: float32 [nb], halves: SCALES)."""
         def codegen(context, builder, signature, args):
-            cp, sp, qp, dp, hp = (data(context, builder, t, a) for t, a in zip(signature.args[:5], args[:5]))
+            cp, sp, qp, dp, hp = (array_data(context, builder, t, a) for t, a in zip(signature.args[:5], args[:5]))
             nblocks = args[5]
             n = nblocks.type
-            pshufb = declare(builder, "llvm.x86.avx2.pshuf.b", v32i8, [v32i8, v32i8])
-            psignb = declare(builder, "llvm.x86.avx2.psign.b", v32i8, [v32i8, v32i8])
-            pmaddubsw = declare(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8])
-            pmaddwd = declare(builder, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16])
+            pshufb = llvm_function(builder, "llvm.x86.avx2.pshuf.b", v32i8, [v32i8, v32i8])
+            psignb = llvm_function(builder, "llvm.x86.avx2.psign.b", v32i8, [v32i8, v32i8])
+            pmaddubsw = llvm_function(builder, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8])
+            pmaddwd = llvm_function(builder, "llvm.x86.avx2.pmadd.wd", v8i32, [v16i16, v16i16])
             table = ir.Constant(v32i8, [v & 0xFF for v in TWICE_FP4] * 2)
             magnitude = ir.Constant(v32i8, [abs(v) for v in TWICE_FP4] * 2)
             ones = ir.Constant(v16i16, [1] * 16)
-            prefetch = declare(builder, "llvm.prefetch.p0", ir.VoidType(), [cp.type, i32, i32, i32])
+            prefetch = llvm_function(builder, "llvm.prefetch.p0", ir.VoidType(), [cp.type, i32, i32, i32])
             ahead = builder.mul(nblocks, n(16 * ROWS_AHEAD))
             acc = cgutils.alloca_once_value(builder, ir.Constant(v8f32, None))
             with cgutils.for_range(builder, nblocks) as loop:
@@ -91,21 +84,19 @@ def _compile():
                 builder.call(prefetch, [builder.gep(cp, [builder.add(builder.mul(b, n(16)), ahead)]), i32(0), i32(3), i32(1)])
                 builder.call(prefetch, [builder.gep(sp, [builder.add(b, builder.mul(nblocks, n(ROWS_AHEAD)))]),
                                         i32(0), i32(3), i32(1)])
-                raw = builder.load(builder.bitcast(builder.gep(cp, [builder.mul(b, n(16))]), v16i8.as_pointer()), align=1)
+                raw = builder.load(vector_at(builder, cp, builder.mul(b, n(16)), v16i8), align=1)
                 low = builder.and_(raw, ir.Constant(v16i8, [15] * 16))
                 high = builder.lshr(raw, ir.Constant(v16i8, [4] * 16))
                 idx = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(i32, 32), list(range(32))))
                 w = builder.call(pshufb, [table, idx])
                 mag = builder.call(pshufb, [magnitude, idx])
-                qv = builder.load(builder.bitcast(builder.gep(qp, [builder.mul(b, n(32))]), v32i8.as_pointer()), align=1)
+                qv = builder.load(vector_at(builder, qp, builder.mul(b, n(32)), v32i8), align=1)
                 pairs = builder.call(pmaddubsw, [mag, builder.call(psignb, [qv, w])])
                 sums = builder.sitofp(builder.call(pmaddwd, [pairs, ones]), v8f32)
                 e = builder.zext(builder.load(builder.gep(sp, [b])), i32)
                 scale = builder.fmul(builder.load(builder.gep(hp, [e])), builder.load(builder.gep(dp, [b])))
-                splat = builder.shuffle_vector(builder.insert_element(ir.Constant(v8f32, None), scale, i32(0)),
-                                               ir.Constant(v8f32, None), ir.Constant(v8i32, None))
-                builder.store(builder.fadd(builder.load(acc), builder.fmul(sums, splat)), acc)
-            return builder.call(declare(builder, "llvm.vector.reduce.fadd.v8f32", f32, [f32, v8f32]),
+                builder.store(builder.fadd(builder.load(acc), builder.fmul(sums, splat_vector(builder, scale, v8f32))), acc)
+            return builder.call(llvm_function(builder, "llvm.vector.reduce.fadd.v8f32", f32, [f32, v8f32]),
                                 [f32(0.0), builder.load(acc)], fastmath=("fast",))
         return types.float32(codes, scales, q, d, halves, nb), codegen
 

@@ -362,6 +362,7 @@ CPU_INT4_OF_RAM = 0.9  # the int4 kernel's share of RAM read speed (issue 16: 68
 # kept: a desktop has 8 threads or fewer for it)
 HQQ_CPU_OF_RAM = 0.35
 IN_PLACE_BITS = (2, 3, 4)  # widths the HQQ CPU kernel runs (engine/kernels/hqq_cpu.py)
+LOW_BIT_ATTN_BITS = IN_PLACE_BITS + (8,)  # attention the CPU engine reads in place or as int8 (generate.move_dense)
 # Inside a GPU decode the CPU experts do worse than alone (docs/BENCHMARKS.md, 2026-12-03: the
 # kernel at 0.45-1.0 of its own rate, and a layer that runs one spends 0.1-0.6 ms more on the
 # host); the hybrid's prediction takes both, so it does not promise what the engine misses.
@@ -379,8 +380,9 @@ def predict_cpu(hw: dict, m: ModelSizes, coeffs: Coefficients = DEFAULT,
     (Mixtral) runs them on the in-place kernel (generate.default_cpu_experts): each routed
     expert's stored bytes read at the kernel's share of RAM speed, and so its dense matrices in
     their low-bit forms (generate.move_dense: 2-4 bit attention as stored, 8-bit attention and
-    the head in int8; 16-bit attention stays fp32 matvecs). Otherwise (the demo, 16-bit stores) every active weight is one fp32 matvec from
-    RAM, and an expert that misses the CPU's expert cache is dequantized first."""
+    the head in int8; 16-bit attention stays fp32 matvecs). Otherwise (the demo, 16-bit stores)
+    every active weight is one fp32 matvec from RAM, and an expert that misses the CPU's expert
+    cache is dequantized first."""
     cores = hw.get("cpu_cores_physical") or hw.get("cpu_cores_logical") or 2
     rate = hw.get("cpu_matvec_params_per_s") or 0.5e9 * cores  # fp32 weights per second
     kernels = on_cpu_kernels(m)
@@ -535,7 +537,7 @@ def cpu_ram_bytes(m: ModelSizes) -> int:
     attention quantized, the dense weights stay at most as stored (generate.move_dense) but for
     the embedding, float32 (twice its stored bytes); otherwise all of them are float32, and so
     are the cached experts."""
-    if on_cpu_kernels(m) and m.attn_bits in IN_PLACE_BITS + (8,):
+    if on_cpu_kernels(m) and m.attn_bits in LOW_BIT_ATTN_BITS:
         return m.all_expert_bytes + m.dense_bytes + m.embed_bytes
     cache = cpu_cache_experts(m) * m.num_moe_layers * m.expert_params * 4
     return m.all_expert_bytes + 4 * m.dense_params + cache
@@ -564,7 +566,7 @@ def cpu_note(m: ModelSizes, coeffs: Coefficients) -> str:
     if on_cpu_kernels(m):
         return (f"CPU speed estimated from the measured fp32 matrix-vector rate: the experts run on the CPU "
                 f"kernel, reading {m.top_k} experts per layer"
-                f"{' and the attention' if m.attn_bits in IN_PLACE_BITS + (8,) else ''} at {HQQ_CPU_OF_RAM:g} of "
+                f"{' and the attention' if m.attn_bits in LOW_BIT_ATTN_BITS else ''} at {HQQ_CPU_OF_RAM:g} of "
                 f"the RAM's read speed.")
     return ("CPU speed estimated from the measured fp32 matrix-vector rate, "
             f"{coeffs.cpu_kernel_factor:g}x for dequantizing an expert that is not "
