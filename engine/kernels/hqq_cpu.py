@@ -250,8 +250,8 @@ def _compile():
                 return builder.fadd(builder.fmul(builder.uitofp(load(q_p, k, vb), vf), load(a_p, k, vf), flags=fast),
                                     load(b_p, k, vf), flags=fast)
 
-            with cgutils.for_range(builder, args[9]) as blk:
-                b = blk.index
+            def block(b):
+                """Block b's xs and zero products; returns its |xs| folded to 16 lanes."""
                 biggest = None
                 for h in range(2):
                     k = builder.add(builder.mul(b, b.type(BLOCK)), b.type(h * half_block))
@@ -262,8 +262,27 @@ def _compile():
                     v = builder.call(fabs, [v])
                     biggest = v if biggest is None else builder.call(fmax, [biggest, v], fastmath=fast)
                 builder.store(builder.call(fmax, [builder.load(top), biggest], fastmath=fast), top)
+                return biggest
+
+            def shuffled_max(u, w, lanes):
+                return builder.call(fmax, [u, builder.shuffle_vector(w, w, ir.Constant(vec(i32, half_block), lanes))], fastmath=fast)
+
+            # blocks two at a time, their maxima reduced together: 16 lanes, 8 a block, then
+            # within each 8 (half the shuffles of reducing each block alone)
+            with cgutils.for_range(builder, builder.sdiv(args[9], args[9].type(2))) as pair:
+                b = builder.mul(pair.index, pair.index.type(2))
+                u, w = block(b), block(builder.add(b, b.type(1)))
+                halves = [builder.shuffle_vector(u, w, ir.Constant(vec(i32, half_block), lanes))
+                          for lanes in ([*range(8), *range(16, 24)], [*range(8, 16), *range(24, 32)])]
+                t = builder.call(fmax, halves, fastmath=fast)
+                for step in (4, 2, 1):
+                    t = shuffled_max(t, t, [i ^ step for i in range(16)])
+                builder.store(builder.extract_element(t, i32(0)), builder.gep(amax_p, [b]))
+                builder.store(builder.extract_element(t, i32(8)), builder.gep(amax_p, [builder.add(b, b.type(1))]))
+            with builder.if_then(builder.trunc(args[9], ir.IntType(1))):  # an odd block left
+                b = builder.sub(args[9], args[9].type(1))
                 builder.store(builder.call(llvm_function(builder, f"llvm.vector.reduce.fmax.v{half_block}f32", f32, [vf]),
-                                           [biggest], fastmath=fast), builder.gep(amax_p, [b]))
+                                           [block(b)], fastmath=fast), builder.gep(amax_p, [b]))
             zsum = builder.call(llvm_function(builder, f"llvm.vector.reduce.fadd.v{half_block}f32", f32, [f32, vf]),
                                 [f32(0.0), builder.fadd(builder.load(zacc[0]), builder.load(zacc[1]), flags=fast)], fastmath=fast)
             peak = builder.call(llvm_function(builder, f"llvm.vector.reduce.fmax.v{half_block}f32", f32, [vf]),
