@@ -12,8 +12,9 @@ One matrix W [rows, cols] (groups of g rows n = j, j + G, ..., G = rows / g, sha
 scale and zero of column k): W[n, k] = (code[n, k] - z[n % G, k]) * s[n % G, k], so with
 xs[j, k] = s[j, k] * x[k] and any constant c (the middle of the code range),
     y[n] = sum_k (code[n, k] - c) * xs[n % G, k]  -  sum_k (z[n % G, k] - c) * xs[n % G, k].
-A thread takes a few groups j at a time: it decodes s and z of group j once (a row of K
-values; for a prompt, once for all its tokens), computes the second sum in float32, and rounds
+The float16 metadata of s and z is decoded once per product (decoded_meta). A thread takes a
+few groups j at a time: it computes xs for group j in one pass with each block's max |xs| (for a
+prompt, from s and z decoded once for all its tokens), the second sum in float32, and rounds
 xs to int8 per block of BLOCK = 32 inputs, as llama.cpp's Q8_0 activations: xs[k] ~ D * m_b *
 q[k], D one float per row, m_b <= MMAX an integer per block, |q| <= 127. Then it streams the
 group's g rows of codes against q in integers, 32 bytes at a time (64, two blocks, where the CPU has AVX-512BW): pmaddubsw (u8
