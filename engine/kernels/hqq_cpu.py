@@ -12,8 +12,9 @@ One matrix W [rows, cols] (groups of g rows n = j, j + G, ..., G = rows / g, sha
 scale and zero of column k): W[n, k] = (code[n, k] - z[n % G, k]) * s[n % G, k], so with
 xs[j, k] = s[j, k] * x[k] and any constant c (the middle of the code range),
     y[n] = sum_k (code[n, k] - c) * xs[n % G, k]  -  sum_k (z[n % G, k] - c) * xs[n % G, k].
-A thread takes a few groups j at a time: it decodes s and z of group j once (a row of K
-values; for a prompt, once for all its tokens), computes the second sum in float32, and rounds
+The float16 metadata of s and z is decoded once per product (decoded_meta). A thread takes a
+few groups j at a time: it computes xs for group j in one pass with each block's max |xs| (for a
+prompt, from s and z decoded once for all its tokens), the second sum in float32, and rounds
 xs to int8 per block of BLOCK = 32 inputs, as llama.cpp's Q8_0 activations: xs[k] ~ D * m_b *
 q[k], D one float per row, m_b <= MMAX an integer per block, |q| <= 127. Then it streams the
 group's g rows of codes against q in integers, 32 bytes at a time (64, two blocks, where the CPU has AVX-512BW): pmaddubsw (u8
@@ -183,8 +184,9 @@ def array_data(context, builder, ty, arr):
 def _compile():
     # Module globals, not closure variables: numba keys its disk cache on a pickle of the
     # closure, and intrinsics and dispatchers pickle with a fresh uuid in every process.
-    global prange, u8_f32, half, block_absmax, quantize_blocks, dot_2bit, dot_4bit, dot_1bit
-    global group_inputs, decoded_group, token_inputs, round_inputs, add_plane, scratch, group_rows, qmatmul, swiglu
+    global prange, u8_f32, half, block_absmax, scaled_blocks, quantize_blocks, dot_2bit, dot_4bit, dot_1bit
+    global decoded_meta, code_center, group_inputs, decoded_group, token_inputs, round_inputs, add_plane, scratch
+    global group_rows, tables, qmatmul, swiglu
     import numba
     from llvmlite import binding, ir
     from numba import njit, prange, types
@@ -225,6 +227,69 @@ def _compile():
             x = builder.call(llvm_function(builder, f"llvm.fabs.v{BLOCK}f32", vf, [vf]), [x])
             return builder.call(llvm_function(builder, f"llvm.vector.reduce.fmax.v{BLOCK}f32", f32, [vf]), [x], fastmath=("fast",))
         return types.float32(xs, b), codegen
+
+    @intrinsic
+    def scaled_blocks(typingctx, x, sq, zq, s_a, s_b, z_a, z_b, xs, amax, nb):
+        """group_inputs' pass over whole blocks b < nb: s = sq * s_a + s_b and z = zq * z_a + z_b
+        (the decoded_meta tables, already offset to this group's first input), xs = x * s,
+        amax[b] = max |xs| over block b. Returns (sum of xs * z, max of amax), in float32."""
+        def codegen(context, builder, signature, args):
+            x_p, sq_p, zq_p, sa_p, sb_p, za_p, zb_p, xs_p, amax_p = (
+                array_data(context, builder, t, a) for t, a in zip(signature.args[:9], args[:9]))
+            half_block = BLOCK // 2
+            vf, vb = vec(f32, half_block), vec(i8, half_block)
+            fast = ("fast",)
+            fmax = llvm_function(builder, f"llvm.maxnum.v{half_block}f32", vf, [vf, vf])
+            fabs = llvm_function(builder, f"llvm.fabs.v{half_block}f32", vf, [vf])
+            zacc = [cgutils.alloca_once_value(builder, ir.Constant(vf, None)) for _ in range(2)]
+            top = cgutils.alloca_once_value(builder, ir.Constant(vf, None))
+
+            def load(p, k, t):
+                return builder.load(vector_at(builder, p, k, t), align=1 if t is vb else 4)
+
+            def decoded(q_p, a_p, b_p, k):
+                return builder.fadd(builder.fmul(builder.uitofp(load(q_p, k, vb), vf), load(a_p, k, vf), flags=fast),
+                                    load(b_p, k, vf), flags=fast)
+
+            def block(b):
+                """Block b's xs and zero products; returns its |xs| folded to 16 lanes."""
+                biggest = None
+                for h in range(2):
+                    k = builder.add(builder.mul(b, b.type(BLOCK)), b.type(h * half_block))
+                    v = builder.fmul(load(x_p, k, vf), decoded(sq_p, sa_p, sb_p, k), flags=fast)
+                    builder.store(v, vector_at(builder, xs_p, k, vf), align=4)
+                    builder.store(builder.fadd(builder.load(zacc[h]), builder.fmul(v, decoded(zq_p, za_p, zb_p, k), flags=fast),
+                                               flags=fast), zacc[h])
+                    v = builder.call(fabs, [v])
+                    biggest = v if biggest is None else builder.call(fmax, [biggest, v], fastmath=fast)
+                builder.store(builder.call(fmax, [builder.load(top), biggest], fastmath=fast), top)
+                return biggest
+
+            def shuffled_max(u, w, lanes):
+                return builder.call(fmax, [u, builder.shuffle_vector(w, w, ir.Constant(vec(i32, half_block), lanes))], fastmath=fast)
+
+            # blocks two at a time, their maxima reduced together: 16 lanes, 8 a block, then
+            # within each 8 (half the shuffles of reducing each block alone)
+            with cgutils.for_range(builder, builder.sdiv(args[9], args[9].type(2))) as pair:
+                b = builder.mul(pair.index, pair.index.type(2))
+                u, w = block(b), block(builder.add(b, b.type(1)))
+                halves = [builder.shuffle_vector(u, w, ir.Constant(vec(i32, half_block), lanes))
+                          for lanes in ([*range(8), *range(16, 24)], [*range(8, 16), *range(24, 32)])]
+                t = builder.call(fmax, halves, fastmath=fast)
+                for step in (4, 2, 1):
+                    t = shuffled_max(t, t, [i ^ step for i in range(16)])
+                builder.store(builder.extract_element(t, i32(0)), builder.gep(amax_p, [b]))
+                builder.store(builder.extract_element(t, i32(8)), builder.gep(amax_p, [builder.add(b, b.type(1))]))
+            with builder.if_then(builder.trunc(args[9], ir.IntType(1))):  # an odd block left
+                b = builder.sub(args[9], args[9].type(1))
+                builder.store(builder.call(llvm_function(builder, f"llvm.vector.reduce.fmax.v{half_block}f32", f32, [vf]),
+                                           [block(b)], fastmath=fast), builder.gep(amax_p, [b]))
+            zsum = builder.call(llvm_function(builder, f"llvm.vector.reduce.fadd.v{half_block}f32", f32, [f32, vf]),
+                                [f32(0.0), builder.fadd(builder.load(zacc[0]), builder.load(zacc[1]), flags=fast)], fastmath=fast)
+            peak = builder.call(llvm_function(builder, f"llvm.vector.reduce.fmax.v{half_block}f32", f32, [vf]),
+                                [builder.load(top)], fastmath=fast)
+            return context.make_tuple(builder, signature.return_type, [zsum, peak])
+        return types.UniTuple(types.float32, 2)(x, sq, zq, s_a, s_b, z_a, z_b, xs, amax, nb), codegen
 
     @intrinsic
     def quantize_blocks(typingctx, xs, q, inv, m, nb):
@@ -372,53 +437,66 @@ def _compile():
     dot_2bit, dot_4bit, dot_1bit = block_dot(2), block_dot(4), block_dot(1)
 
     @serial
-    def group_inputs(x, t, j, scale, smeta, zero, zmeta, center, xs, amax, q, m):
-        """xs = s[j, :] * x[t, :] in float32, and per block of BLOCK inputs in int8: xs[k] ~
-        D * m[k // BLOCK] * q[k], D for the whole row, m the block's multiplier (<= MMAX),
-        |q| <= 127. Returns (sum_k (z[j, k] - center) * xs[k] + center * sum_k D * m * q, D).
-        Value f = j * K + k of scale and zero has its meta pair at f % M: runs of k without a
-        wrap are vectorized."""
-        K = x.shape[1]
-        ms, mz = smeta.shape[1], zmeta.shape[1]
-        si, zi = (j * K) % ms, (j * K) % mz
-        srow, zrow, xrow = scale[j], zero[j], x[t]
-        s_scale, s_zero, z_scale, z_zero = smeta[0], smeta[1], zmeta[0], zmeta[1]
-        zsum = np.float32(0.0)
-        k0 = 0
-        while k0 < K:
-            n = min(K - k0, ms - si, mz - zi)
-            sq, zq, xk, out = srow[k0:k0 + n], zrow[k0:k0 + n], xrow[k0:k0 + n], xs[k0:k0 + n]
-            ss, so, zs, zo = s_scale[si:si + n], s_zero[si:si + n], z_scale[zi:zi + n], z_zero[zi:zi + n]
-            for d in range(n):  # slices, so that indices are known non-negative (no gathers)
-                v = xk[d] * ((u8_f32(sq[d]) - half(so[d])) * half(ss[d]))
-                out[d] = v
-                zsum += v * ((u8_f32(zq[d]) - half(zo[d])) * half(zs[d]) - center)
-            k0 += n
-            si = (si + n) % ms
-            zi = (zi + n) % mz
-        return round_inputs(xs, zsum, center, amax, q, m)
+    def decoded_meta(meta, K, offset):
+        """meta [2, M] (float16 bits) as the float32 tables (a, b) of value f = j * K + k
+        (group j, input k): its 8-bit q decodes to q * a[f % M] + b[f % M] + offset. Both are
+        M + K long, the first M repeated, so group j's inputs read a[(j * K) % M:] with no
+        wrap. Decoded once per product, not per group: the half conversions were most of
+        group_inputs' time."""
+        M = meta.shape[1]
+        a = np.empty(M + K, dtype=np.float32)
+        b = np.empty(M + K, dtype=np.float32)
+        for i in range(M):
+            a[i] = half(meta[0, i])
+            b[i] = offset - half(meta[1, i]) * a[i]
+        for i in range(M, M + K):
+            a[i] = a[i - M]
+            b[i] = b[i - M]
+        return a, b
 
     @serial
-    def decoded_group(j, scale, smeta, zero, zmeta, center, s_out, z_out):
+    def code_center(width0, plane1):
+        """The middle of the code range (plane1, the 1-bit low plane, is empty but for 3 bits)."""
+        return np.float32(((1 << width0) * (2 if plane1.shape[0] > 0 else 1) - 1) / 2)
+
+    @serial
+    def group_inputs(x, t, j, scale, zero, s_meta, z_meta, center, xs, amax, q, m):
+        """xs = s[j, :] * x[t, :] in float32, and per block of BLOCK inputs in int8: xs[k] ~
+        D * m[k // BLOCK] * q[k], D for the whole row, m the block's multiplier (<= MMAX),
+        |q| <= 127. s_meta, z_meta: decoded_meta's tables of scale and zero (the zero's offset
+        -center). Returns (sum_k (z[j, k] - center) * xs[k] + center * sum_k D * m * q, D)."""
+        K = x.shape[1]
+        s_a, s_b = s_meta
+        z_a, z_b = z_meta
+        si, zi = (j * K) % (s_a.shape[0] - K), (j * K) % (z_a.shape[0] - K)
+        s_a, s_b, z_a, z_b = s_a[si:si + K], s_b[si:si + K], z_a[zi:zi + K], z_b[zi:zi + K]
+        xrow, srow, zrow = x[t], scale[j], zero[j]
+        whole = K // BLOCK
+        zsum, top = scaled_blocks(xrow, srow, zrow, s_a, s_b, z_a, z_b, xs, amax, whole)
+        if whole * BLOCK < K:  # the last, partial block
+            peak = np.float32(0.0)
+            for k in range(whole * BLOCK, K):
+                v = xrow[k] * (u8_f32(srow[k]) * s_a[k] + s_b[k])
+                xs[k] = v
+                zsum += v * (u8_f32(zrow[k]) * z_a[k] + z_b[k])
+                peak = max(peak, abs(v))
+            amax[whole] = peak
+            top = max(top, peak)
+        return round_inputs(xs, zsum, top, center, amax, q, m)
+
+    @serial
+    def decoded_group(j, scale, zero, s_meta, z_meta, s_out, z_out):
         """Group j's scales s[j, :] and zeros z[j, :] - center in float32, as group_inputs
-        decodes them: a prompt's tokens all use them (group_rows decodes them once). A lone
-        token keeps group_inputs' fused loop: through these buffers it was 10-17 % slower."""
+        decodes them: a prompt's tokens all use them (group_rows decodes them once)."""
         K = s_out.shape[0]
-        ms, mz = smeta.shape[1], zmeta.shape[1]
-        si, zi = (j * K) % ms, (j * K) % mz
+        s_a, s_b = s_meta
+        z_a, z_b = z_meta
+        si, zi = (j * K) % (s_a.shape[0] - K), (j * K) % (z_a.shape[0] - K)
+        s_a, s_b, z_a, z_b = s_a[si:si + K], s_b[si:si + K], z_a[zi:zi + K], z_b[zi:zi + K]
         srow, zrow = scale[j], zero[j]
-        s_scale, s_zero, z_scale, z_zero = smeta[0], smeta[1], zmeta[0], zmeta[1]
-        k0 = 0
-        while k0 < K:
-            n = min(K - k0, ms - si, mz - zi)
-            sq, zq, so_, zo_ = srow[k0:k0 + n], zrow[k0:k0 + n], s_out[k0:k0 + n], z_out[k0:k0 + n]
-            ss, so, zs, zo = s_scale[si:si + n], s_zero[si:si + n], z_scale[zi:zi + n], z_zero[zi:zi + n]
-            for d in range(n):
-                so_[d] = (u8_f32(sq[d]) - half(so[d])) * half(ss[d])
-                zo_[d] = (u8_f32(zq[d]) - half(zo[d])) * half(zs[d]) - center
-            k0 += n
-            si = (si + n) % ms
-            zi = (zi + n) % mz
+        for k in range(K):
+            s_out[k] = u8_f32(srow[k]) * s_a[k] + s_b[k]
+            z_out[k] = u8_f32(zrow[k]) * z_a[k] + z_b[k]
 
     @serial
     def token_inputs(x, t, s_dec, z_dec, center, xs, amax, q, m):
@@ -429,16 +507,17 @@ def _compile():
             v = xrow[k] * s_dec[k]
             xs[k] = v
             zsum += v * z_dec[k]
-        return round_inputs(xs, zsum, center, amax, q, m)
-
-    @serial
-    def round_inputs(xs, zsum, center, amax, q, m):
-        """The int8 blocks of xs (group_inputs says how); returns (zsum + center * sum_k D * m * q, D)."""
-        nb = amax.shape[0]
         top = np.float32(0.0)
-        for b in range(nb):
+        for b in range(amax.shape[0]):
             amax[b] = block_absmax(xs, b)
             top = max(top, amax[b])
+        return round_inputs(xs, zsum, top, center, amax, q, m)
+
+    @serial
+    def round_inputs(xs, zsum, top, center, amax, q, m):
+        """The int8 blocks of xs (group_inputs says how), given each block's max |xs| (amax) and
+        their max (top); returns (zsum + center * sum_k D * m * q, D)."""
+        nb = amax.shape[0]
         D = top / np.float32(127 * MMAX)
         per_top = np.float32(MMAX) / top if top > 0 else np.float32(0.0)
         for b in range(nb):  # vectorized: amax becomes 1 / (D * m)
@@ -480,7 +559,7 @@ def _compile():
                 np.empty(dec, dtype=np.float32), np.empty(dec, dtype=np.float32))
 
     @serial
-    def group_rows(x, j, plane0, width0, plane1, group_size, scale, smeta, zero, zmeta, out, buf):
+    def group_rows(x, j, plane0, width0, plane1, group_size, scale, zero, s_meta, z_meta, out, buf):
         """Rows j, j + G, ... of out [T, rows] = x [T, K] @ W.T (one group of rows).
         plane1 (the 1-bit low plane) is empty but for 3 bits. A prompt's tokens share the
         group's decoded scales and zeros (decoded_group); a lone token decodes them as it goes."""
@@ -488,29 +567,35 @@ def _compile():
         rows = G * group_size
         low = plane1.shape[0] > 0
         mult0 = np.float32(2.0) if low else np.float32(1.0)  # 3 bits: code = 2 * high + low
-        center = np.float32(((1 << width0) * (2 if low else 1) - 1) / 2)
+        center = code_center(width0, plane1)
         xs, amax, q, m, s_dec, z_dec = buf
         if x.shape[0] > 1:
-            decoded_group(j, scale, smeta, zero, zmeta, center, s_dec, z_dec)
+            decoded_group(j, scale, zero, s_meta, z_meta, s_dec, z_dec)
         for t in range(x.shape[0]):
             if x.shape[0] > 1:
                 shared, D = token_inputs(x, t, s_dec, z_dec, center, xs, amax, q, m)
             else:
-                shared, D = group_inputs(x, t, j, scale, smeta, zero, zmeta, center, xs, amax, q, m)
+                shared, D = group_inputs(x, t, j, scale, zero, s_meta, z_meta, center, xs, amax, q, m)
             for n in range(j, rows, G):
                 out[t, n] = -shared
             add_plane(plane0, width0, mult0, j, G, q, m, D, out, t)
             if low:
                 add_plane(plane1, 1, np.float32(1.0), j, G, q, m, D, out, t)
 
+    @serial
+    def tables(K, width0, plane1, smeta, zmeta):
+        """decoded_meta's tables of a matrix's scales and zeros."""
+        return decoded_meta(smeta, K, np.float32(0.0)), decoded_meta(zmeta, K, -code_center(width0, plane1))
+
     @jit
     def qmatmul(x, plane0, width0, plane1, group_size, scale, smeta, zero, zmeta, out, chunks):
         G = scale.shape[0]
+        s_meta, z_meta = tables(x.shape[1], width0, plane1, smeta, zmeta)
         nc = min(G, chunks)
         for c in prange(nc):
             buf = scratch(x.shape[1], x.shape[0])
             for j in range(c * G // nc, (c + 1) * G // nc):
-                group_rows(x, j, plane0, width0, plane1, group_size, scale, smeta, zero, zmeta, out, buf)
+                group_rows(x, j, plane0, width0, plane1, group_size, scale, zero, s_meta, z_meta, out, buf)
 
     @jit
     def swiglu(x, a0, aw, a1, ag, a_s, a_sm, a_z, a_zm, b0, bw, b1, bg, b_s, b_sm, b_z, b_zm,
@@ -519,14 +604,17 @@ def _compile():
         group size, scale, its meta, zero, its meta). Three parallel loops in one call: gate
         and up, the activation, down."""
         Ga, G = a_s.shape[0], a_s.shape[0] + b_s.shape[0]
+        a_st, a_zt = tables(x.shape[1], aw, a1, a_sm, a_zm)
+        b_st, b_zt = tables(x.shape[1], bw, b1, b_sm, b_zm)
+        c_st, c_zt = tables(gate.shape[1], cw, c1, c_sm, c_zm)
         nc = min(G, chunks)
         for c in prange(nc):
             buf = scratch(x.shape[1], x.shape[0])
             for j in range(c * G // nc, (c + 1) * G // nc):
                 if j < Ga:
-                    group_rows(x, j, a0, aw, a1, ag, a_s, a_sm, a_z, a_zm, gate, buf)
+                    group_rows(x, j, a0, aw, a1, ag, a_s, a_z, a_st, a_zt, gate, buf)
                 else:
-                    group_rows(x, j - Ga, b0, bw, b1, bg, b_s, b_sm, b_z, b_zm, up, buf)
+                    group_rows(x, j - Ga, b0, bw, b1, bg, b_s, b_z, b_st, b_zt, up, buf)
         for n in prange(gate.shape[1]):
             for t in range(gate.shape[0]):
                 g = gate[t, n]
@@ -536,7 +624,7 @@ def _compile():
         for c in prange(nc):
             buf = scratch(gate.shape[1], gate.shape[0])
             for j in range(c * Gc // nc, (c + 1) * Gc // nc):
-                group_rows(gate, j, c0, cw, c1, cg, c_s, c_sm, c_z, c_zm, out, buf)
+                group_rows(gate, j, c0, cw, c1, cg, c_s, c_z, c_st, c_zt, out, buf)
 
     return SimpleNamespace(qmatmul=qmatmul, swiglu=swiglu, numba=numba)
 
