@@ -1,6 +1,7 @@
 """Developer benchmark (not shipped): engine/kernels/hqq_cpu.py at a git revision against the working tree's, in one process.
 
     python -m benchmarks.hqq_cpu_ab --old HEAD~1 --threads 1 --rounds 15
+    python -m benchmarks.hqq_cpu_ab --old HEAD~1 --threads 16 --bits 2 --tokens 1 --group-size 32
 
 The old kernel is the module's source at --old, imported from a temporary file. Both run the
 same random Mixtral-shaped matrices (benchmarks/cpu_experts.random_hqq: w1/w3 14336x4096,
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +30,7 @@ import torch
 
 from benchmarks.cpu_experts import random_qmatrix
 from moeferry.engine.kernels import hqq_cpu
+from moeferry.engine.storage import quant
 
 SHAPES = {"w1": (14336, 4096), "w2": (4096, 14336)}
 
@@ -65,7 +68,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 3])
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--rotate-gib", type=float, default=0.5)
+    ap.add_argument("--group-size", type=int, help="rows per HQQ group (default: the engine's expert spec)")
     args = ap.parse_args()
+    if args.group_size:
+        for bits in args.bits:
+            quant.EXPERT_SPECS[bits] = replace(quant.EXPERT_SPECS[bits], group_size=args.group_size)
     tmp = Path(tempfile.mkdtemp())
     old = load_old(args.old, tmp)
     gen = torch.Generator().manual_seed(0)
