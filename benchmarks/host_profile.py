@@ -51,7 +51,10 @@ def main(out: str, width: str, *wheres: str) -> int:
         r = report["results"][0]
         for key in ("tottime", "cumulative"):
             buf = io.StringIO()
-            pstats.Stats(profiler[0], stream=buf).sort_stats(key).print_stats(28)
+            stats = pstats.Stats(profiler[0], stream=buf).sort_stats(key)
+            stats.print_stats(40)
+            if key == "cumulative" and mode == "hybrid":  # what the CPU path's steps call
+                stats.print_callees(r"cpu_experts.py:\d+\((run|add|start|compute|_down|_up|choose_in_time)\)")
             text.append(f"## {width} {where} {mode} ({r['decode_tokens_per_s']:.2f} tok/s under the profiler), "
                         f"by {key}\n{buf.getvalue()}")
         profiler[0] = None
