@@ -41,6 +41,7 @@ from moeferry.engine.storage.quant import PLANES, QMatrix
 _JIT = None
 BLOCK = 32  # inputs per int8 block (one 32-byte vector of codes)
 MMAX = 1 << 14  # largest block multiplier
+PARALLEL_TABLES = 32768  # table entries of a product from which all threads decode them (decoded_meta)
 FLUSH = 16  # blocks summed in int32 lanes before a float32 flush: 4 * 15 * 127 * MMAX * FLUSH < 2**31
 
 
@@ -458,11 +459,17 @@ def _compile():
     @jit
     def decoded_meta(metas, Ks, offsets):
         """The tables (decode_meta_range) of each meta in metas, for inputs Ks and offsets: a
-        tuple of (a, b) pairs, decoded by all threads (serially they cost a whole expert
-        45 us, 3-4 % of its product on 16 threads)."""
+        list of (a, b) pairs. Large ones are decoded by all threads (serially a Mixtral expert's
+        take 45 us, 3-4 % of its product on 16 threads); small ones by the calling thread, which
+        is quicker than starting the others (about 5 us)."""
         n = len(metas)
         tabs = [(np.empty(metas[t].shape[1] + Ks[t], dtype=np.float32),
                  np.empty(metas[t].shape[1] + Ks[t], dtype=np.float32)) for t in range(n)]
+        if sum([a.shape[0] for a, _ in tabs]) < PARALLEL_TABLES:
+            for t in range(n):
+                a, b = tabs[t]
+                decode_meta_range(metas[t], offsets[t], a, b, 0, a.shape[0])
+            return tabs
         P = 8  # pieces per table
         for p in prange(n * P):
             t, c = p // P, p % P
