@@ -146,6 +146,40 @@ def swiglu_expert(x: np.ndarray, w1: CpuQMatrix, w3: CpuQMatrix, w2: CpuQMatrix)
     return out
 
 
+def expert_addresses(w1: CpuQMatrix, w3: CpuQMatrix, w2: CpuQMatrix) -> np.ndarray:
+    """Where an expert's arrays lie (int64 [18]: per matrix its two code planes, scale, scale
+    meta, zero, zero meta), for swiglu_experts. Valid while the views are alive."""
+    out = []
+    for w in (w1, w3, w2):
+        p0 = w.planes[0]
+        p1 = w.planes[1] if len(w.planes) > 1 else p0[:0]
+        out += [a.ctypes.data for a in (p0, p1, w.scale, w.scale_meta, w.zero, w.zero_meta)]
+    return np.array(out, dtype=np.int64)
+
+
+def _dims(w: CpuQMatrix) -> np.ndarray:
+    return np.array([w.rows, w.cols, PLANES[w.bits][0], len(w.planes) > 1, w.group_size,
+                     w.scale_meta.shape[1], w.zero_meta.shape[1]], dtype=np.int64)
+
+
+def swiglu_experts(x: np.ndarray, experts: list[tuple], addresses: np.ndarray) -> np.ndarray:
+    """swiglu_expert for several experts of one layout (shapes and quantization) on the same x float32
+    [T, H], in one call: float32 [N, T, H]. Each parallel loop spans every expert's groups,
+    so small experts (Qwen3's, OLMoE's) keep all threads busy and start them three times per
+    layer instead of per expert. addresses: their expert_addresses stacked [N, 18]."""
+    w1, w3, w2 = experts[0]
+    if not (_dims(w1) == _dims(w3)).all():
+        raise ValueError("w1 and w3 differ in layout")
+    N, T = len(experts), x.shape[0]
+    gate = np.empty((N, T, w1.rows), dtype=np.float32)
+    up = np.empty((N, T, w3.rows), dtype=np.float32)
+    out = np.empty((N, T, w2.rows), dtype=np.float32)
+    k = kernels()
+    k.swiglu_many(np.ascontiguousarray(x, dtype=np.float32), addresses, _dims(w1), _dims(w2), gate, up, out,
+                  _chunks(k))
+    return out
+
+
 def numba_disk_cache() -> bool:
     """Whether numba may cache the compiled kernels beside their source: a frozen app has no
     source files (it compiles once per run there)."""
@@ -187,7 +221,7 @@ def _compile():
     # closure, and intrinsics and dispatchers pickle with a fresh uuid in every process.
     global prange, u8_f32, half, block_absmax, scaled_blocks, quantize_blocks, dot_2bit, dot_4bit, dot_1bit
     global decoded_meta, code_center, group_inputs, decoded_group, token_inputs, round_inputs, add_plane, scratch
-    global group_rows, decode_meta_range, qmatmul, swiglu
+    global group_rows, decode_meta_range, qmatmul, swiglu, u8_ptr, i16_ptr, matrix_at, swiglu_many
     import numba
     from llvmlite import binding, ir
     from numba import njit, prange, types
@@ -648,7 +682,79 @@ def _compile():
             for j in range(c * Gc // nc, (c + 1) * Gc // nc):
                 group_rows(gate, j, c0, cw, c1, cg, c_s, c_z, c_st, c_zt, out, buf)
 
-    return SimpleNamespace(qmatmul=qmatmul, swiglu=swiglu, numba=numba)
+    def pointer_to(t):
+        @intrinsic
+        def ptr(typingctx, addr):
+            """The int64 address of an array's data as a pointer numba.carray takes."""
+            def codegen(context, builder, signature, args):
+                return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+            return types.CPointer(t)(types.int64), codegen
+        return ptr
+
+    u8_ptr, i16_ptr = pointer_to(types.uint8), pointer_to(types.int16)
+
+    @serial
+    def matrix_at(addrs, e, m, dims):
+        """Matrix m (0: w1, 1: w3, 2: w2) of expert e as arrays: expert_addresses' row e, and
+        dims = (rows, cols, width of plane 0, has the 1-bit plane, group size, M of scale
+        meta, M of zero meta)."""
+        rows, cols, w0, low, g, ms, mz = dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6]
+        a, G = 6 * m, rows // g
+        return (numba.carray(u8_ptr(addrs[e, a]), (rows * w0 // 8, cols)),
+                numba.carray(u8_ptr(addrs[e, a + 1]), (rows // 8 if low else 0, cols)),
+                numba.carray(u8_ptr(addrs[e, a + 2]), (G, cols)),
+                numba.carray(i16_ptr(addrs[e, a + 3]), (2, ms)),
+                numba.carray(u8_ptr(addrs[e, a + 4]), (G, cols)),
+                numba.carray(i16_ptr(addrs[e, a + 5]), (2, mz)))
+
+    @jit
+    def swiglu_many(x, addrs, d13, d2, gate, up, out, chunks):
+        """swiglu for N experts of one layout on the same x: gate, up [N, T, I], out [N, T, H]."""
+        N, K, Kc = addrs.shape[0], x.shape[1], gate.shape[2]
+        # decoded_meta's tables: ts[m, 0:2] matrix m's scale (a, b), ts[m, 2:4] its zero's;
+        # every table of every expert in P pieces, one parallel loop
+        ts = np.empty((3, 4, N, max(d13[5], d13[6], d2[5], d2[6]) + max(K, Kc)), dtype=np.float32)
+        P = 4
+        for p in prange(N * 6 * P):
+            e, tab, c = p // (6 * P), (p // P) % 6, p % P
+            m, z = tab // 2, tab % 2  # matrix, and 0 for its scale, 1 for its zero
+            d, k = (d2, Kc) if m == 2 else (d13, K)
+            p0, p1, sc, sm, ze, zm = matrix_at(addrs, e, m, d)
+            size = d[5 + z] + k
+            a, b = ts[m, 2 * z, e, :size], ts[m, 2 * z + 1, e, :size]
+            if z == 0:
+                decode_meta_range(sm, np.float32(0.0), a, b, c * size // P, (c + 1) * size // P)
+            else:
+                decode_meta_range(zm, -code_center(d[2], p1), a, b, c * size // P, (c + 1) * size // P)
+        G = d13[0] // d13[4]  # groups of w1 (and of w3)
+        work = N * 2 * G
+        nc = min(work, chunks)
+        for c in prange(nc):
+            buf = scratch(K, x.shape[0])
+            for p in range(c * work // nc, (c + 1) * work // nc):
+                e, j = p // (2 * G), p % (2 * G)
+                m = 0 if j < G else 1
+                p0, p1, sc, sm, ze, zm = matrix_at(addrs, e, m, d13)
+                dst = gate[e] if m == 0 else up[e]
+                group_rows(x, j - m * G, p0, d13[2], p1, d13[4], sc, ze, (ts[m, 0, e, :d13[5] + K], ts[m, 1, e, :d13[5] + K]),
+                           (ts[m, 2, e, :d13[6] + K], ts[m, 3, e, :d13[6] + K]), dst, buf)
+        for p in prange(N * gate.shape[1]):
+            e, t = p // gate.shape[1], p % gate.shape[1]
+            for n in range(Kc):
+                g = gate[e, t, n]
+                gate[e, t, n] = g / (np.float32(1.0) + np.exp(-g)) * up[e, t, n]
+        Gc = d2[0] // d2[4]
+        work = N * Gc
+        nc = min(work, chunks)
+        for c in prange(nc):
+            buf = scratch(Kc, x.shape[0])
+            for p in range(c * work // nc, (c + 1) * work // nc):
+                e, j = p // Gc, p % Gc
+                p0, p1, sc, sm, ze, zm = matrix_at(addrs, e, 2, d2)
+                group_rows(gate[e], j, p0, d2[2], p1, d2[4], sc, ze, (ts[2, 0, e, :d2[5] + Kc], ts[2, 1, e, :d2[5] + Kc]),
+                           (ts[2, 2, e, :d2[6] + Kc], ts[2, 3, e, :d2[6] + Kc]), out[e], buf)
+
+    return SimpleNamespace(qmatmul=qmatmul, swiglu=swiglu, swiglu_many=swiglu_many, numba=numba)
 
 
 def set_threads(n: int) -> None:

@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -68,6 +69,8 @@ class HqqExpert:
     alpha: float | None = None  # its clamped SwiGLU's constants (ModelConfig.swiglu_*)
     limit: float | None = None
     kernel = hqq_cpu  # the module whose matmul takes its matrices
+    _addresses: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    _layout: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def nbytes(self) -> int:
         return self.w1.nbytes() + self.w3.nbytes() + self.w2.nbytes()
@@ -75,6 +78,19 @@ class HqqExpert:
     def copied_bytes(self) -> int:
         """RAM this expert takes beyond the stored bytes it reads in place."""
         return self.w1.copied_bytes() + self.w3.copied_bytes() + self.w2.copied_bytes()
+
+    def addresses(self) -> np.ndarray:
+        """hqq_cpu.expert_addresses of its matrices (run_together), found once."""
+        if self._addresses is None:
+            self._addresses = hqq_cpu.expert_addresses(self.w1, self.w3, self.w2)
+        return self._addresses
+
+    def layout(self) -> tuple:
+        """What experts run together in one call must share (hqq_cpu.same_layout)."""
+        if self._layout is None:
+            self._layout = tuple((w.rows, w.cols, w.bits, w.group_size, w.scale_meta.shape, w.zero_meta.shape)
+                                 for w in (self.w1, self.w3, self.w2))
+        return self._layout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float().numpy()
@@ -162,13 +178,28 @@ def run_jobs(jobs: list[tuple[CpuExpert, torch.Tensor]], stats: CpuRunStats) -> 
     """expert(x) for each (expert, x [T, H]), float32 [T, H] each; counts bytes and time."""
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = [e.forward(x) for e, x in jobs]
+        out = run_together(jobs) or [e.forward(x) for e, x in jobs]
     dt = time.perf_counter() - t0
     stats.last_bytes, stats.last_seconds = sum(e.nbytes() for e, _ in jobs), dt
     stats.experts += len(jobs)
     stats.bytes_read += stats.last_bytes
     stats.seconds += dt
     return out
+
+
+def run_together(jobs: list[tuple[CpuExpert, torch.Tensor]]) -> list[torch.Tensor] | None:
+    """The jobs' outputs from one hqq_cpu.swiglu_experts call where they allow it (two or more
+    plain HQQ experts of one layout on the same input: a decoded token's experts of a layer),
+    else None. One call starts the kernel's threads three times for all of them, not for each."""
+    if len(jobs) < 2:
+        return None
+    first, x = jobs[0]
+    if any(type(e) is not HqqExpert or e.biases is not None or xe is not x or e.layout() != first.layout()
+           for e, xe in jobs):
+        return None
+    y = hqq_cpu.swiglu_experts(x.float().numpy(), [(e.w1, e.w3, e.w2) for e, _ in jobs],
+                               np.stack([e.addresses() for e, _ in jobs]))
+    return [torch.from_numpy(y[i]) for i in range(len(jobs))]
 
 
 def learned_costs(costs, bytes_read: int, seconds: float, hand_off_s: float | None = None):

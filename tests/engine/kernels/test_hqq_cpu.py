@@ -97,6 +97,24 @@ def test_swiglu_expert_equals_reference_on_the_stored_views(bits):
     assert np.shares_memory(expert.w1.scale_meta, w["w1"].scale_meta.numpy())
 
 
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.bits}bit-g{s.group_size}-m{s.meta_group}")
+@pytest.mark.parametrize("T", [1, 3])
+def test_several_experts_in_one_call_equal_each_run_alone(spec, T):
+    """swiglu_experts spreads every expert's groups over one set of parallel loops, reading
+    each expert's arrays where they lie: the same products as one call per expert, to float32
+    rounding (the compiler may order a group's sums otherwise)."""
+    H, I = 192, 128
+    experts = [tuple(hqq_cpu.from_qmatrix(qmatrix(*shape, spec, 3 * e + m))
+                     for m, shape in enumerate(((I, H), (I, H), (H, I)))) for e in range(3)]
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).numpy()
+    alone = np.stack([hqq_cpu.swiglu_expert(x, *e) for e in experts])
+    together = hqq_cpu.swiglu_experts(x, experts, np.stack([hqq_cpu.expert_addresses(*e) for e in experts]))
+    assert together.shape == (3, T, H)
+    assert np.abs(together - alone).max() <= 1e-4 * np.abs(alone).max()
+    # each expert's own result, not a neighbour's
+    assert all(np.abs(together[e] - alone[f]).max() > 1e-2 * np.abs(alone).max() for e in range(3) for f in range(3) if e != f)
+
+
 def test_unsupported_matrices_are_refused():
     assert not hqq_cpu.supported(torch.zeros(4, 4))
     qm = quant.quantize_matrix(torch.randn(64, 32), quant.QuantSpec(8, 64, 256), optimize=False)

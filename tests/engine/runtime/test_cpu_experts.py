@@ -149,6 +149,29 @@ def test_cpu_experts_run_on_the_calling_thread_with_their_threads_and_count_byte
     assert hybrid.stats.seconds > 0 and hybrid.stats.gb_per_s > 0
 
 
+def test_a_decoded_tokens_hqq_experts_run_in_one_kernel_call(monkeypatch):
+    """Experts of one layout on the same input (a decoded token's CPU experts of a layer) go
+    to hqq_cpu.swiglu_experts together, and give what each gives alone; experts on different
+    inputs (a prompt's rows) run one by one."""
+    from moeferry.engine.kernels import hqq_cpu
+
+    spec, H, I = quant.EXPERT_SPECS[2], 64, 96
+    gen = torch.Generator().manual_seed(11)
+    experts = [ce.hqq_expert({m: quant.quantize_matrix(torch.randn(*shape, generator=gen) * 0.05, spec, optimize=False)
+                              for m, shape in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I)))}) for _ in range(3)]
+    x = torch.randn(1, H, generator=gen)
+    calls = []
+    real = hqq_cpu.swiglu_experts
+    monkeypatch.setattr(hqq_cpu, "swiglu_experts", lambda *a: (calls.append(len(a[1])), real(*a))[1])
+    stats = ce.CpuRunStats()
+    together = ce.run_jobs([(e, x) for e in experts], stats)
+    assert calls == [3]
+    for y, e in zip(together, experts):
+        assert torch.allclose(y, e.forward(x), rtol=1e-4, atol=1e-4 * y.abs().max().item())
+    ce.run_jobs([(e, x.clone()) for e in experts], stats)
+    assert calls == [3] and stats.experts == 6
+
+
 def test_cpu_experts_take_their_thread_count_into_the_thread_that_runs_them(monkeypatch):
     """Loaded in one thread, run in another (the API server's queue): the running thread's
     pools get the CPU experts' count, for torch and for numba (each keeps it per thread)."""
