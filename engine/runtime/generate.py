@@ -655,14 +655,19 @@ def cpu_experts_for(copies: dict, cfg: ModelConfig, host: torch.Tensor, cache: E
         hqq_cpu.spin_between_layers()  # before the CpuExperts start numba's threads
     hybrid = ce.CpuExperts(copies, mode, None, host.shape[2], params, every_expert, threads)
     if mode == "auto" and not every_expert and copies:
-        hybrid.costs = measure_costs(hybrid, list(copies.values()), host, cache)
+        # small experts are timed a few to a call, as a decoded layer runs its misses: one at a
+        # time their fixed cost per call (Qwen3's on 16 threads: 15.8 GB/s) would keep the
+        # cost model from ever trying the CPU, and so from learning its rate
+        first = next(iter(copies.values()))
+        together = max(1, min(cfg.top_k, SMALL_CALL_BYTES // max(1, first.nbytes())))
+        hybrid.costs = measure_costs(hybrid, list(copies.values()), host, cache, together)
     return hybrid
 
 
-def measure_costs(hybrid, copies: list, host: torch.Tensor, cache: ExpertCache):
+def measure_costs(hybrid, copies: list, host: torch.Tensor, cache: ExpertCache, together: int = 1):
     """The cost model's inputs, measured here on real experts: the CPU kernel as the engine
-    calls it (cpu_seconds), one copy over the link (on a CPU device: the memcpy and the
-    dequantizing a load does), one expert on the compute device."""
+    calls it (cpu_seconds, `together` experts per call), one copy over the link (on a CPU
+    device: the memcpy and the dequantizing a load does), one expert on the compute device."""
     from moeferry.engine.runtime import placement
 
     copy = copies[0]
@@ -678,7 +683,7 @@ def measure_costs(hybrid, copies: list, host: torch.Tensor, cache: ExpertCache):
             times.append(time.perf_counter() - t0)
         return min(times)
 
-    cpu_s = cpu_seconds(hybrid, copies, x)
+    cpu_s = cpu_seconds(hybrid, copies, x, together)
     many = torch.randn(32, x.shape[1], generator=gen)  # a prompt's worth: the kernel's compute rate
     flops_s = best(lambda: hybrid.run([(copy, many)]), reps=2)
     if cache.cuda:
@@ -697,18 +702,22 @@ def measure_costs(hybrid, copies: list, host: torch.Tensor, cache: ExpertCache):
 
 
 COLD_BYTES = 1 << 30  # experts read in turn when timing the CPU: more than any processor's L3
+SMALL_CALL_BYTES = 16 << 20  # experts this small are timed several to a call (cpu_experts_for)
 
 
-def cpu_seconds(hybrid, copies: list, x: torch.Tensor) -> float:
+def cpu_seconds(hybrid, copies: list, x: torch.Tensor, together: int = 1) -> float:
     """One expert's CPU time as in decoding: the median over different experts read in turn
     (up to COLD_BYTES of them), so that they come from RAM as a miss's does. One expert timed
     again and again is served from the L3 cache (300 MB on the GPU machine's Xeon), about 1.5x
-    faster than decoding ever sees."""
+    faster than decoding ever sees. together: experts per call, as a decoded layer's run in one
+    (cpu_experts.run_together); the time is per expert."""
     n = max(1, min(len(copies), COLD_BYTES // max(1, copies[0].nbytes())))
+    together = max(1, min(together, n))
     hybrid.run([(copies[0], x)])
     times = []
-    for c in copies[:n] * (2 if n < 8 else 1):
+    order = copies[:n] * (2 if n < 8 else 1)
+    for i in range(0, len(order) - together + 1, together):
         t0 = time.perf_counter()
-        hybrid.run([(c, x)])
-        times.append(time.perf_counter() - t0)
+        hybrid.run([(c, x) for c in order[i:i + together]])
+        times.append((time.perf_counter() - t0) / together)
     return sorted(times)[len(times) // 2]

@@ -224,3 +224,7 @@ def test_the_cpu_rate_is_timed_on_experts_read_in_turn_from_ram(monkeypatch):
     ran.clear()
     generate.cpu_seconds(Hybrid(), [Copy(i) for i in range(3)], x)
     assert ran[1:] == [0, 1, 2, 0, 1, 2]  # few experts: each timed twice
+    calls = []
+    Hybrid.run = lambda self, jobs: calls.append([c.i for c, _ in jobs])
+    generate.cpu_seconds(Hybrid(), [Copy(i) for i in range(30)], x, together=4)
+    assert calls[1:] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # small experts as a layer runs them: a few to a call
