@@ -148,12 +148,19 @@ def swiglu_expert(x: np.ndarray, w1: CpuQMatrix, w3: CpuQMatrix, w2: CpuQMatrix)
 
 def expert_addresses(w1: CpuQMatrix, w3: CpuQMatrix, w2: CpuQMatrix) -> np.ndarray:
     """Where an expert's arrays lie (int64 [18]: per matrix its two code planes, scale, scale
-    meta, zero, zero meta), for swiglu_experts. Valid while the views are alive."""
+    meta, zero, zero meta), for swiglu_experts, which reads them with the shapes _dims gives:
+    checked here, so that it reads nothing beyond them. Valid while the views are alive."""
     out = []
     for w in (w1, w3, w2):
         p0 = w.planes[0]
         p1 = w.planes[1] if len(w.planes) > 1 else p0[:0]
-        out += [a.ctypes.data for a in (p0, p1, w.scale, w.scale_meta, w.zero, w.zero_meta)]
+        arrays = (p0, p1, w.scale, w.scale_meta, w.zero, w.zero_meta)
+        rows, cols, w0, low, g, ms, mz = (int(v) for v in _dims(w))
+        shapes = ((rows * w0 // 8, cols), (rows // 8 if low else 0, cols), (rows // g, cols), (2, ms),
+                  (rows // g, cols), (2, mz))
+        if any(a.shape != shape or not a.flags.c_contiguous for a, shape in zip(arrays, shapes)):
+            raise ValueError("an expert's arrays do not have the shapes of its matrices")
+        out += [a.ctypes.data for a in arrays]
     return np.array(out, dtype=np.int64)
 
 

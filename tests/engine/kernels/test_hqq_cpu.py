@@ -11,6 +11,8 @@ block's step, and row n's error is sum_k (code[n, k] - center) * e_k. The tests 
 bound (any wrong code, scale or index breaks it by far) and to its typical size (under 1 %).
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -113,6 +115,11 @@ def test_several_experts_in_one_call_equal_each_run_alone(spec, T):
     assert np.abs(together - alone).max() <= 1e-4 * np.abs(alone).max()
     # each expert's own result, not a neighbour's
     assert all(np.abs(together[e] - alone[f]).max() > 1e-2 * np.abs(alone).max() for e in range(3) for f in range(3) if e != f)
+    # arrays it would read beyond are refused before any address is taken
+    w1 = experts[0][0]
+    short = dataclasses.replace(w1, planes=(w1.planes[0][:-1],) + w1.planes[1:])
+    with pytest.raises(ValueError, match="shapes"):
+        hqq_cpu.expert_addresses(short, *experts[0][1:])
 
 
 def test_unsupported_matrices_are_refused():
