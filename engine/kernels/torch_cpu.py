@@ -12,7 +12,8 @@ kernels group along the INPUT dimension). One CpuMatrix W [N, K] (N outputs, K i
           `meta` = scales_and_zeros [K / g, N, 2] in bfloat16.
           HQQ's (q - zh) * s is the same form with z = (8 - zh) * s.
   "int8"  torch.ops.aten._weight_int8pack_mm: W[n, k] = q[n, k] * s[n], q int8 [N, K]
-          symmetric per output row, `meta` = s [N] in bfloat16.
+          symmetric per output row, `meta` = s [N] in bfloat16; a lone token goes through
+          engine/kernels/int8_cpu.py instead (about twice torch's rate).
   "dense" the weight itself (the GPU copy's dequantized values: exact), `packed` [N, K] in
           the model's compute dtype.
 int4 and int8 take bfloat16 activations: that is their fast path (measured on 2 cores, one
@@ -21,10 +22,13 @@ int4 and int8 take bfloat16 activations: that is their fast path (measured on 2 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from moeferry.engine.kernels import hqq_cpu, int8_cpu
 
 FORMATS = ("int4", "int8", "dense")
 GROUPS = (128, 64, 32)  # int4 groups used, largest (fewest bytes) first; the kernel also takes 256
@@ -39,6 +43,15 @@ class CpuMatrix:
     packed: torch.Tensor
     meta: torch.Tensor | None = None
     group_size: int = 0
+    _scales: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)  # int8_cpu's
+    _lone: bool | None = field(default=None, init=False, repr=False, compare=False)
+
+    def lone_token_kernel(self) -> bool:
+        """Whether int8_cpu multiplies a lone token here (numba and AVX2, inputs in its blocks)."""
+        if self._lone is None:
+            self._lone = self.cols % int8_cpu.BLOCK == 0 and not hqq_cpu.available()
+            self._scales = self.meta.float().numpy() if self._lone else None
+        return self._lone
 
     def nbytes(self) -> int:
         meta = 0 if self.meta is None else self.meta.numel() * self.meta.element_size()
@@ -50,7 +63,10 @@ class CpuMatrix:
         return self.packed.dtype if self.fmt == "dense" else torch.bfloat16
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, K] -> float32 [T, N]."""
+        """x [T, K] -> float32 [T, N]. A lone token through an int8 matrix takes int8_cpu's
+        kernel where numba runs: torch's reads it at about half the RAM's speed."""
+        if self.fmt == "int8" and x.shape[0] == 1 and self.lone_token_kernel():
+            return torch.from_numpy(int8_cpu.matvec(x.float().numpy(), self.packed.numpy(), self._scales))
         x = x.to(self.dtype)
         if self.fmt == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.meta)
