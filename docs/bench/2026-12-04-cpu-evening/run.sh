@@ -16,3 +16,9 @@ for spec in "mixtral-8x7b Q2_K 2 8 32 4" "qwen3-30b-a3b Q4_K_M 4 8 64 8" "olmoe-
   python -m benchmarks.cpu_engine --model $1 --layers $4 --expert-bits $3 --group-size $5 --attn-bits $6 \
     --threads "$threads" --prompt-len 16 --new-tokens 16
 done
+echo; echo "== gpt-oss-20b, 8 layers: llama.cpp MXFP4 (experts; the rest Q8_0) beside MoE Ferry MXFP4 experts, 8-bit attention"
+python benchmarks/gguf_random.py --model gpt-oss-20b --layers 8 --type MXFP4 /tmp/cpu-side.gguf
+LD_LIBRARY_PATH=$(dirname "$bin") "$bin" -m /tmp/cpu-side.gguf -p 16 -n 16 -r 3 -t "$threads" -o md 2>&1 | grep -E "^\|"
+rm -f /tmp/cpu-side.gguf
+python -m benchmarks.cpu_engine --model gpt-oss-20b --expert-format mxfp4 --layers 8 --attn-bits 8 --threads "$threads" \
+  --prompt-len 16 --new-tokens 16
