@@ -86,7 +86,7 @@ class HqqExpert:
         return self._addresses
 
     def layout(self) -> tuple:
-        """What experts run together in one call must share (hqq_cpu.same_layout)."""
+        """What experts run together in one call must share (run_together): shapes and quantization."""
         if self._layout is None:
             self._layout = tuple((w.rows, w.cols, w.bits, w.group_size, w.scale_meta.shape, w.zero_meta.shape)
                                  for w in (self.w1, self.w3, self.w2))
