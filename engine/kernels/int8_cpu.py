@@ -86,24 +86,30 @@ def _compile():
         return types.float32(row, q, d, nb), codegen
 
     @njit(fastmath=True, nogil=True, cache=cache)
-    def round_blocks(x, q, d):
-        """x float32 [nb * 32] -> q int8 [nb * 32], d [nb]: x ~ d[b] * q per block."""
+    def round_blocks(x, q, d, evens_first):
+        """x float32 [nb * 32] -> q int8 [nb * 32], d [nb]: x ~ d[b] * q per block; with
+        evens_first each block's even inputs come first, then its odd ones (MXFP4's nibbles)."""
         for b in range(d.shape[0]):
             top = np.float32(0.0)
             for i in range(BLOCK):
                 top = max(top, abs(x[b * BLOCK + i]))
             d[b] = top / np.float32(127.0)
             inv = np.float32(127.0) / top if top > 0 else np.float32(0.0)
-            for i in range(BLOCK):
-                q[b * BLOCK + i] = np.int8(np.rint(x[b * BLOCK + i] * inv))
+            if evens_first:
+                for i in range(BLOCK // 2):
+                    q[b * BLOCK + i] = np.int8(np.rint(x[b * BLOCK + 2 * i] * inv))
+                    q[b * BLOCK + BLOCK // 2 + i] = np.int8(np.rint(x[b * BLOCK + 2 * i + 1] * inv))
+            else:
+                for i in range(BLOCK):
+                    q[b * BLOCK + i] = np.int8(np.rint(x[b * BLOCK + i] * inv))
 
     @njit(parallel=True, fastmath=True, nogil=True, cache=cache)
     def matvec_kernel(x, w, s, out):
         nb = w.shape[1] // BLOCK
         q = np.empty(nb * BLOCK, dtype=np.int8)
         d = np.empty(nb, dtype=np.float32)
-        round_blocks(x[0], q, d)
+        round_blocks(x[0], q, d, False)
         for r in prange(w.shape[0]):
             out[0, r] = block_products(w[r], q, d, nb) * s[r]
 
-    return SimpleNamespace(matvec=matvec_kernel)
+    return SimpleNamespace(matvec=matvec_kernel, round_blocks=round_blocks)

@@ -22,6 +22,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from moeferry.engine.kernels import int8_cpu
 from moeferry.engine.kernels.hqq_cpu import array_data, llvm_function, numba_disk_cache, splat_vector, vector_at
 from moeferry.engine.storage.mxfp4 import BLOCK, Mxfp4Matrix
 
@@ -100,18 +101,7 @@ def _compile():
                                 [f32(0.0), builder.load(acc)], fastmath=("fast",))
         return types.float32(codes, scales, q, d, halves, nb), codegen
 
-    @njit(fastmath=True, nogil=True, cache=cache)
-    def round_blocks(x, q, d):
-        """x float32 [nb * 32] -> q int8 (each block's even inputs, then its odd ones), d [nb]."""
-        for b in range(d.shape[0]):
-            top = np.float32(0.0)
-            for i in range(BLOCK):
-                top = max(top, abs(x[b * BLOCK + i]))
-            d[b] = top / np.float32(127.0)
-            inv = np.float32(127.0) / top if top > 0 else np.float32(0.0)
-            for i in range(BLOCK // 2):
-                q[b * BLOCK + i] = np.int8(np.rint(x[b * BLOCK + 2 * i] * inv))
-                q[b * BLOCK + BLOCK // 2 + i] = np.int8(np.rint(x[b * BLOCK + 2 * i + 1] * inv))
+    round_blocks = int8_cpu.kernels().round_blocks  # x -> int8 blocks, evens first (the nibbles' order)
 
     @njit(parallel=True, fastmath=True, nogil=True, cache=cache)
     def qmatmul(x, blocks, scales, halves, out):
@@ -120,7 +110,7 @@ def _compile():
         d = np.empty(nb, dtype=np.float32)
         flat = blocks.reshape(rows, nb * (BLOCK // 2))
         for t in range(x.shape[0]):
-            round_blocks(x[t], q, d)
+            round_blocks(x[t], q, d, True)
             for r in prange(rows):
                 out[t, r] = block_products(flat[r], scales[r], q, d, halves, nb)
 
