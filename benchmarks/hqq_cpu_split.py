@@ -45,7 +45,7 @@ def main() -> None:
     @njit(fastmath=True)
     def every_group(x, scale, smeta, zero, zmeta, center):
         K = x.shape[1]
-        s_meta, z_meta = decoded_meta(smeta, K, np.float32(0.0)), decoded_meta(zmeta, K, -center)
+        s_meta, z_meta = decoded_meta((smeta, zmeta), (K, K), (np.float32(0.0), -center))
         xs, amax, q, m, _, _ = scratch(K, 1)
         total = np.float32(0.0)
         for j in range(scale.shape[0]):
