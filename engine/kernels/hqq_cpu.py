@@ -148,8 +148,11 @@ def swiglu_expert(x: np.ndarray, w1: CpuQMatrix, w3: CpuQMatrix, w2: CpuQMatrix)
 
 def expert_addresses(w1: CpuQMatrix, w3: CpuQMatrix, w2: CpuQMatrix) -> np.ndarray:
     """Where an expert's arrays lie (int64 [18]: per matrix its two code planes, scale, scale
-    meta, zero, zero meta), for swiglu_experts, which reads them with the shapes _dims gives:
-    checked here, so that it reads nothing beyond them. Valid while the views are alive."""
+    meta, zero, zero meta), for swiglu_experts, which reads them with the shapes _dims gives
+    (w3's those of w1): checked here, so that it reads nothing beyond them. Valid while the
+    views are alive."""
+    if not (_dims(w1) == _dims(w3)).all():
+        raise ValueError("an expert's w1 and w3 differ in layout")
     out = []
     for w in (w1, w3, w2):
         p0 = w.planes[0]
@@ -175,8 +178,6 @@ def swiglu_experts(x: np.ndarray, experts: list[tuple], addresses: np.ndarray) -
     so small experts (Qwen3's, OLMoE's) keep all threads busy and start them three times per
     layer instead of per expert. addresses: their expert_addresses stacked [N, 18]."""
     w1, w3, w2 = experts[0]
-    if not (_dims(w1) == _dims(w3)).all():
-        raise ValueError("w1 and w3 differ in layout")
     N, T = len(experts), x.shape[0]
     gate = np.empty((N, T, w1.rows), dtype=np.float32)
     up = np.empty((N, T, w3.rows), dtype=np.float32)

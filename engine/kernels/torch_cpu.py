@@ -13,7 +13,7 @@ kernels group along the INPUT dimension). One CpuMatrix W [N, K] (N outputs, K i
           HQQ's (q - zh) * s is the same form with z = (8 - zh) * s.
   "int8"  torch.ops.aten._weight_int8pack_mm: W[n, k] = q[n, k] * s[n], q int8 [N, K]
           symmetric per output row, `meta` = s [N] in bfloat16; a lone token goes through
-          engine/kernels/int8_cpu.py instead (about twice torch's rate).
+          engine/kernels/int8_cpu.py instead (1.4-2.1x torch's rate on the 2-core box).
   "dense" the weight itself (the GPU copy's dequantized values: exact), `packed` [N, K] in
           the model's compute dtype.
 int4 and int8 take bfloat16 activations: that is their fast path (measured on 2 cores, one
@@ -22,7 +22,8 @@ int4 and int8 take bfloat16 activations: that is their fast path (measured on 2 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -43,15 +44,14 @@ class CpuMatrix:
     packed: torch.Tensor
     meta: torch.Tensor | None = None
     group_size: int = 0
-    _scales: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)  # int8_cpu's
-    _lone: bool | None = field(default=None, init=False, repr=False, compare=False)
 
-    def lone_token_kernel(self) -> bool:
-        """Whether int8_cpu multiplies a lone token here (numba and AVX2, inputs in its blocks)."""
-        if self._lone is None:
-            self._lone = self.cols % int8_cpu.BLOCK == 0 and not hqq_cpu.available()
-            self._scales = self.meta.float().numpy() if self._lone else None
-        return self._lone
+    @cached_property
+    def lone_token_scales(self) -> np.ndarray | None:
+        """The row scales in float32 where int8_cpu multiplies a lone token through this matrix
+        (int8, numba and AVX2, inputs in its blocks), else None."""
+        if self.fmt != "int8" or self.cols % int8_cpu.BLOCK or hqq_cpu.available():
+            return None
+        return self.meta.float().numpy()
 
     def nbytes(self) -> int:
         meta = 0 if self.meta is None else self.meta.numel() * self.meta.element_size()
@@ -65,8 +65,8 @@ class CpuMatrix:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] -> float32 [T, N]. A lone token through an int8 matrix takes int8_cpu's
         kernel where numba runs: torch's reads it at about half the RAM's speed."""
-        if self.fmt == "int8" and x.shape[0] == 1 and self.lone_token_kernel():
-            return torch.from_numpy(int8_cpu.matvec(x.float().numpy(), self.packed.numpy(), self._scales))
+        if x.shape[0] == 1 and self.lone_token_scales is not None:
+            return torch.from_numpy(int8_cpu.matvec(x.float().numpy(), self.packed.numpy(), self.lone_token_scales))
         x = x.to(self.dtype)
         if self.fmt == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.meta)

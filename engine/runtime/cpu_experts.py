@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -69,8 +70,6 @@ class HqqExpert:
     alpha: float | None = None  # its clamped SwiGLU's constants (ModelConfig.swiglu_*)
     limit: float | None = None
     kernel = hqq_cpu  # the module whose matmul takes its matrices
-    _addresses: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
-    _layout: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def nbytes(self) -> int:
         return self.w1.nbytes() + self.w3.nbytes() + self.w2.nbytes()
@@ -79,18 +78,16 @@ class HqqExpert:
         """RAM this expert takes beyond the stored bytes it reads in place."""
         return self.w1.copied_bytes() + self.w3.copied_bytes() + self.w2.copied_bytes()
 
+    @cached_property
     def addresses(self) -> np.ndarray:
-        """hqq_cpu.expert_addresses of its matrices (run_together), found once."""
-        if self._addresses is None:
-            self._addresses = hqq_cpu.expert_addresses(self.w1, self.w3, self.w2)
-        return self._addresses
+        """hqq_cpu.expert_addresses of its matrices (run_together)."""
+        return hqq_cpu.expert_addresses(self.w1, self.w3, self.w2)
 
+    @cached_property
     def layout(self) -> tuple:
         """What experts run together in one call must share (run_together): shapes and quantization."""
-        if self._layout is None:
-            self._layout = tuple((w.rows, w.cols, w.bits, w.group_size, w.scale_meta.shape, w.zero_meta.shape)
-                                 for w in (self.w1, self.w3, self.w2))
-        return self._layout
+        return tuple((w.rows, w.cols, w.bits, w.group_size, w.scale_meta.shape, w.zero_meta.shape)
+                     for w in (self.w1, self.w3, self.w2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float().numpy()
@@ -194,11 +191,11 @@ def run_together(jobs: list[tuple[CpuExpert, torch.Tensor]]) -> list[torch.Tenso
     if len(jobs) < 2:
         return None
     first, x = jobs[0]
-    if any(type(e) is not HqqExpert or e.biases is not None or xe is not x or e.layout() != first.layout()
+    if any(type(e) is not HqqExpert or e.biases is not None or xe is not x or e.layout != first.layout
            for e, xe in jobs):
         return None
     y = hqq_cpu.swiglu_experts(x.float().numpy(), [(e.w1, e.w3, e.w2) for e, _ in jobs],
-                               np.stack([e.addresses() for e, _ in jobs]))
+                               np.stack([e.addresses for e, _ in jobs]))
     return [torch.from_numpy(y[i]) for i in range(len(jobs))]
 
 

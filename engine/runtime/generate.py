@@ -381,10 +381,9 @@ def move_dense(dense: dict, device, dtype, in_place: bool = False) -> tuple[dict
     then the matrices of a quantized model are read in low-bit forms, for a quarter of
     float32's bytes per token and of its RAM or less: 2-4 bit ones as stored, on the same
     kernel (model.OffloadedMixtral.linear), 8-bit ones (which it does not take) and the LM
-    head rounded per row to int8 for torch's kernel (torch_cpu), as llama.cpp's files round
-    theirs. float32, the head is most of what a token reads in a small MoE (Qwen3-30B-A3B's is
-    1.2 GB); torch's int8 kernel reads it 2.7x faster (32000x4096, 2 cores, AVX2 and AVX-512
-    alike; bfloat16 would be slower than float32 without AVX-512)."""
+    head rounded per row to int8 (torch_cpu: int8_cpu's kernel for a decoded token, torch's for
+    a prompt), as llama.cpp's files round theirs. float32, the head is most of what a token
+    reads in a small MoE (Qwen3-30B-A3B's is 1.2 GB)."""
     on_cpu = device.type == "cpu"
     low_bit = in_place and on_cpu and any(isinstance(w, quant.QMatrix) for w in dense.values())
     out, nbytes = {}, 0
@@ -487,8 +486,9 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
         cpu_experts = default_cpu_experts(dev, st, host, cache_experts, cpu_format)
     every_expert = cpu_experts != "off" and dev.type == "cpu" and cache_experts is None
     if dev.type == "cpu" and not cpu_threads:
-        # torch's largest product: the experts' (dequantized cache), or with every expert on the
-        # numba kernel the head's; one thread when that is small (vram.cpu_one_thread says why)
+        # torch's products: the experts' (dequantized cache), or with every expert on the numba
+        # kernels a prompt's dense ones, which the head's size stands for; one thread when they
+        # are small (vram.cpu_one_thread says why)
         torch_matrix = cfg.vocab_size * cfg.hidden_size if every_expert else cfg.hidden_size * cfg.intermediate_size
         torch.set_num_threads(1 if vram.cpu_one_thread(torch_matrix) else TORCH_THREADS)
     dense, dense_b = move_dense(store_mod.read_dense(st), dev, dtype, every_expert and not hqq_cpu.available())

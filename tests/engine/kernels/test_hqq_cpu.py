@@ -120,6 +120,8 @@ def test_several_experts_in_one_call_equal_each_run_alone(spec, T):
     short = dataclasses.replace(w1, planes=(w1.planes[0][:-1],) + w1.planes[1:])
     with pytest.raises(ValueError, match="shapes"):
         hqq_cpu.expert_addresses(short, *experts[0][1:])
+    with pytest.raises(ValueError, match="w1 and w3"):
+        hqq_cpu.expert_addresses(experts[0][0], experts[0][2], experts[0][2])
 
 
 def test_unsupported_matrices_are_refused():

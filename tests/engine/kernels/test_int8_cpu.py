@@ -34,7 +34,7 @@ def test_a_lone_token_matches_the_dequantized_matrix_to_int8_input_rounding(rows
         assert (excess <= 1e-5 * want.abs().max()).all(), excess.max()
     want = x @ w.T
     assert ((m.matmul(x) - want).norm() / want.norm()).item() < 0.01  # CpuMatrix sends a lone token here
-    assert m.lone_token_kernel()
+    assert m.lone_token_scales is not None
 
 
 def test_zero_inputs_prompts_and_other_widths_keep_torchs_kernel():
@@ -45,7 +45,7 @@ def test_zero_inputs_prompts_and_other_widths_keep_torchs_kernel():
     want = torch.ops.aten._weight_int8pack_mm(x.bfloat16(), m.packed, m.meta).float()
     assert torch.equal(m.matmul(x), want)  # a prompt: torch's kernel
     odd = torch_cpu.quantize_int8(torch.randn(16, 80))  # 80 inputs: a multiple of torch's 16, not of 32
-    assert not odd.lone_token_kernel()
+    assert odd.lone_token_scales is None
     assert odd.matmul(torch.randn(1, 80)).shape == (1, 16)
     with pytest.raises(ValueError, match="multiple of 32"):
         int8_cpu.matvec(np.zeros((1, 80), np.float32), odd.packed.numpy(), odd.meta.float().numpy())
