@@ -40,7 +40,7 @@ from moeferry.engine.runtime.cpu_experts import HqqExpert, Mxfp4Expert
 from moeferry.engine.runtime.decode_graphs import use_cuda_graphs
 from moeferry.engine.runtime.expert_cache import ExpertCache, pace_cycles, pin, pinned_empty, sleep_cycles_per_s
 from moeferry.engine.runtime.generate import compute_ready, cpu_copies_of, cpu_experts_for, device_bytes, parse_size
-from moeferry.engine.runtime.model import ModelConfig, OffloadedMixtral
+from moeferry.engine.runtime.model import HOST_PHASES, ModelConfig, OffloadedMixtral
 from moeferry.engine.storage import mxfp4, quant, store as store_mod
 from moeferry.engine.units import GiB, fmt_bytes
 
@@ -482,6 +482,9 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
                 log(f"         {row['per_token']:5.2f} layers/token with {row['copied']} copied, {row['on_cpu']} on the CPU: "
                     f"{row['ms']:.3f} ms = host {row['host_ms']:.3f} + CPU kernel {row['kernel_ms']:.3f} "
                     f"+ device wait {row['device_wait_ms']:.3f}")
+                if row["host_phases_ms"]:
+                    log("             host by step (ms): " + ", ".join(f"{name} {ms:.3f}" for name, ms
+                                                                     in row["host_phases_ms"].items()))
             if mode == "hybrid":
                 log(f"         costs at load: {d.get('costs_at_load')}; learned by the end: CPU "
                     f"{d.get('cpu_gbps_learned', 0):.1f} GB/s, hand-off {d.get('cpu_hand_off_ms_learned', 0):.2f} ms")
@@ -554,15 +557,18 @@ def layer_split(times: list, steps: int) -> list[dict]:
     for a, b in zip(times, times[1:]):
         if b.layer != a.layer + 1:
             continue
-        r = rows.setdefault((a.copied, a.on_cpu), [0, 0.0, 0.0, 0.0])
+        r = rows.setdefault((a.copied, a.on_cpu), [0, 0.0, 0.0, 0.0, {}])
         r[0] += 1
         r[1] += b.routed - a.routed
         r[2] += a.done - a.routed
         r[3] += a.kernel
+        for name, s in (a.phases or {}).items():
+            r[4][name] = r[4].get(name, 0.0) + s
     return [{"copied": c, "on_cpu": n, "per_token": round(k / steps, 2), "ms": round(w / k * 1e3, 3),
              "host_ms": round((h - kern) / k * 1e3, 3), "kernel_ms": round(kern / k * 1e3, 3),
-             "device_wait_ms": round((w - h) / k * 1e3, 3)}
-            for (c, n), (k, w, h, kern) in sorted(rows.items())]
+             "device_wait_ms": round((w - h) / k * 1e3, 3),
+             "host_phases_ms": {name: round(ph[name] / k * 1e3, 3) for name in HOST_PHASES if name in ph}}
+            for (c, n), (k, w, h, kern, ph) in sorted(rows.items())]
 
 
 def markdown_table(report: dict) -> str:

@@ -243,7 +243,7 @@ class CpuExperts:
         self.threads_set_in: int | None = None  # the thread whose pools have self.threads (use_threads)
         self.use_threads()
         self.stats = CpuRunStats()
-        self.stage: torch.Tensor | None = None  # pinned [top_k, H]: results on their way up
+        self.stage: torch.Tensor | None = None  # pinned [1, H]: a decoded token's CPU sum on its way up
         self.stage_dev: torch.Tensor | None = None  # its twin on the device
         self.down: torch.Tensor | None = None  # pinned [1, H]: a decoded token's h on its way down
         self.weights_host: torch.Tensor | None = None  # its routing weights [1, k], beside it
@@ -322,9 +322,10 @@ class CpuExperts:
 
     def start(self, layer: int, rows: dict, h: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> "CpuJob":
         """Send h down for rows' experts (see choose); the job computes them (compute(), once the
-        link has its copies) and adds each output times its routing weight to out as the device
-        path does (add(), once the device's experts of the layer are queued: they write out):
-        out += (y.to(out.dtype) * weight).to(out.dtype)."""
+        link has its copies) and adds their outputs times their routing weights to out (add(),
+        once the device's experts of the layer are queued: they write out). A decoded token's are
+        summed in float32 first, as the device's grouped kernel sums its experts:
+        out += (sum of y * weight).to(out.dtype)."""
         experts = sorted(rows)
         if h.shape[0] == 1:  # decode: every expert takes the one token
             x = self._down(h, weights)
@@ -348,21 +349,18 @@ class CpuExperts:
         self.weights_host.copy_(weights, non_blocking=True)
         return self.down.copy_(h).float()  # waits for both
 
-    def _up(self, contributions: list[torch.Tensor], out: torch.Tensor) -> list[torch.Tensor]:
-        """Decode results [1, H] each (weighted, in out's dtype) -> on out's device, through a
-        pinned staging buffer and its device twin (one copy, not waiting for the device). Both
-        are rewritten only after the next layer's routing sync, by which time this copy and the
-        adds reading it have run."""
+    def _up(self, total: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """A decoded token's weighted CPU sum, float32 [1, H] -> out's dtype on out's device,
+        through a pinned staging buffer and its device twin (one copy, not waiting for the
+        device). Both are rewritten only after the next layer's routing sync, by which time this
+        copy and the add reading it have run."""
         if out.device.type == "cpu":
-            return contributions
-        n = len(contributions)
-        if self.stage is None or self.stage.shape[0] < n or self.stage.dtype != out.dtype:
-            self.stage = torch.empty((max(n, 8), out.shape[-1]), dtype=out.dtype, pin_memory=True)
-            self.stage_dev = torch.empty(self.stage.shape, dtype=out.dtype, device=out.device)
-        for j, c in enumerate(contributions):
-            self.stage[j].copy_(c[0])
-        self.stage_dev[:n].copy_(self.stage[:n], non_blocking=True)
-        return [self.stage_dev[j:j + 1] for j in range(n)]
+            return total.to(out.dtype)
+        if self.stage is None or self.stage.shape != out.shape or self.stage.dtype != out.dtype:
+            self.stage = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            self.stage_dev = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        self.stage.copy_(total)
+        return self.stage_dev.copy_(self.stage, non_blocking=True)
 
 
 class CpuJob:
@@ -383,12 +381,12 @@ class CpuJob:
 
     def add(self) -> None:
         o, out = self.owner, self.out
-        if out.shape[0] == 1:  # decode: weighted here (the host has the weights), one add each there
-            w = o.weights_host
-            contributions = [(y.to(out.dtype) * w[:, self.rows[e][0][1], None]).to(out.dtype)
-                             for e, y in zip(self.experts, self.ys)]
-            for c in o._up(contributions, out):
-                out.add_(c)
+        if out.shape[0] == 1:  # decode: weighted and summed here (the host has the weights), one add there
+            w = o.weights_host.float()
+            total = torch.zeros(self.ys[0].shape, dtype=torch.float32)
+            for e, y in zip(self.experts, self.ys):
+                total.addcmul_(y, w[:, self.rows[e][0][1], None])
+            out.add_(o._up(total, out))
         else:
             for e, y in zip(self.experts, self.ys):
                 t = torch.tensor([t for t, _ in self.rows[e]], device=out.device)

@@ -200,6 +200,14 @@ class LayerTimes:
     routed: float
     done: float
     kernel: float = 0.0  # seconds of routed..done the CPU experts were computed (the rest: the host's Python)
+    phases: dict | None = None  # seconds of routed..done by dispatch's step (HOST_PHASES), "cpu" = kernel
+
+
+# dispatch's steps on the host, in the order a CPU layer that copies too runs them: the
+# guesses read, the CPU's choice, h sent down, copies and device work queued, the prefetches
+# queued, the CPU experts computed, the device's experts queued, the cache's slots released
+# (and the prefetches queued when they were not yet), the CPU's results sent up and added
+HOST_PHASES = ("guesses", "choose", "down", "queue", "prefetch", "cpu", "device", "release", "up")
 
 
 def run_now(key: tuple, fn) -> None:
@@ -354,7 +362,14 @@ class OffloadedMixtral:
         """
         ids_host = ids.tolist()
         routed = time.perf_counter()
+        marks = [("routed", routed)] if self.timeline is not None else None
+
+        def mark(phase: str) -> None:  # the host clock at the end of each step, for the timeline
+            if marks is not None:
+                marks.append((phase, time.perf_counter()))
+
         guesses_host = guesses.tolist() if guesses is not None else []
+        mark("guesses")
         needed = sorted({e for row in ids_host for e in row})
         resident = set(self.cache.lru[i]) if self.timeline is not None else set()
         if step is not None:
@@ -362,33 +377,45 @@ class OffloadedMixtral:
         on_cpu, both, job = {}, [], None
         if self.hybrid is not None and io is not None:
             on_cpu, both = self.hybrid.choose(i, needed, ids_host, self.cache)
+            mark("choose")
             if on_cpu:  # h goes down now
                 job = self.hybrid.start(i, on_cpu, *io)
+                mark("down")
         copied_before = self.cache.stats.bytes_h2d
         for e in (e for e in needed if e not in on_cpu):  # copies and compute queued, waiting for neither
             w, slot = self.cache.acquire(i, e, keep=needed)
             if add_all is None:
                 add_expert(w, slot, e, ids_host[0].index(e) if len(ids_host) == 1 else None)
+        mark("queue")
         cpu_first = job is not None and self.cache.stats.bytes_h2d > copied_before
         if cpu_first:
             self.prefetcher.issue(self.cache, i, guesses_host)
+            mark("prefetch")
             job.compute()
+            mark("cpu")
         if add_all is not None:
             self.cache.sync_table(i)
             add_all([k for k, e in enumerate(ids_host[0]) if e not in on_cpu])
+            mark("device")
         self.cache.release(i)
         if not cpu_first:
             self.prefetcher.issue(self.cache, i, guesses_host)  # queued behind the demand copies
         for e in both:  # the link's idle time while the CPU works (engine/runtime/placement.py)
             self.cache.admit(i, e)
+        mark("release")
         if job is not None:
             if not cpu_first:
                 job.compute()
+                mark("cpu")
             job.add()
-        if self.timeline is not None:
+            mark("up")
+        if marks is not None:
             copied = sum(1 for e in needed if e not in on_cpu and e not in resident)
-            self.timeline.append(LayerTimes(i, copied, len(on_cpu), routed, time.perf_counter(),
-                                            job.seconds if job is not None else 0.0))
+            phases = {}
+            for (_, a), (name, b) in zip(marks, marks[1:]):
+                phases[name] = phases.get(name, 0.0) + b - a
+            self.timeline.append(LayerTimes(i, copied, len(on_cpu), routed, marks[-1][1],
+                                            job.seconds if job is not None else 0.0, phases))
 
     def force_routing(self, i: int, s: Step, ids: torch.Tensor, guesses: torch.Tensor | None) -> None:
         """Hand MoE layer i's routing to self.routing (engine/measure/routing.py); what it chooses

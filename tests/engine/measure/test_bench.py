@@ -141,6 +141,12 @@ def test_the_hybrid_mode_reports_its_cpu_experts(monkeypatch):
         assert sum(row["per_token"] for row in split) == pytest.approx(s.cfg.num_moe_layers - 1, abs=0.02)
     assert any(row["on_cpu"] > 0 and row["kernel_ms"] > 0 for row in hybrid["layer_split"])
     assert all(row["on_cpu"] == 0 and row["kernel_ms"] == 0 for row in lru["layer_split"])
+    # the host's steps add up to its share, the CPU's step to the kernel's
+    for row in lru["layer_split"] + hybrid["layer_split"]:
+        steps = row["host_phases_ms"]
+        assert sum(ms for name, ms in steps.items() if name != "cpu") == pytest.approx(row["host_ms"], abs=0.02)
+        assert steps.get("cpu", 0.0) == pytest.approx(row["kernel_ms"], abs=0.02)
+        assert ("up" in steps) == (row["on_cpu"] > 0)
 
 
 def test_the_layer_split_adds_each_kind_of_layer_up():
