@@ -38,11 +38,13 @@ import torch.nn.functional as F
 
 from moeferry.engine.kernels import hqq_cpu, mxfp4_cpu
 from moeferry.engine.kernels.torch_cpu import FORMATS as COPY_FORMATS, INPUT_MULTIPLE, CpuMatrix, make_matrix
+from moeferry.engine.runtime import placement
 from moeferry.engine.runtime.model import clamped_swiglu
 from moeferry.engine.storage.mxfp4 import Mxfp4Matrix
 
 FORMATS = ("hqq",) + COPY_FORMATS  # "hqq": the stored expert, in place; the others copies in their own layout
 LEARN = 0.2  # weight of each decoded layer's CPU rate in the cost model's (learned_costs)
+OUTLIER = 4.0  # the most a decoded layer's CPU rate or hand-off is taken to differ from the model's
 
 
 @dataclass
@@ -209,8 +211,12 @@ def learned_costs(costs, bytes_read: int, seconds: float, hand_off_s: float | No
     cpu_overhead_s)."""
     if bytes_read <= 0 or seconds <= 0:
         return costs
-    learned = replace(costs, cpu_gbps=(1 - LEARN) * costs.cpu_gbps + LEARN * bytes_read / seconds / 1e9)
+    # a layer at most OUTLIER times off counts: one stall (a page fault, the collector, another
+    # program) then moves the model by a few per cent, and it never locks the CPU out for good
+    rate = min(max(bytes_read / seconds / 1e9, costs.cpu_gbps / OUTLIER), costs.cpu_gbps * OUTLIER)
+    learned = replace(costs, cpu_gbps=(1 - LEARN) * costs.cpu_gbps + LEARN * rate)
     if hand_off_s is not None:
+        hand_off_s = min(hand_off_s, OUTLIER * max(costs.cpu_overhead_s, 1e-4))
         learned.cpu_overhead_s = (1 - LEARN) * costs.cpu_overhead_s + LEARN * hand_off_s
     return learned
 
@@ -232,11 +238,12 @@ class CpuExperts:
     def __init__(self, copies: dict[tuple[int, int], CpuExpert], mode: str, costs=None,
                  gpu_bytes: int = 0, params: int = 0, every_expert: bool = False,
                  threads: int | None = None):
-        from moeferry.engine.runtime import placement
-
         if mode not in ("auto", "all"):
             raise ValueError(f"unknown CPU expert mode {mode!r}")
         self.copies, self.mode, self.costs, self.every_expert = copies, mode, costs, every_expert
+        self.able: dict[int, set[int]] = {}  # layer -> its experts that have a CPU copy
+        for layer, e in copies:
+            self.able.setdefault(layer, set()).add(e)
         cpu_bytes = max((c.nbytes() for c in copies.values()), default=0)
         self.sizes = placement.ExpertSizes(gpu_bytes, cpu_bytes, params)
         self.threads, self.numba = threads, any(isinstance(c, HqqExpert) for c in copies.values())
@@ -264,6 +271,17 @@ class CpuExperts:
                 hqq_cpu.set_threads(self.threads)
             self.threads_set_in = threading.get_ident()
 
+    def warm(self) -> None:
+        """Run the kernels a decoded layer calls, one expert and two together, once now: numba
+        compiles each on its first call (about 10 s, or a disk cache's load). In the first
+        token that time would stall it, and the cost model, learning the CPU's rate from it,
+        would keep misses off the CPU for long after."""
+        copies = list(self.copies.values())[:2]
+        if copies:
+            x = torch.zeros(1, copies[0].w2.rows)
+            self.run([(copies[0], x)])
+            self.run([(c, x) for c in copies])
+
     def run(self, jobs: list[tuple[CpuExpert, torch.Tensor]]) -> list[torch.Tensor]:
         """expert(x) for each (expert, x float32 [T, H]): float32 [T, H] each."""
         self.use_threads()
@@ -272,8 +290,6 @@ class CpuExperts:
     def choose(self, layer: int, needed: list[int], ids_host: list[list[int]], cache):
         """-> (rows, both): rows = expert -> [(token, top-k position)] for the experts of this
         step that run on the CPU; both = those of them also copied into the cache for later."""
-        from moeferry.engine.runtime import placement
-
         if not self.every_expert and cache.policy != "lru":
             return {}, []
         if self.mode == "auto" and len(ids_host) == 1 and cache.cuda and self.costs is not None:
@@ -301,8 +317,6 @@ class CpuExperts:
         (the copy goes on and serves a later token). Prefetch pauses while the link is backed
         up further than the CPU's time for one expert. The CPU's rate is relearned from every
         layer it works (learned_costs)."""
-        from moeferry.engine.runtime import placement
-
         # told again whenever the costs (learned) or the cache (Engine.set_cache_experts) change;
         # a prefetch queued behind more than one CPU expert's time would land after the CPU could
         # have computed it: it would only take the link from the copies that help
@@ -312,10 +326,8 @@ class CpuExperts:
         self.chosen_at = time.perf_counter()
         if cache.link_free_time() <= self.chosen_at and cache.holds(layer, needed):
             return {}, []  # every expert in place: nothing can finish sooner on the CPU
-        experts = [(e, cache.lands_at(layer, e)) for e in needed]
-        able = {e for e in needed if (layer, e) in self.copies}
         run = sorted(placement.choose_by_finish(self.costs, self.sizes, self.chosen_at, cache.link_free_time(),
-                                                experts, able))
+                                                cache.landing(layer, needed), self.able.get(layer, frozenset())))
         cache.count_cpu_misses(len(run), 0)
         self.learning = bool(run)
         return {e: [(0, row.index(e))] for e in run}, []

@@ -160,6 +160,11 @@ class ExpertCache:
         slot = self.lru[layer].get(expert)
         return None if slot is None else self.ready_at[layer][slot]
 
+    def landing(self, layer: int, experts) -> list[tuple[int, float | None]]:
+        """(expert, lands_at) for each of these experts of the layer."""
+        lru, ready = self.lru[layer], self.ready_at[layer]
+        return [(e, None if (slot := lru.get(e)) is None else ready[slot]) for e in experts]
+
     def holds(self, layer: int, experts) -> bool:
         """Whether every one of these experts is resident in the layer (copies maybe in flight)."""
         lru = self.lru[layer]

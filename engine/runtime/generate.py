@@ -654,6 +654,7 @@ def cpu_experts_for(copies: dict, cfg: ModelConfig, host: torch.Tensor, cache: E
     if cache.cuda and not every_expert:
         hqq_cpu.spin_between_layers()  # before the CpuExperts start numba's threads
     hybrid = ce.CpuExperts(copies, mode, None, host.shape[2], params, every_expert, threads)
+    hybrid.warm()
     if mode == "auto" and not every_expert and copies:
         # small experts are timed a few to a call, as a decoded layer runs its misses: one at a
         # time their fixed cost per call (Qwen3's on 16 threads: 15.8 GB/s) would keep the

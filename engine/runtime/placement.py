@@ -102,20 +102,20 @@ def choose_by_finish(c: Costs, s: ExpertSizes, now: float, link_free_at: float,
     whose copy may still be in flight; None for a miss, which would queue behind the link's
     queue, free at link_free_at). On the CPU the layer's experts run one after another after
     the hand-off. The expert the device would finish last is offered to the CPU first."""
-    link = max(now, link_free_at)
-    finish = {}
+    copy, gpu, one = copy_s(c, s), c.gpu_expert_s, cpu_s(c, s, 1)
+    link, finish = max(now, link_free_at), []
     for e, ready in experts:
         if ready is None:
-            link += copy_s(c, s)
-            finish[e] = link + c.gpu_expert_s
+            link += copy
+            finish.append((link + gpu, e))
         else:
-            finish[e] = max(now, ready) + c.gpu_expert_s
+            finish.append((max(now, ready) + gpu, e))
+    finish.sort(key=lambda fe: fe[0], reverse=True)  # stable: ties keep the experts' order
     cpu_free, on_cpu = now + c.cpu_overhead_s, set()
-    for e in sorted(finish, key=lambda e: -finish[e]):
-        done = cpu_free + cpu_s(c, s, 1)
-        if e in can_cpu and done < finish[e]:
+    for f, e in finish:
+        if e in can_cpu and cpu_free + one < f:
             on_cpu.add(e)
-            cpu_free = done
+            cpu_free += one
     return on_cpu
 
 

@@ -116,15 +116,18 @@ def test_rope_attention_matches_the_eager_attention(dtype, variant, pos, window)
     assert torch.equal(kc[rows], want_kc[rows]) and torch.equal(vc[rows], want_vc[rows])
 
 
-@pytest.mark.parametrize("experts,top_k", [(8, 2), (6, 3), (5, 1)])
-def test_route_topk_matches_the_model_router(experts, top_k):
+@pytest.mark.parametrize("experts,top_k,hidden", [(8, 2, 4096), (6, 3, 4096), (5, 1, 4096),
+                                                  (128, 8, 2048), (32, 4, 2880), (64, 8, 2048)])
+def test_route_topk_matches_the_model_router(experts, top_k, hidden):
+    """Mixtral's shapes, odd ones, and the many experts of Qwen3 (128), gpt-oss (32, a hidden
+    size no power of two) and OLMoE (64), whose tiles are narrower."""
     from types import SimpleNamespace
 
     from moeferry.engine.kernels.decode import route_topk
     from moeferry.engine.runtime.model import OffloadedMixtral
     g = torch.Generator().manual_seed(experts)
-    h = torch.randn(1, 4096, generator=g).to(DEVICE)
-    router = (torch.randn(experts, 4096, generator=g) * 0.02).to(DEVICE)
+    h = torch.randn(1, hidden, generator=g).to(DEVICE)
+    router = (torch.randn(experts, hidden, generator=g) * 0.02).to(DEVICE)
     model = SimpleNamespace(cfg=SimpleNamespace(top_k=top_k))
     want_w, want_ids = OffloadedMixtral.route(model, {"router": router}, h)
     w = torch.empty(top_k, device=DEVICE)

@@ -464,6 +464,10 @@ def test_the_cpu_rate_of_the_cost_model_is_learned_from_decoded_layers(store16):
         late = ce.learned_costs(late, 16_000_000, 1e-3, hand_off_s=1.8e-3)
     assert late.cpu_overhead_s == pytest.approx(1.8e-3, rel=1e-3) and late.cpu_gbps == pytest.approx(16, rel=1e-3)
     assert ce.learned_costs(busy, 16_000_000, 1e-3).cpu_overhead_s == busy.cpu_overhead_s
+    # a stall (a kernel compiling, a page fault) counts as at most OUTLIER times off
+    stalled = ce.learned_costs(busy, 16_000_000, 10.0, hand_off_s=10.0)
+    assert stalled.cpu_gbps == pytest.approx(busy.cpu_gbps * (1 - ce.LEARN + ce.LEARN / ce.OUTLIER))
+    assert stalled.cpu_overhead_s <= busy.cpu_overhead_s + ce.LEARN * ce.OUTLIER * 1e-4
     assert choose_by_finish(late, sizes, 0.0, 0.0, [(3, None)], {3}) == set()
 
     path, _ = store16
