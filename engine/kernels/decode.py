@@ -187,15 +187,25 @@ def route_topk(h: torch.Tensor, router: torch.Tensor, top_k: int, weights: torch
     the top-k of the softmax, renormalised to sum 1 or as they are."""
     E, H = router.shape
     block_e = triton.next_power_of_2(E)
-    # one program reads the whole router: tiles of at most ROUTE_TILE weights stay in registers
-    # (128 experts in tiles of 1024 inputs spilled, 72 us a call for Qwen3 on the H200)
-    block_h = min(1024, triton.next_power_of_2(H), max(16, ROUTE_TILE // block_e))
-    _route_kernel[(1,)](h, router, router if bias is None else bias, weights, ids, H, E=E,
-                        BLOCK_E=block_e, TOPK=top_k, BLOCK_H=block_h, HAS_BIAS=bias is not None,
-                        NORM=renormalize, num_warps=8 if block_e >= 64 else 4)
+    b = router if bias is None else bias
+    if E <= FUSED_ROUTER_EXPERTS:  # one program reads the router and picks
+        block_h = min(1024, triton.next_power_of_2(H), max(16, ROUTE_TILE // block_e))
+        _route_kernel[(1,)](h, router, b, weights, ids, H, router, E=E, BLOCK_E=block_e, TOPK=top_k, BLOCK_H=block_h,
+                            HAS_BIAS=bias is not None, NORM=renormalize, LOGITS=False, num_warps=4)
+        return
+    # many experts (Qwen3's 128): one program read the whole router in 51 us on the H200, its
+    # loads one tile after another; the logits by LOGIT_ROWS experts per program, then the pick
+    logits = torch.empty(E, dtype=torch.float32, device=h.device)
+    _router_logits_kernel[(triton.cdiv(E, LOGIT_ROWS),)](h, router, b, logits, H, E, HAS_BIAS=bias is not None,
+                                                          ROWS=LOGIT_ROWS, BLOCK_H=min(1024, triton.next_power_of_2(H)),
+                                                          num_warps=4)
+    _route_kernel[(1,)](h, router, b, weights, ids, H, logits, E=E, BLOCK_E=block_e, TOPK=top_k, BLOCK_H=16,
+                        HAS_BIAS=bias is not None, NORM=renormalize, LOGITS=True, num_warps=4)
 
 
-ROUTE_TILE = 8192  # router weights per tile of _route_kernel
+FUSED_ROUTER_EXPERTS = 16  # routers this small are read and picked from in one program
+LOGIT_ROWS = 4  # experts per program of _router_logits_kernel
+ROUTE_TILE = 8192  # router weights per tile of _route_kernel (more spill out of registers)
 
 
 if triton is not None:
@@ -329,11 +339,9 @@ if triton is not None:
         tl.store(out_ptr + h * D + d, (acc / l_i).to(out_ptr.dtype.element_ty), mask=dm)
 
     @triton.jit
-    def _route_kernel(h_ptr, r_ptr, b_ptr, w_ptr, ids_ptr, H, E: tl.constexpr, BLOCK_E: tl.constexpr,
-                      TOPK: tl.constexpr, BLOCK_H: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr):
-        dt: tl.constexpr = h_ptr.dtype.element_ty
-        e = tl.arange(0, BLOCK_E)
-        acc = tl.zeros((BLOCK_E,), tl.float32)
+    def _router_dot(h_ptr, r_ptr, b_ptr, e, H, E, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr):
+        """Router logits of experts e (+ bias), rounded as F.linear's output dtype rounds them."""
+        acc = tl.zeros(e.shape, tl.float32)
         for k0 in range(0, H, BLOCK_H):
             k = k0 + tl.arange(0, BLOCK_H)
             x = tl.load(h_ptr + k, mask=k < H, other=0.0).to(tl.float32)
@@ -342,7 +350,24 @@ if triton is not None:
             acc += tl.sum(w * x[None, :], axis=1)
         if HAS_BIAS:
             acc += tl.load(b_ptr + e, mask=e < E, other=0.0).to(tl.float32)
-        logits = tl.where(e < E, _round(acc, dt), -float("inf"))  # F.linear's output dtype
+        return _round(acc, h_ptr.dtype.element_ty)
+
+    @triton.jit
+    def _router_logits_kernel(h_ptr, r_ptr, b_ptr, out_ptr, H, E, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
+                              BLOCK_H: tl.constexpr):
+        e = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        tl.store(out_ptr + e, _router_dot(h_ptr, r_ptr, b_ptr, e, H, E, HAS_BIAS, BLOCK_H), mask=e < E)
+
+    @triton.jit
+    def _route_kernel(h_ptr, r_ptr, b_ptr, w_ptr, ids_ptr, H, l_ptr, E: tl.constexpr, BLOCK_E: tl.constexpr,
+                      TOPK: tl.constexpr, BLOCK_H: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                      LOGITS: tl.constexpr):
+        """The softmax's top-k of the router's logits: computed here, or (LOGITS) read from l_ptr."""
+        e = tl.arange(0, BLOCK_E)
+        if LOGITS:
+            logits = tl.load(l_ptr + e, mask=e < E, other=-float("inf"))
+        else:
+            logits = tl.where(e < E, _router_dot(h_ptr, r_ptr, b_ptr, e, H, E, HAS_BIAS, BLOCK_H), -float("inf"))
         p = tl.exp(logits - tl.max(logits, axis=0))
         p = p / tl.sum(p, axis=0)
         # top-k by repeated argmax (lowest index among equals); twice: the sum of the k

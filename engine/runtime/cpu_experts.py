@@ -15,9 +15,9 @@ torch has no 2- or 3-bit CPU kernel, and a pure-torch one (unpack, then matmul) 
 unpacked weights back to RAM: about 100x slower than int4 (benchmarks/cpu_experts.py); hence
 the numba kernel for the store's own bytes.
 
-The CPU experts run on the host thread once it has queued the link's copies (the layer's
-and the prefetches) and, where nothing is copied, the GPU's experts (OffloadedMixtral.dispatch
-says why the order): the GPU and the link work meanwhile, and the kernel's threads (numba's
+The CPU experts run on the host thread once it has queued the rest of the layer: the link's
+copies, the GPU's experts and the prefetches (OffloadedMixtral.dispatch): the GPU and the
+link work meanwhile, and the kernel's threads (numba's
 and torch's pools, which stay warm between calls) have the host to themselves. A
 worker thread would overlap the host's queuing too, but then fights it for the GIL at every
 Python step around the kernel: measured on the GPU machine (benchmarks/cpu_hybrid_probe.py,
@@ -250,8 +250,8 @@ class CpuExperts:
         self.threads_set_in: int | None = None  # the thread whose pools have self.threads (use_threads)
         self.use_threads()
         self.stats = CpuRunStats()
-        self.stage: torch.Tensor | None = None  # pinned [1, H]: a decoded token's CPU sum on its way up
-        self.stage_dev: torch.Tensor | None = None  # its twin on the device
+        self.stage: torch.Tensor | None = None  # pinned float32 [1, H]: a decoded token's CPU sum on its way up
+        self.stage_dev: torch.Tensor | None = None  # its twin on the device (on a CPU device: itself)
         self.down: torch.Tensor | None = None  # pinned [1, H]: a decoded token's h on its way down
         self.weights_host: torch.Tensor | None = None  # its routing weights [1, k], beside it
         self.learning = False  # the running step was placed by choose_in_time: its CPU costs are learned
@@ -336,8 +336,8 @@ class CpuExperts:
         """Send h down for rows' experts (see choose); the job computes them (compute(), once the
         link has its copies) and adds their outputs times their routing weights to out (add(),
         once the device's experts of the layer are queued: they write out). A decoded token's are
-        summed in float32 first, as the device's grouped kernel sums its experts:
-        out += (sum of y * weight).to(out.dtype)."""
+        summed in float32 first, as the device's grouped kernel sums its experts, and added in
+        one rounding: out = (out + sum of y * weight).to(out.dtype)."""
         experts = sorted(rows)
         if h.shape[0] == 1:  # decode: every expert takes the one token
             x = self._down(h, weights)
@@ -361,17 +361,21 @@ class CpuExperts:
         self.weights_host.copy_(weights, non_blocking=True)
         return self.down.copy_(h).float()  # waits for both
 
-    def _up(self, total: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """A decoded token's weighted CPU sum, float32 [1, H] -> out's dtype on out's device,
-        through a pinned staging buffer and its device twin (one copy, not waiting for the
-        device). Both are rewritten only after the next layer's routing sync, by which time this
-        copy and the add reading it have run."""
-        if out.device.type == "cpu":
-            return total.to(out.dtype)
-        if self.stage is None or self.stage.shape != out.shape or self.stage.dtype != out.dtype:
-            self.stage = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-            self.stage_dev = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-        self.stage.copy_(total)
+    def _stage(self, out: torch.Tensor) -> np.ndarray:
+        """float32 [H]: where a decoded token's CPU sum is written, the numpy view of a pinned
+        buffer (self.stage [1, H]) that _up sends to its device twin (self.stage_dev)."""
+        if self.stage is None or self.stage.shape != out.shape or self.stage_dev.device != out.device:
+            cuda = out.device.type == "cuda"
+            self.stage = torch.empty(out.shape, dtype=torch.float32, pin_memory=cuda)
+            self.stage_dev = torch.empty(out.shape, dtype=torch.float32, device=out.device) if cuda else self.stage
+        return self.stage.numpy()[0]
+
+    def _up(self) -> torch.Tensor:
+        """The staged sum on the device (one copy, not waiting for it). Both buffers are
+        rewritten only after the next layer's routing sync, by which time this copy and the
+        add reading it have run."""
+        if self.stage_dev is self.stage:
+            return self.stage
         return self.stage_dev.copy_(self.stage, non_blocking=True)
 
 
@@ -394,11 +398,14 @@ class CpuJob:
     def add(self) -> None:
         o, out = self.owner, self.out
         if out.shape[0] == 1:  # decode: weighted and summed here (the host has the weights), one add there
-            w = o.weights_host.float()
-            total = torch.zeros(self.ys[0].shape, dtype=torch.float32)
-            for e, y in zip(self.experts, self.ys):
-                total.addcmul_(y, w[:, self.rows[e][0][1], None])
-            out.add_(o._up(total, out))
+            w = o.weights_host[0].float().numpy()
+            total = o._stage(out)
+            for j, (e, y) in enumerate(zip(self.experts, self.ys)):
+                if j == 0:
+                    np.multiply(y.numpy()[0], w[self.rows[e][0][1]], out=total)
+                else:
+                    total += y.numpy()[0] * w[self.rows[e][0][1]]
+            out.add_(o._up())
         else:
             for e, y in zip(self.experts, self.ys):
                 t = torch.tensor([t for t, _ in self.rows[e]], device=out.device)

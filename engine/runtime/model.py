@@ -203,11 +203,11 @@ class LayerTimes:
     phases: dict | None = None  # seconds of routed..done by dispatch's step (HOST_PHASES), "cpu" = kernel
 
 
-# dispatch's steps on the host, in the order a CPU layer that copies too runs them: the
-# guesses read, the CPU's choice, h sent down, copies and device work queued, the prefetches
-# queued, the CPU experts computed, the device's experts queued, the cache's slots released
-# (and the prefetches queued when they were not yet), the CPU's results sent up and added
-HOST_PHASES = ("guesses", "choose", "down", "queue", "prefetch", "cpu", "device", "release", "up")
+# dispatch's steps on the host, in order: the guesses read, the CPU's choice, h sent down, the
+# copies (and an expert at a time's device work) queued, the device's experts queued at once,
+# the cache's slots released and the prefetches queued, the CPU experts computed, their sum
+# sent up and added
+HOST_PHASES = ("guesses", "choose", "down", "queue", "device", "release", "cpu", "up")
 
 
 def run_now(key: tuple, fn) -> None:
@@ -355,10 +355,10 @@ class OffloadedMixtral:
         the experts at those top-k positions at once once they are in place (the device reads
         their slots from the cache's device table). With self.hybrid, io = (h, weights, out) of
         the layer: the experts it picks run on the CPU meanwhile and are added to out before
-        returning. The host computes them as soon as the link has its copies (this layer's,
-        then the prefetches) when there are any: the device's experts wait for those copies
-        anyway, so they are queued after the CPU's work; with nothing copied they are queued
-        first and run while the CPU works.
+        returning. The host computes them once it has queued everything else of the layer (the
+        link's copies, the device's experts, which wait for their copies on the device, and the
+        prefetches): the link and the device work while the CPU does, and only the CPU's sum
+        is left to send up and add after it.
         """
         ids_host = ids.tolist()
         routed = time.perf_counter()
@@ -381,32 +381,23 @@ class OffloadedMixtral:
             if on_cpu:  # h goes down now
                 job = self.hybrid.start(i, on_cpu, *io)
                 mark("down")
-        copied_before = self.cache.stats.bytes_h2d
         for e in (e for e in needed if e not in on_cpu):  # copies and compute queued, waiting for neither
             w, slot = self.cache.acquire(i, e, keep=needed)
             if add_all is None:
                 add_expert(w, slot, e, ids_host[0].index(e) if len(ids_host) == 1 else None)
         mark("queue")
-        cpu_first = job is not None and self.cache.stats.bytes_h2d > copied_before
-        if cpu_first:
-            self.prefetcher.issue(self.cache, i, guesses_host)
-            mark("prefetch")
-            job.compute()
-            mark("cpu")
         if add_all is not None:
             self.cache.sync_table(i)
             add_all([k for k, e in enumerate(ids_host[0]) if e not in on_cpu])
             mark("device")
         self.cache.release(i)
-        if not cpu_first:
-            self.prefetcher.issue(self.cache, i, guesses_host)  # queued behind the demand copies
+        self.prefetcher.issue(self.cache, i, guesses_host)  # queued behind the demand copies
         for e in both:  # the link's idle time while the CPU works (engine/runtime/placement.py)
             self.cache.admit(i, e)
         mark("release")
         if job is not None:
-            if not cpu_first:
-                job.compute()
-                mark("cpu")
+            job.compute()
+            mark("cpu")
             job.add()
             mark("up")
         if marks is not None:

@@ -123,12 +123,11 @@ def test_cpu_experts_run_after_the_layers_device_work_is_queued(store16, monkeyp
 
 
 @pytest.mark.parametrize("copied", [True, False])
-def test_the_cpu_goes_first_when_the_link_copies_and_last_when_it_does_not(copied):
-    """dispatch with grouped device experts (one launch for the layer, add_all): with a copy
-    in the layer the host computes the CPU's experts as soon as the link has its copies and
-    the prefetches (the device's experts wait for the copies anyway); without one it queues the
-    device's experts first, which then run while the CPU works. The CPU's sum is added last
-    either way (the grouped launch writes out)."""
+def test_the_cpu_computes_once_the_rest_of_the_layer_is_queued(copied):
+    """dispatch with grouped device experts (one launch for the layer, add_all): the host
+    queues the copies, the device's experts (which wait for their copies on the device), the
+    release of the layer's slots and the prefetches, and only then computes the CPU's experts,
+    whose sum it adds last (the grouped launch writes out)."""
     from types import SimpleNamespace
 
     from moeferry.engine.runtime.model import OffloadedMixtral
@@ -162,12 +161,8 @@ def test_the_cpu_goes_first_when_the_link_copies_and_last_when_it_does_not(copie
                             prefetcher=SimpleNamespace(issue=lambda cache, i, g: events.append("prefetch")))
     OffloadedMixtral.dispatch(model, 0, torch.tensor([[1, 2, 3]]), None, None,
                               add_all=lambda at: events.append(f"device experts {at}"), io=(None, None, None))
-    if copied:
-        assert events == ["h down", "copy", "prefetch", "cpu compute", "table", "device experts [0, 1]", "release",
-                          "cpu add"]
-    else:
-        assert events == ["h down", "table", "device experts [0, 1]", "release", "prefetch", "cpu compute",
-                          "cpu add"]
+    assert events == ["h down", *(["copy"] if copied else []), "table", "device experts [0, 1]", "release",
+                      "prefetch", "cpu compute", "cpu add"]
 
 
 def test_every_expert_on_the_cpu_without_a_cache(store16):
