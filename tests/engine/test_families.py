@@ -78,7 +78,16 @@ VARIANTS = [
                  num_hidden_layers=2), seed=2,
             options=dict(expert_act="clamped_swiglu", layer_windows=(3, None))),
 ]
-BY_ID = {v.id: v for v in VARIANTS}
+# routers of more than 16 experts take the two-kernel route on the GPU (engine/kernels/decode.py)
+MANY_EXPERTS = [
+    Variant("qwen3_moe-24-experts-top4", T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM,
+            dict(num_experts=24, num_experts_per_tok=4, moe_intermediate_size=16, intermediate_size=32,
+                 head_dim=20, norm_topk_prob=True)),
+    Variant("gpt_oss-20-experts-top3", T.GptOssConfig, T.GptOssForCausalLM,
+            dict(num_local_experts=20, num_experts_per_tok=3, intermediate_size=24, head_dim=16, sliding_window=5,
+                 num_hidden_layers=2)),
+]
+BY_ID = {v.id: v for v in VARIANTS + MANY_EXPERTS}
 
 
 def build(v: Variant, seed: int | None = None):
@@ -397,7 +406,7 @@ def test_a_store_of_an_unsupported_family_is_refused(tiny_store, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("expert_bits", [16, 4])
-@pytest.mark.parametrize("vid", [v.id for v in VARIANTS])
+@pytest.mark.parametrize("vid", [v.id for v in VARIANTS + MANY_EXPERTS])
 def test_cuda_graphs_run_every_family(tmp_path, vid, expert_bits):
     """16-bit: transformers' tokens; 4-bit experts (the grouped kernel where the format takes
     them): the eager layer's tokens on the same weights. Every cache size's graphs too."""

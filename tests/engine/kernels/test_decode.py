@@ -128,7 +128,7 @@ def test_route_topk_matches_the_model_router(experts, top_k, hidden):
     g = torch.Generator().manual_seed(experts)
     h = torch.randn(1, hidden, generator=g).to(DEVICE)
     router = (torch.randn(experts, hidden, generator=g) * 0.02).to(DEVICE)
-    model = SimpleNamespace(cfg=SimpleNamespace(top_k=top_k))
+    model = SimpleNamespace(cfg=SimpleNamespace(top_k=top_k, expert_units=1))
     want_w, want_ids = OffloadedMixtral.route(model, {"router": router}, h)
     w = torch.empty(top_k, device=DEVICE)
     ids = torch.empty(top_k, dtype=torch.long, device=DEVICE)
@@ -150,7 +150,7 @@ def test_route_topk_matches_the_other_families_routers(routing):
     router = (torch.randn(12, 512, generator=g) * 0.05).to(DEVICE)
     bias = torch.randn(12, generator=g).to(DEVICE) if routing == "topk_softmax" else None
     layer = {"router": router, "routing": routing, **({"router_bias": bias} if bias is not None else {})}
-    want_w, want_ids = OffloadedMixtral.route(SimpleNamespace(cfg=SimpleNamespace(top_k=4)), layer, h)
+    want_w, want_ids = OffloadedMixtral.route(SimpleNamespace(cfg=SimpleNamespace(top_k=4, expert_units=1)), layer, h)
     w = torch.empty(4, device=DEVICE)
     ids = torch.empty(4, dtype=torch.long, device=DEVICE)
     route_topk(h, router, 4, w, ids, bias, renormalize=routing != "softmax_topk")
