@@ -210,6 +210,26 @@ class LayerTimes:
 HOST_PHASES = ("guesses", "choose", "down", "queue", "device", "release", "cpu", "up")
 
 
+def token_routes(ids_host: list[list[int]], device) -> dict:
+    """A prompt's routing [T, k], read on the host -> expert: (its tokens, their top-k positions)
+    as index tensors on the device, tokens ascending, in one upload for the layer (a nonzero
+    per expert would wait for the device once per expert: 128 times a layer for Qwen3)."""
+    by_expert: dict[int, tuple[list, list]] = {}
+    for t, row in enumerate(ids_host):
+        for k, e in enumerate(row):
+            rows, pos = by_expert.setdefault(e, ([], []))
+            rows.append(t)
+            pos.append(k)
+    flat = [v for rows, pos in by_expert.values() for v in rows + pos]
+    index = torch.tensor(flat, dtype=torch.long).to(device, non_blocking=True)
+    routes, at = {}, 0
+    for e, (rows, _) in by_expert.items():
+        n = len(rows)
+        routes[e] = (index[at:at + n], index[at + n:at + 2 * n])
+        at += 2 * n
+    return routes
+
+
 def run_now(key: tuple, fn) -> None:
     """The eager forward's `run`: a device segment runs when the layer reaches it."""
     fn()
@@ -340,8 +360,8 @@ class OffloadedMixtral:
         if ops.grouped:
             self.dispatch(mi, ids, guesses, step, add_all=lambda at: self.grouped_experts(i, s, ops, run, at), io=io)
         else:
-            def add_expert(w: dict, slot: int, e: int, k: int | None) -> None:
-                run(("expert", i, slot, k), lambda: self.add_expert(w, s, ids, e, k))
+            def add_expert(w: dict, slot: int, e: int, k) -> None:
+                run(("expert", i, slot, k if isinstance(k, int) else None), lambda: self.add_expert(w, s, e, k))
 
             self.dispatch(mi, ids, guesses, step, add_expert, io=io)
 
@@ -351,7 +371,8 @@ class OffloadedMixtral:
 
         ids [T, k] device; guesses [D, k] device (layers i+1..i+D) or None. The one host sync
         per layer happens here: routing decides what to copy (the guesses ride along).
-        Either add_expert(w, slot, e, k) runs one expert at a time, or add_all(positions) runs
+        Either add_expert(w, slot, e, k) runs one expert at a time (k: its top-k position for
+        one token, else token_routes' tokens and positions), or add_all(positions) runs
         the experts at those top-k positions at once once they are in place (the device reads
         their slots from the cache's device table). With self.hybrid, io = (h, weights, out) of
         the layer: the experts it picks run on the CPU meanwhile and are added to out before
@@ -381,10 +402,11 @@ class OffloadedMixtral:
             if on_cpu:  # h goes down now
                 job = self.hybrid.start(i, on_cpu, *io)
                 mark("down")
+        routes = token_routes(ids_host, ids.device) if add_all is None and len(ids_host) > 1 else None
         for e in (e for e in needed if e not in on_cpu):  # copies and compute queued, waiting for neither
             w, slot = self.cache.acquire(i, e, keep=needed)
             if add_all is None:
-                add_expert(w, slot, e, ids_host[0].index(e) if len(ids_host) == 1 else None)
+                add_expert(w, slot, e, ids_host[0].index(e) if routes is None else routes[e])
         mark("queue")
         if add_all is not None:
             self.cache.sync_table(i)
@@ -432,14 +454,14 @@ class OffloadedMixtral:
             ops.stage(at)
             run(("moe", i, n), lambda: ops.experts(mi, s, s.ids[mi], n))
 
-    def add_expert(self, w: dict, s: Step, ids: torch.Tensor, e: int, k: int | None) -> None:
+    def add_expert(self, w: dict, s: Step, e: int, k) -> None:
         """out += expert e's output (weights w) times its routing weight: at top-k position k
-        (decode: known on the host, no sync), else for each token routed to e."""
+        (one token: known on the host), or k = (rows, positions): for each token routed to e."""
         out, h, weights = s.out, s.h, s.weights
-        if k is not None:
+        if isinstance(k, int):
             out.add_((self.expert(w, h) * weights[:, k:k + 1]).to(out.dtype))
         else:
-            rows, pos = (ids == e).nonzero(as_tuple=True)  # tokens routed to e, and where
+            rows, pos = k
             y = self.expert(w, h[rows])
             out.index_add_(0, rows, (y * weights[rows, pos, None]).to(out.dtype))
 
