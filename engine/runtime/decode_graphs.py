@@ -177,7 +177,7 @@ class GraphedDecode:
                     for slot in range(cache.slots_per_layer):
                         w = cache.slot_weights(mi, slot)
                         for k in range(m.cfg.top_k):
-                            jobs[("expert", i, slot, k)] = lambda w=w, k=k, mi=mi: m.add_expert(w, s, -1, k)
+                            jobs[("expert", i, slot, k)] = lambda w=w, k=k: m.add_expert(w, s, -1, k)
                 if "shared" in layer:
                     jobs[("shared", i)] = lambda layer=layer: m.shared_expert(layer, s)
             jobs[("head",)] = self.head_segment

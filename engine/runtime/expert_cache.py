@@ -155,13 +155,9 @@ class ExpertCache:
         further than prefetch_horizon_s."""
         self.link_s_per_byte, self.prefetch_horizon_s = s_per_byte, prefetch_horizon_s
 
-    def lands_at(self, layer: int, expert: int) -> float | None:
-        """When a resident expert's copy lands (host clock, 0 if long done); None if not resident."""
-        slot = self.lru[layer].get(expert)
-        return None if slot is None else self.ready_at[layer][slot]
-
     def landing(self, layer: int, experts) -> list[tuple[int, float | None]]:
-        """(expert, lands_at) for each of these experts of the layer."""
+        """(expert, when its copy lands: host clock, 0 if long done; None if not resident) for
+        each of these experts of the layer."""
         lru, ready = self.lru[layer], self.ready_at[layer]
         return [(e, None if (slot := lru.get(e)) is None else ready[slot]) for e in experts]
 

@@ -120,7 +120,7 @@ def test_rope_attention_matches_the_eager_attention(dtype, variant, pos, window)
                                                   (128, 8, 2048), (32, 4, 2880), (64, 8, 2048)])
 def test_route_topk_matches_the_model_router(experts, top_k, hidden):
     """Mixtral's shapes, odd ones, and the many experts of Qwen3 (128), gpt-oss (32, a hidden
-    size no power of two) and OLMoE (64), whose tiles are narrower."""
+    size no power of two) and OLMoE (64), read by the two-kernel route."""
     from types import SimpleNamespace
 
     from moeferry.engine.kernels.decode import route_topk

@@ -163,3 +163,17 @@ def test_detokenize_gives_the_whole_text_from_short_windows():
     assert "".join(p for _, p in pieces) == real_decode(ids, skip_special_tokens=True)
     assert not any("\ufffd" in p for _, p in pieces)
     assert len(ids) > 200 and max(lengths) <= 8  # never the whole reply
+
+
+def test_a_prompts_tokens_per_expert_come_from_the_host_routing_as_nonzero_finds_them():
+    """token_routes gives each expert the tokens routed to it (ascending) and their top-k
+    positions, the same pairs a nonzero over the routing finds, from one upload."""
+    from moeferry.engine.runtime.model import token_routes
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randperm(7, generator=g)[:3] for _ in range(11)])  # [T=11, k=3] of 7 experts
+    routes = token_routes(ids.tolist(), torch.device("cpu"))
+    assert sorted(routes) == sorted(set(ids.flatten().tolist()))
+    for e, (rows, pos) in routes.items():
+        want_rows, want_pos = (ids == e).nonzero(as_tuple=True)
+        assert rows.tolist() == want_rows.tolist() and pos.tolist() == want_pos.tolist()

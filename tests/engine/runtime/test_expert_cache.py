@@ -129,10 +129,10 @@ def test_the_naive_cache_copies_every_use_and_keeps_nothing():
 
 def test_what_the_hybrid_reads_goes_through_methods():
     cache = make_cache(2)
-    assert cache.link_free_time() == 0.0 and cache.lands_at(0, 3) is None
+    assert cache.link_free_time() == 0.0 and cache.landing(0, [3]) == [(3, None)]
     cache.plan_link(1e-9, 0.5)
     use(cache, 0, 3)
-    assert cache.lands_at(0, 3) == 0.0  # CPU copies are done when acquire returns
+    assert cache.landing(0, [3, 4]) == [(3, 0.0), (4, None)]  # CPU copies are done when acquire returns
     assert cache.holds(0, [3]) and not cache.holds(0, [3, 4]) and cache.holds(0, [])
     cache.count_cpu_misses(2, 1)
     assert (cache.stats.misses, cache.stats.misses_cpu, cache.stats.misses_both) == (3, 2, 1)
