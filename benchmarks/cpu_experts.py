@@ -82,12 +82,13 @@ class HqqMatrix:
 class HqqExpertTimed:
     def __init__(self, w1, w3, w2):
         self.w = (w1, w3, w2)
+        self.addresses = hqq_cpu.expert_addresses(w1, w3, w2)  # kept, as the engine's HqqExpert keeps them
 
     def nbytes(self) -> int:
         return sum(w.nbytes() for w in self.w)
 
     def matmul(self, x: torch.Tensor):
-        return hqq_cpu.swiglu_expert(x.float().numpy(), *self.w)
+        return hqq_cpu.swiglu_expert(x.float().numpy(), *self.w, self.addresses)
 
 
 def time_hqq(fmt: str, N: int, K: int, rotate_gib: float, reps: int) -> dict:

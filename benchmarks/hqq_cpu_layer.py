@@ -53,7 +53,7 @@ def main() -> None:
                 hqq_cpu.swiglu_experts(x, [pool[i] for i in chosen], np.stack([addresses[i] for i in chosen]))
             else:
                 for i in chosen:
-                    hqq_cpu.swiglu_expert(x, *pool[i])
+                    hqq_cpu.swiglu_expert(x, *pool[i], addresses[i])
             if r:  # the first round compiles or loads the kernels
                 times[how].append(time.perf_counter() - t0)
     nbytes = sum(m.nbytes() for m in pool[0]) * a.experts

@@ -5,12 +5,16 @@
 
 Each KERNEL is a kernel module's file or a git revision (benchmarks/hqq_cpu_ab.load_old). All
 run the same random 2-bit (--bits) matrices in groups of --group rows: the w1/w3 (14336x4096)
-and w2 (4096x14336) shapes, or with --expert whole experts (gate, up and down in one call), on
+and w2 (4096x14336) shapes, or with --expert whole experts (gate, up and down in one call; --shape
+for others), on
 --tokens rows of input (1: decoding; more: a prompt).
 Calls are interleaved (kernel 1, kernel 2, ..., kernel 1, ...), each on the next of enough
 copies that the L3 cannot serve them (--rotate-gib). Prints the median time and GB/s (of the
 stored bytes) per kernel and thread count, and each one's relative difference from the first's
 result. benchmarks/hqq_cpu_ab.py compares one revision against the working tree, with CPU time.
+With --expert each module's swiglu_expert is called as it is: since it runs through
+swiglu_experts it finds the expert's addresses on every call (about 35 us on the 2-core box),
+which the engine keeps.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--rotate-gib", type=float, default=0.6)
     ap.add_argument("--expert", action="store_true", help="whole experts instead of lone matrices")
+    ap.add_argument("--shape", default="4096x14336", help="the experts' HIDDENxINTERMEDIATE (4096x3584: a unit)")
     ap.add_argument("--tokens", type=int, default=1, help="rows of the input (a prompt's tokens; default 1)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
@@ -52,7 +57,8 @@ def main() -> None:
         mod.matmul(np.ones((1, 64), np.float32), mod.from_qmatrix(matrix(64, 64)))
         print(f"{Path(mod.__file__).stem}: first call (compile or cache load) {time.perf_counter() - t0:.1f} s", flush=True)
     if args.expert:
-        shapes = {"expert": ((14336, 4096), (14336, 4096), (4096, 14336))}
+        H, inter = (int(v) for v in args.shape.split("x"))
+        shapes = {f"expert {args.shape}": ((inter, H), (inter, H), (H, inter))}
     else:
         shapes = {"w1": ((14336, 4096),), "w2": ((4096, 14336),)}
     rng = np.random.default_rng(1)

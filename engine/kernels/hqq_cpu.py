@@ -135,15 +135,13 @@ def matmul(x: np.ndarray, w: CpuQMatrix) -> np.ndarray:
     return out
 
 
-def swiglu_expert(x: np.ndarray, w1: CpuQMatrix, w3: CpuQMatrix, w2: CpuQMatrix) -> np.ndarray:
-    """w2 (silu(w1 x) * w3 x) for x float32 [T, H]: float32 [T, H], in one call."""
-    T = x.shape[0]
-    gate = np.empty((T, w1.rows), dtype=np.float32)
-    up = np.empty((T, w3.rows), dtype=np.float32)
-    out = np.empty((T, w2.rows), dtype=np.float32)
-    k = kernels()
-    k.swiglu(np.ascontiguousarray(x, dtype=np.float32), *_args(w1), *_args(w3), *_args(w2), gate, up, out, _chunks(k))
-    return out
+def swiglu_expert(x: np.ndarray, w1: CpuQMatrix, w3: CpuQMatrix, w2: CpuQMatrix,
+                  addresses: np.ndarray | None = None) -> np.ndarray:
+    """w2 (silu(w1 x) * w3 x) for x float32 [T, H]: float32 [T, H], in one call (swiglu_experts
+    with one expert; addresses: its expert_addresses, when kept)."""
+    if addresses is None:
+        addresses = expert_addresses(w1, w3, w2)
+    return swiglu_experts(x, [(w1, w3, w2)], addresses[None])[0]
 
 
 def expert_addresses(w1: CpuQMatrix, w3: CpuQMatrix, w2: CpuQMatrix) -> np.ndarray:
@@ -173,10 +171,11 @@ def _dims(w: CpuQMatrix) -> np.ndarray:
 
 
 def swiglu_experts(x: np.ndarray, experts: list[tuple], addresses: np.ndarray) -> np.ndarray:
-    """swiglu_expert for several experts of one layout (shapes and quantization) on the same x float32
-    [T, H], in one call: float32 [N, T, H]. Each parallel loop spans every expert's groups,
-    so small experts (Qwen3's, OLMoE's) keep all threads busy and start them three times per
-    layer instead of per expert. addresses: their expert_addresses stacked [N, 18]."""
+    """w2 (silu(w1 x) * w3 x) for several experts of one layout (shapes and quantization) on the
+    same x float32 [T, H], in one call: float32 [N, T, H]. Each parallel loop spans every
+    expert's groups, so small experts (Qwen3's, OLMoE's) keep all threads busy and start them
+    four times per layer instead of per expert: the tables, gate and up, the activation,
+    down. addresses: their expert_addresses stacked [N, 18]."""
     w1, w3, w2 = experts[0]
     N, T = len(experts), x.shape[0]
     gate = np.empty((N, T, w1.rows), dtype=np.float32)
@@ -229,7 +228,7 @@ def _compile():
     # closure, and intrinsics and dispatchers pickle with a fresh uuid in every process.
     global prange, u8_f32, half, block_absmax, scaled_blocks, quantize_blocks, dot_2bit, dot_4bit, dot_1bit
     global decoded_meta, code_center, group_inputs, decoded_group, token_inputs, round_inputs, add_plane, scratch
-    global group_rows, decode_meta_range, qmatmul, swiglu, u8_ptr, i16_ptr, matrix_at, swiglu_many
+    global group_rows, decode_meta_range, qmatmul, u8_ptr, i16_ptr, matrix_at, swiglu_many
     import numba
     from llvmlite import binding, ir
     from numba import njit, prange, types
@@ -660,36 +659,6 @@ def _compile():
             for j in range(c * G // nc, (c + 1) * G // nc):
                 group_rows(x, j, plane0, width0, plane1, group_size, scale, zero, s_meta, z_meta, out, buf)
 
-    @jit
-    def swiglu(x, a0, aw, a1, ag, a_s, a_sm, a_z, a_zm, b0, bw, b1, bg, b_s, b_sm, b_z, b_zm,
-               c0, cw, c1, cg, c_s, c_sm, c_z, c_zm, gate, up, out, chunks):
-        """out = w2 (silu(w1 x) * w3 x): a = w1, b = w3, c = w2 (planes, width, low plane,
-        group size, scale, its meta, zero, its meta). Three parallel loops in one call: gate
-        and up, the activation, down."""
-        Ga, G = a_s.shape[0], a_s.shape[0] + b_s.shape[0]
-        K, Kc, zero = x.shape[1], gate.shape[1], np.float32(0.0)
-        t = decoded_meta((a_sm, a_zm, b_sm, b_zm, c_sm, c_zm), (K, K, K, K, Kc, Kc),
-                         (zero, -code_center(aw, a1), zero, -code_center(bw, b1), zero, -code_center(cw, c1)))
-        a_st, a_zt, b_st, b_zt, c_st, c_zt = t[0], t[1], t[2], t[3], t[4], t[5]
-        nc = min(G, chunks)
-        for c in prange(nc):
-            buf = scratch(x.shape[1], x.shape[0])
-            for j in range(c * G // nc, (c + 1) * G // nc):
-                if j < Ga:
-                    group_rows(x, j, a0, aw, a1, ag, a_s, a_z, a_st, a_zt, gate, buf)
-                else:
-                    group_rows(x, j - Ga, b0, bw, b1, bg, b_s, b_z, b_st, b_zt, up, buf)
-        for n in prange(gate.shape[1]):
-            for t in range(gate.shape[0]):
-                g = gate[t, n]
-                gate[t, n] = g / (np.float32(1.0) + np.exp(-g)) * up[t, n]
-        Gc = c_s.shape[0]
-        nc = min(Gc, chunks)
-        for c in prange(nc):
-            buf = scratch(gate.shape[1], gate.shape[0])
-            for j in range(c * Gc // nc, (c + 1) * Gc // nc):
-                group_rows(gate, j, c0, cw, c1, cg, c_s, c_z, c_st, c_zt, out, buf)
-
     def pointer_to(t):
         @intrinsic
         def ptr(typingctx, addr):
@@ -717,7 +686,7 @@ def _compile():
 
     @jit
     def swiglu_many(x, addrs, d13, d2, gate, up, out, chunks):
-        """swiglu for N experts of one layout on the same x: gate, up [N, T, I], out [N, T, H]."""
+        """swiglu_experts: N experts of one layout on the same x; gate, up [N, T, I], out [N, T, H]."""
         N, K, Kc = addrs.shape[0], x.shape[1], gate.shape[2]
         # decoded_meta's tables: ts[m, 0:2] matrix m's scale (a, b), ts[m, 2:4] its zero's;
         # every table of every expert in P pieces, one parallel loop
@@ -746,9 +715,11 @@ def _compile():
                 dst = gate[e] if m == 0 else up[e]
                 group_rows(x, j - m * G, p0, d13[2], p1, d13[4], sc, ze, (ts[m, 0, e, :d13[5] + K], ts[m, 1, e, :d13[5] + K]),
                            (ts[m, 2, e, :d13[6] + K], ts[m, 3, e, :d13[6] + K]), dst, buf)
-        for p in prange(N * gate.shape[1]):
-            e, t = p // gate.shape[1], p % gate.shape[1]
-            for n in range(Kc):
+        T = gate.shape[1]
+        P = max(1, chunks // (N * T))  # pieces of each token's row: a lone token's spread over the threads
+        for p in prange(N * T * P):
+            e, t, c = p // (T * P), (p // P) % T, p % P
+            for n in range(c * Kc // P, (c + 1) * Kc // P):
                 g = gate[e, t, n]
                 gate[e, t, n] = g / (np.float32(1.0) + np.exp(-g)) * up[e, t, n]
         Gc = d2[0] // d2[4]
@@ -762,7 +733,7 @@ def _compile():
                 group_rows(gate[e], j, p0, d2[2], p1, d2[4], sc, ze, (ts[2, 0, e, :d2[5] + Kc], ts[2, 1, e, :d2[5] + Kc]),
                            (ts[2, 2, e, :d2[6] + Kc], ts[2, 3, e, :d2[6] + Kc]), out[e], buf)
 
-    return SimpleNamespace(qmatmul=qmatmul, swiglu=swiglu, swiglu_many=swiglu_many, numba=numba)
+    return SimpleNamespace(qmatmul=qmatmul, swiglu_many=swiglu_many, numba=numba)
 
 
 def set_threads(n: int) -> None:

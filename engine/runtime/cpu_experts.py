@@ -82,7 +82,7 @@ class HqqExpert:
 
     @cached_property
     def addresses(self) -> np.ndarray:
-        """hqq_cpu.expert_addresses of its matrices (run_together)."""
+        """hqq_cpu.expert_addresses of its matrices (forward, run_together)."""
         return hqq_cpu.expert_addresses(self.w1, self.w3, self.w2)
 
     @cached_property
@@ -94,7 +94,7 @@ class HqqExpert:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float().numpy()
         if self.biases is None and self.kernel is hqq_cpu:
-            return torch.from_numpy(hqq_cpu.swiglu_expert(x, self.w1, self.w3, self.w2))
+            return torch.from_numpy(hqq_cpu.swiglu_expert(x, self.w1, self.w3, self.w2, self.addresses))
         b1, b3, b2 = self.biases or (0.0, 0.0, 0.0)
         gate = torch.from_numpy(self.kernel.matmul(x, self.w1)) + b1
         up = torch.from_numpy(self.kernel.matmul(x, self.w3)) + b3
