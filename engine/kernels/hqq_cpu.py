@@ -716,10 +716,10 @@ def _compile():
                 group_rows(x, j - m * G, p0, d13[2], p1, d13[4], sc, ze, (ts[m, 0, e, :d13[5] + K], ts[m, 1, e, :d13[5] + K]),
                            (ts[m, 2, e, :d13[6] + K], ts[m, 3, e, :d13[6] + K]), dst, buf)
         T = gate.shape[1]
-        P = max(1, chunks // (N * T))  # pieces of each token's row: a lone token's spread over the threads
-        for p in prange(N * T * P):
-            e, t, c = p // (T * P), (p // P) % T, p % P
-            for n in range(c * Kc // P, (c + 1) * Kc // P):
+        pieces = max(1, chunks // (N * T))  # of each token's row: a lone token's spread over the threads
+        for p in prange(N * T * pieces):
+            e, t, c = p // (T * pieces), (p // pieces) % T, p % pieces
+            for n in range(c * Kc // pieces, (c + 1) * Kc // pieces):
                 g = gate[e, t, n]
                 gate[e, t, n] = g / (np.float32(1.0) + np.exp(-g)) * up[e, t, n]
         Gc = d2[0] // d2[4]

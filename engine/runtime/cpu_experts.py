@@ -189,7 +189,7 @@ def run_jobs(jobs: list[tuple[CpuExpert, torch.Tensor]], stats: CpuRunStats) -> 
 def run_together(jobs: list[tuple[CpuExpert, torch.Tensor]]) -> list[torch.Tensor] | None:
     """The jobs' outputs from one hqq_cpu.swiglu_experts call where they allow it (two or more
     plain HQQ experts of one layout on the same input: a decoded token's experts of a layer),
-    else None. One call starts the kernel's threads three times for all of them, not for each."""
+    else None. One call starts the kernel's threads four times for all of them, not for each."""
     if len(jobs) < 2:
         return None
     first, x = jobs[0]

@@ -103,13 +103,18 @@ def test_swiglu_expert_equals_reference_on_the_stored_views(bits):
 @pytest.mark.parametrize("T", [1, 3])
 def test_several_experts_in_one_call_equal_each_run_alone(spec, T):
     """swiglu_experts spreads every expert's groups over one set of parallel loops, reading
-    each expert's arrays where they lie: the same products as one call per expert, to float32
-    rounding (the compiler may order a group's sums otherwise)."""
+    each expert's arrays where they lie: the same products as each expert's matrices one at a
+    time, to float32 rounding (the compiler may order a group's sums otherwise)."""
     H, I = 192, 128
     experts = [tuple(hqq_cpu.from_qmatrix(qmatrix(*shape, spec, 3 * e + m))
                      for m, shape in enumerate(((I, H), (I, H), (H, I)))) for e in range(3)]
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).numpy()
-    alone = np.stack([hqq_cpu.swiglu_expert(x, *e) for e in experts])
+
+    def one_at_a_time(w1, w3, w2):  # one matrix at a time (qmatmul): another driver than swiglu_experts'
+        gate, up = hqq_cpu.matmul(x, w1), hqq_cpu.matmul(x, w3)
+        return hqq_cpu.matmul((gate / (1 + np.exp(-gate)) * up).astype(np.float32), w2)
+
+    alone = np.stack([one_at_a_time(*e) for e in experts])
     together = hqq_cpu.swiglu_experts(x, experts, np.stack([hqq_cpu.expert_addresses(*e) for e in experts]))
     assert together.shape == (3, T, H)
     assert np.abs(together - alone).max() <= 1e-4 * np.abs(alone).max()
