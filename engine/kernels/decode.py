@@ -302,7 +302,7 @@ if triton is not None:
         q = _rope_head(q_ptr, qb_ptr, qn_ptr, h * D, rq, eps, clip, c, s, d, half, dm, sign, D, Q_BIAS, NORM,
                        CLIP, dt)
         if not SINKS:
-            q = q * scale  # sink_attention scales the rounded scores instead
+            q = q * scale  # grouped_attention scales the rounded scores instead
         k_new = _rope_head(k_ptr, kb_ptr, kn_ptr, kh * D, rk, eps, clip, c, s, d, half, dm, sign, D, K_BIAS,
                            NORM, CLIP, dt)
         v_new = _prepared(v_ptr, vb_ptr, v_ptr, kh * D + d, dm, 1.0, clip, V_BIAS, False, CLIP, dt)

@@ -93,7 +93,7 @@ def test_rope_attention_matches_the_eager_attention(dtype, variant, pos, window)
     options = {n: t.to(DEVICE, dtype) if isinstance(t, torch.Tensor) else t
                for n, t in attention_layer(variant, heads, kv_heads, D, g).items()}
     # the eager path: model.attention with pos (prepare, rotate, write row pos, masked SDPA or
-    # sink_attention), its projections replaced by the q, k, v above and no output projection
+    # grouped_attention), its projections replaced by the q, k, v above and no output projection
     want_kc, want_vc = kc.clone(), vc.clone()
     model = SimpleNamespace(cfg=SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_dim=D,
                                                 sliding_window=window, rms_norm_eps=eps),
