@@ -58,6 +58,7 @@ from moeferry.engine.storage.safetensors_io import DTYPE_NAMES, DTYPES, FormatEr
 from moeferry.engine.units import GiB
 
 SUPPORTED_FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss")  # config.json model_type
+SWIGLU_ACTIVATIONS = ("silu", "swish")  # config.json's hidden_act the experts and MLPs may have (transformers: both SiLU)
 EXPERT_MATRICES = ("w1", "w3", "w2")
 EXPERT_BIASES = ("b1", "b3", "b2")  # of w1, w3, w2, where the family has them
 ATTN_MATRICES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -303,6 +304,11 @@ def model_config(hf: dict, what: str, exit_code: int = 2) -> ModelConfig:
         raise UserError(f"{what} holds a {str(kind or 'unknown')[:40]!r} model, which MoE Ferry cannot run "
                         f"(it runs model_type {', '.join(SUPPORTED_FAMILIES)}); use a checkpoint of one of "
                         f"those.", exit_code)
+    act = hf.get("hidden_act", "silu")
+    if kind != "gpt_oss" and act not in SWIGLU_ACTIVATIONS:  # gpt_oss's experts ignore hidden_act
+        raise UserError(f"{what} has experts whose activation is {str(act)[:40]!r} (config.json's hidden_act); "
+                        f"MoE Ferry runs SwiGLU experts with SiLU only ({', '.join(SWIGLU_ACTIVATIONS)}), so it "
+                        f"cannot run this model.", exit_code)
     try:
         cfg = ModelConfig.from_hf(hf)
     except KeyError as e:

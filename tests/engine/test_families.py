@@ -385,6 +385,26 @@ def test_a_checkpoint_without_moe_layers_gets_one_sentence(tmp_path, family, den
     assert not (tmp_path / "st").exists()
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
+def test_experts_of_another_activation_get_one_sentence(tmp_path, family):
+    """transformers runs the experts and MLPs with config.json's hidden_act; the engine's are SiLU
+    (found by random configs: hidden_act "gelu" converted and ran, with other tokens than
+    transformers'). gpt_oss's experts ignore hidden_act, so it is not refused there."""
+    v = next(v for v in VARIANTS if v.id.startswith(family))
+    model = v.model(v.config(**{**COMMON, **v.kwargs, "hidden_act": "gelu"})).eval()
+    save_checkpoint(model, tmp_path / "ck")
+    r = run_cli("convert", str(tmp_path / "ck"), str(tmp_path / "st"), "--expert-bits", "16", "--attn-bits", "16",
+                "--device", "cpu")
+    assert r.returncode == 2
+    line = r.stderr.strip().splitlines()[-1]
+    assert "'gelu'" in line and "hidden_act" in line and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "st").exists()
+    v = BY_ID["gpt_oss-top1-window3"]
+    model = v.model(v.config(**{**COMMON, **v.kwargs, "hidden_act": "gelu"}))
+    save_checkpoint(model, tmp_path / "gpt")
+    convert_checkpoint(tmp_path / "gpt", tmp_path / "gpt_st", 16, 16, "cpu")
+
+
 def test_a_store_of_an_unsupported_family_is_refused(tiny_store, tmp_path):
     import shutil
     st = tmp_path / "st"
