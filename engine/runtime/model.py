@@ -88,7 +88,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, c: dict) -> "ModelConfig":
-        rope = c.get("rope_parameters") or {}
+        rope = rope_parameters(c)
         heads = c["num_attention_heads"]
         return cls(
             vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
@@ -142,10 +142,25 @@ def family_options(c: dict) -> dict:
                                    for t in c["layer_types"])
     elif kind in ("qwen3_moe", "qwen2_moe") and c.get("use_sliding_window") and c.get("sliding_window"):
         o["layer_windows"] = (c["sliding_window"],) * layers
-    rope = c.get("rope_parameters") or {}
+    rope = rope_parameters(c)
     if rope.get("rope_type", "default") != "default":
-        o["rope_scaling"] = dict(rope)
+        o["rope_scaling"] = rope
     return o
+
+
+def rope_parameters(c: dict) -> dict:
+    """config.json's RoPE settings as transformers 5 reads them: rope_parameters, or in a config
+    written before it (gpt-oss's and Qwen's on the Hub) rope_scaling (whose rope_type may be
+    spelled "type") with rope_theta beside it."""
+    rope = c.get("rope_parameters")
+    if not isinstance(rope, dict) or not rope:
+        rope = dict(c.get("rope_scaling") or {})
+        if c.get("rope_theta") is not None:
+            rope.setdefault("rope_theta", c["rope_theta"])
+    rope = dict(rope)
+    if "rope_type" not in rope and "type" in rope:
+        rope["rope_type"] = rope["type"]
+    return rope
 
 
 class KVCache:

@@ -244,6 +244,37 @@ def test_quantized_store_really_is_quantized(tmp_path):
     assert torch.equal(deq.get_parameter(bias), model.get_parameter(bias))  # biases stay exact
 
 
+@pytest.mark.parametrize("vid,rope", [
+    ("gpt_oss-top3-window5", None),  # the variant's YaRN, as gpt-oss's config.json on the Hub spells it
+    ("qwen3_moe-top3-dense-layer", dict(type="linear", factor=4.0)),  # and "type" for rope_type
+])
+def test_a_config_of_rope_scaling_and_rope_theta_gets_transformers_tokens(tmp_path, vid, rope):
+    """Configs written before transformers 5 (gpt-oss's and Qwen's on the Hub) give RoPE as
+    rope_scaling plus rope_theta, which transformers still reads (found by random configs: the
+    engine read only rope_parameters and ran such a gpt-oss without its YaRN)."""
+    v = BY_ID[vid]
+    kwargs = dict(v.kwargs)
+    if rope is not None:
+        kwargs["rope_parameters"] = dict(rope_type=rope["type"], rope_theta=50000.0, factor=rope["factor"])
+    torch.manual_seed(0)
+    model = v.model(v.config(**{**COMMON, **kwargs})).eval()
+    save_checkpoint(model, tmp_path / "ck")
+    hf = json.loads((tmp_path / "ck" / "config.json").read_text())
+    params = hf.pop("rope_parameters")
+    hf["rope_theta"] = params.pop("rope_theta")
+    hf["rope_scaling"] = params if rope is None else dict(rope)
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(hf))
+    ref = v.model.from_pretrained(tmp_path / "ck", dtype=torch.float32).eval()
+    assert ref.config.rope_parameters["rope_type"] != "default"
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st", 16, 16, "cpu")
+    assert open_store(tmp_path / "st").config.rope_scaling["rope_type"] == ref.config.rope_parameters["rope_type"]
+    engine = load_engine(tmp_path / "st", device="cpu", dtype="float32", cache_experts=2, prefetch=1)
+    engine.eos_ids = set()
+    ids = list(range(3, 3 + 30))
+    greedy = SamplingSettings(temperature=0, max_new_tokens=NEW_TOKENS)
+    assert list(engine.generate_ids(ids, greedy)) == reference_greedy(ref, ids, NEW_TOKENS)
+
+
 # ---------------------------------------------------------------------------------------------
 # gpt-oss's MXFP4 experts
 
