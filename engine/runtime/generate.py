@@ -711,10 +711,10 @@ def cpu_seconds(hybrid, copies: list, x: torch.Tensor, together: int = 1) -> flo
     (up to COLD_BYTES of them), so that they come from RAM as a miss's does. One expert timed
     again and again is served from the L3 cache (300 MB on the GPU machine's Xeon), about 1.5x
     faster than decoding ever sees. together: experts per call, as a decoded layer's run in one
-    (cpu_experts.run_together); the time is per expert."""
+    (cpu_experts.run_together); the time is per expert. The kernels are compiled and their
+    threads started already (CpuExperts.warm, at load)."""
     n = max(1, min(len(copies), COLD_BYTES // max(1, copies[0].nbytes())))
     together = max(1, min(together, n))
-    hybrid.run([(copies[0], x)])
     times = []
     order = copies[:n] * (2 if n < 8 else 1)
     for i in range(0, len(order) - together + 1, together):
