@@ -38,7 +38,7 @@ import torch
 
 from moeferry.engine.kernels import hqq_gpu
 from moeferry.engine.kernels.decode import FusedOps, add_rms_norm, attention_options, rope_attention, route_topk
-from moeferry.engine.runtime.model import EagerOps, rope_cos_sin
+from moeferry.engine.runtime.model import EagerOps
 
 
 def use_cuda_graphs(model, on: bool = True) -> None:
@@ -73,7 +73,7 @@ class GraphedDecode:
         took 0.5 GiB while being made, past what the VRAM budget sizes."""
         m = self.m
         positions = torch.arange(m.kv.capacity if m.kv is not None else 1, device=m.device)
-        return rope_cos_sin(m.inv_freq, positions, m.dtype, m.rope_scale)
+        return m.rope(positions, each=True)
 
     @property
     def grouped(self) -> bool:

@@ -225,7 +225,9 @@ class Engine:
         cpu_before = asdict(model.hybrid.stats) if model.hybrid is not None else None
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        reuse = common_prefix(self.cached_ids, prompt_ids)
+        # LongRoPE's keys depend on how far the forward that made them reached (model.rope): a
+        # prompt's would not be the cached ones', so it reuses none
+        reuse = common_prefix(self.cached_ids, prompt_ids) if model.rope_long is None else 0
         self.cached_ids = []  # the KV cache is being overwritten
         stats = GenerationStats(prompt_tokens=len(prompt_ids), reused_prompt_tokens=reuse,
                                 vram_budget_bytes=self.vram_budget)

@@ -266,6 +266,7 @@ class OffloadedMixtral:
         self.layers = [layer_weights(cfg, dense, i) for i in range(cfg.num_layers)]
         self.moe_layers = [layer for layer in self.layers if "router" in layer]  # by moe_index
         self.inv_freq, self.rope_scale = rope_frequencies(cfg, device)
+        self.rope_long = long_rope(cfg, device)
         self.ops = EagerOps(self)
 
     @property
@@ -289,6 +290,19 @@ class OffloadedMixtral:
             self.kv.k[:, :old.capacity] = old.k
             self.kv.v[:, :old.capacity] = old.v
 
+    def rope(self, pos: torch.Tensor, each: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and sin [T, 1, D] at positions pos [T] of one forward or, each, of each
+        position decoded alone (the CUDA graphs' table). LongRoPE (rope_long) takes its long
+        factors for a forward that reaches past original_max_position_embeddings, as
+        transformers' dynamic_rope_update does: its last position decides, for every token of it."""
+        cos, sin = rope_cos_sin(self.inv_freq, pos, self.dtype, self.rope_scale)
+        if self.rope_long is None:
+            return cos, sin
+        inv, scale, original = self.rope_long
+        long_cos, long_sin = rope_cos_sin(inv, pos, self.dtype, scale)
+        past = (pos if each else pos.max()).view(-1, 1, 1) + 1 > original
+        return torch.where(past, long_cos, cos), torch.where(past, long_sin, sin)
+
     def new_step(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, **options) -> Step:
         """The buffers of one forward of these tokens (options: Step's last fields)."""
         cfg, T, dev = self.cfg, tokens.shape[0], self.device
@@ -311,7 +325,7 @@ class OffloadedMixtral:
         if T == 1 and self.graphs is not None:
             return self.graphs.step(tokens, start)
         pos = torch.arange(start, start + T, device=self.device)
-        s = self.new_step(tokens, *rope_cos_sin(self.inv_freq, pos, self.dtype, self.rope_scale), start=start)
+        s = self.new_step(tokens, *self.rope(pos), start=start)
         if self.routing is not None:
             self.routing.begin(T)
         step = [] if self.trace is not None and T == 1 else None
@@ -739,11 +753,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
     return torch.mul(weight, xf.to(x.dtype), out=out)
 
 
-def rope_frequencies(cfg: ModelConfig, device) -> tuple[torch.Tensor, float]:
-    """RoPE's inverse frequencies [D/2] and the factor on cos/sin (1 but for YaRN's).
+def rope_frequencies(cfg: ModelConfig, device, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """RoPE's inverse frequencies [D/2] and the factor on cos/sin (1 but for YaRN's and LongRoPE's).
 
     A non-default rope type (gpt_oss's YaRN) is computed by transformers' own function for it,
-    so it is the reference's by construction.
+    so it is the reference's by construction; seq_len as transformers passes it (long_rope).
     """
     if cfg.rope_scaling is None:
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64)
@@ -754,8 +768,19 @@ def rope_frequencies(cfg: ModelConfig, device) -> tuple[torch.Tensor, float]:
     hf = PretrainedConfig(rope_parameters=dict(cfg.rope_scaling), hidden_size=cfg.hidden_size,
                           num_attention_heads=cfg.num_heads, head_dim=cfg.head_dim,
                           max_position_embeddings=cfg.max_position_embeddings)
-    inv, scale = ROPE_INIT_FUNCTIONS[cfg.rope_scaling["rope_type"]](hf, device)
+    inv, scale = ROPE_INIT_FUNCTIONS[cfg.rope_scaling["rope_type"]](hf, device, seq_len=seq_len)
     return inv.to(device=device, dtype=torch.float32), float(scale)
+
+
+def long_rope(cfg: ModelConfig, device) -> tuple[torch.Tensor, float, int] | None:
+    """LongRoPE's long factors: (inverse frequencies, factor, original_max_position_embeddings),
+    which a forward reaching past that many positions uses (OffloadedMixtral.rope); None for
+    the other rope types. (Dynamic NTK changes only past max_position_embeddings, beyond the
+    engine's context.)"""
+    if (cfg.rope_scaling or {}).get("rope_type") != "longrope":
+        return None
+    original = int(cfg.rope_scaling["original_max_position_embeddings"])
+    return (*rope_frequencies(cfg, device, seq_len=original + 1), original)
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, pos: torch.Tensor, dtype,

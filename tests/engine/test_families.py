@@ -60,6 +60,11 @@ VARIANTS = [
     Variant("olmoe-top1-clip-stacked", T.OlmoeConfig, T.OlmoeForCausalLM,
             dict(num_experts=4, num_experts_per_tok=1, intermediate_size=40, clip_qkv=1.5), stacked=True,
             options=dict(clip_qkv=1.5)),
+    Variant("olmoe-top2-longrope", T.OlmoeConfig, T.OlmoeForCausalLM,  # the long factors from position 16 on
+            dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32, num_hidden_layers=2,
+                 rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=16,
+                                      short_factor=[1.0, 1.0, 1.5, 2.0, 3.0, 4.0],
+                                      long_factor=[1.0, 2.0, 4.0, 8.0, 16.0, 32.0]))),
     Variant("qwen2_moe-shared-top3", T.Qwen2MoeConfig, T.Qwen2MoeForCausalLM,
             dict(num_experts=5, num_experts_per_tok=3, moe_intermediate_size=24,
                  shared_expert_intermediate_size=56, intermediate_size=40), shard="40KB", seed=2,
@@ -173,6 +178,23 @@ def test_every_cache_size_and_prefetch_depth_gives_transformers_tokens(tmp_path,
             engine.set_prefetch(depth)
             engine.cached_ids = []
             assert list(engine.generate_ids(ids, greedy)) == want, f"K={k} D={depth}"
+
+
+def test_longrope_takes_its_long_factors_where_transformers_does(tmp_path):
+    """LongRoPE's factors depend on how far a forward reaches (transformers' dynamic_rope_update):
+    short up to original_max_position_embeddings (16 here), long for any forward past it, its
+    whole prompt included. Prompts of 12 tokens (the decode crosses) and 20 (the prefill does; it
+    shares 12 with the first, whose cached keys were made short and must not be reused); found
+    by random configs: the engine used the short factors throughout."""
+    v = BY_ID["olmoe-top2-longrope"]
+    model = save(v, build(v, seed=1), tmp_path / "ck")
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st", 16, 16, "cpu")
+    engine = load_engine(tmp_path / "st", device="cpu", dtype="float32", cache_experts=2, prefetch=1)
+    engine.eos_ids = set()
+    greedy = SamplingSettings(temperature=0, max_new_tokens=NEW_TOKENS)
+    for n in (12, 20):
+        ids = list(range(3, 3 + n))
+        assert list(engine.generate_ids(ids, greedy)) == reference_greedy(model, ids, NEW_TOKENS), n
 
 
 @pytest.mark.parametrize("vid,expert_bits,attn_bits", [("qwen3_moe-top3-dense-layer", 4, 8),

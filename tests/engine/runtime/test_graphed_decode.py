@@ -34,7 +34,7 @@ PLAIN_QWEN2 = Variant("qwen2_moe-plain-attention", T.Qwen2MoeConfig, T.Qwen2MoeF
                            shared_expert_intermediate_size=40, intermediate_size=40, qkv_bias=False), seed=2)
 FAMILIES = ["mixtral", "qwen3_moe-top3-dense-layer", "qwen3_moe-top1-sparse-step-stacked", "olmoe-top3",
             "olmoe-top1-clip-stacked", "qwen2_moe-shared-top3", "qwen2_moe-no-shared-top1-window",
-            PLAIN_QWEN2.id, "gpt_oss-top3-window5", "gpt_oss-top1-window3"]
+            PLAIN_QWEN2.id, "gpt_oss-top3-window5", "gpt_oss-top1-window3", "olmoe-top2-longrope"]
 
 
 def checkpoint(vid: str, folder):
