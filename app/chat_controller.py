@@ -108,7 +108,7 @@ class ChatController(QObject):
                 current.store, current.device, current.vram_budget, current.cpu_experts):
             self.model_state.emit("Reloading the model with the new settings", -1.0)
             self._reload_timer.start()
-        # prefetch, cache size and sampling go with the next message
+        # prefetch, cache size, CPU threads and sampling go with the next message
 
     def _on_load_progress(self, fraction: float, message: str) -> None:
         self.model_state.emit(message or "Loading the model", fraction)
@@ -234,7 +234,8 @@ class ChatController(QObject):
         cache = self.settings.get(Key.CACHE_EXPERTS)
         prefetch = self.settings.get(Key.PREFETCH)
         self._reply_setup = f"{cache or 'auto'} cached per layer, prefetch {prefetch}"
-        req = self.host.generate(messages, sampling_from(self.settings), prefetch, cache or None)
+        req = self.host.generate(messages, sampling_from(self.settings), prefetch, cache or None,
+                                 self.settings.get(Key.CPU_THREADS))
         self._request_id = req.id
         self._save_timer.start()
         self.busy_changed.emit(True)

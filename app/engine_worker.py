@@ -25,6 +25,7 @@ class GenerateRequest:
     sampling: SamplingSettings
     prefetch: int
     cache_experts: int | None
+    cpu_threads: int = 0  # 0: the engine's own choice
     cancel: threading.Event = field(default_factory=threading.Event)
 
 
@@ -66,6 +67,7 @@ class EngineWorker(QObject):
         self._options: LoadOptions | None = None
         self._prefetch: int | None = None
         self._cache: int | None = None
+        self._cpu_threads = 0
 
     @Slot(object)
     def load(self, opts: LoadOptions) -> None:
@@ -76,7 +78,7 @@ class EngineWorker(QObject):
             log.exception("loading %s failed", opts.store)
             self.load_failed.emit(describe_error(exc))
             return
-        self._options, self._prefetch, self._cache = opts, opts.prefetch, opts.cache_experts
+        self._options, self._prefetch, self._cache, self._cpu_threads = opts, opts.prefetch, opts.cache_experts, 0
         e = self._engine
         self.loaded.emit(LoadedInfo(opts, e.config.num_experts, e.note, e.max_context, e.device.type))
 
@@ -95,6 +97,9 @@ class EngineWorker(QObject):
             if req.cache_experts is not None and req.cache_experts != self._cache:
                 self._engine.set_cache_experts(req.cache_experts)
                 self._cache = req.cache_experts
+            if req.cpu_threads != self._cpu_threads:
+                self._engine.set_cpu_threads(req.cpu_threads)
+                self._cpu_threads = req.cpu_threads
             for piece in self._engine.stream(req.messages, req.sampling, cancel=req.cancel):
                 text.append(piece.text)
                 pending.append(piece.text)
@@ -167,9 +172,9 @@ class EngineHost(QObject):
         self._load.emit(opts)
 
     def generate(self, messages: list[dict], sampling: SamplingSettings, prefetch: int,
-                 cache_experts: int | None) -> GenerateRequest:
+                 cache_experts: int | None, cpu_threads: int = 0) -> GenerateRequest:
         self._next_id += 1
-        req = GenerateRequest(self._next_id, messages, sampling, prefetch, cache_experts)
+        req = GenerateRequest(self._next_id, messages, sampling, prefetch, cache_experts, cpu_threads)
         self._current = req
         self._generate.emit(req)
         return req

@@ -36,6 +36,7 @@ class Key(str, Enum):
     CACHE_EXPERTS = "cache_experts"    # experts per layer kept on the GPU; 0 = from the VRAM budget
     VRAM_BUDGET_GB = "vram_budget_gb"  # 0 = let the engine decide
     CPU_EXPERTS = "cpu_experts"        # off | auto | all: missed experts computed on the CPU
+    CPU_THREADS = "cpu_threads"        # threads of the CPU's work; 0 = the engine's choice
     TEMPERATURE = "temperature"
     TOP_P = "top_p"
     MAX_NEW_TOKENS = "max_new_tokens"
@@ -59,6 +60,7 @@ DEFAULTS: dict[Key, Any] = {
     Key.CACHE_EXPERTS: 0,
     Key.VRAM_BUDGET_GB: 0.0,
     Key.CPU_EXPERTS: "off",
+    Key.CPU_THREADS: 0,
     Key.TEMPERATURE: 0.7,
     Key.TOP_P: 0.9,
     Key.MAX_NEW_TOKENS: 512,
@@ -77,6 +79,7 @@ _CHOICES = {Key.DEVICE: ("auto", "cpu", "cuda"), Key.THEME: ("system", "light", 
 _RANGES = {
     Key.PREFETCH: (0, 4),
     Key.CACHE_EXPERTS: (0, 64),
+    Key.CPU_THREADS: (0, 1024),
     Key.VRAM_BUDGET_GB: (0.0, 1024.0),
     Key.TEMPERATURE: (0.0, 2.0),
     Key.TOP_P: (0.01, 1.0),

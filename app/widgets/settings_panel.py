@@ -6,6 +6,7 @@ and a different model variant is reloaded in the worker with progress in the sta
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from PySide6.QtCore import QSignalBlocker, Qt, Signal
@@ -76,7 +77,7 @@ class SettingsPanel(QScrollArea):
         form.addRow(setup)
 
         self.speed = speed = QGroupBox("Speed")
-        form = QFormLayout(speed)
+        self.speed_form = form = QFormLayout(speed)
         form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)  # a narrow side panel: fields under labels
         self.prefetch = QSpinBox()
         self.prefetch.setRange(0, 4)
@@ -103,10 +104,17 @@ class SettingsPanel(QScrollArea):
                                     "instead of being copied to the GPU. \"When faster\" helps most where the "
                                     "GPU's link is slow (PCIe 4 or older): 1.3-1.5x faster than copying on a 25 GB/s link; "
                                     "it keeps processor cores busy while replying. Changing it reloads the model</p>")
+        self.cpu_threads = QSpinBox()
+        self.cpu_threads.setRange(0, os.cpu_count() or 1)
+        self.cpu_threads.setSpecialValueText("Auto")
+        self.cpu_threads.setToolTip("<p>How many processor threads compute what runs on the processor: the experts "
+                                    "it computes, and everything on a computer without a GPU. Auto: one per core. "
+                                    "Fewer can be faster while other programs keep the processor busy.</p>")
         form.addRow("Prefetch depth", self.prefetch)
         form.addRow("Experts cached per layer", self.cache)
         form.addRow("GPU memory limit", self.budget)
         form.addRow("Experts not on the GPU", self.cpu_experts)
+        form.addRow("Processor threads", self.cpu_threads)
 
         sampling = QGroupBox("Sampling")
         form = QFormLayout(sampling)
@@ -156,6 +164,7 @@ class SettingsPanel(QScrollArea):
             Key.PREFETCH: (self.prefetch, self.prefetch.valueChanged),
             Key.CACHE_EXPERTS: (self.cache, self.cache.valueChanged),
             Key.VRAM_BUDGET_GB: (self.budget, self.budget.valueChanged),
+            Key.CPU_THREADS: (self.cpu_threads, self.cpu_threads.valueChanged),
             Key.TEMPERATURE: (self.temperature, self.temperature.valueChanged),
             Key.TOP_P: (self.top_p, self.top_p.valueChanged),
             Key.MAX_NEW_TOKENS: (self.max_tokens, self.max_tokens.valueChanged),
@@ -206,8 +215,10 @@ class SettingsPanel(QScrollArea):
         del blockers
 
     def set_on_gpu(self, on_gpu: bool) -> None:
-        """On the CPU every expert is in memory: there is no GPU cache, prefetch or memory to set."""
-        self.speed.setVisible(on_gpu)
+        """On the CPU every expert is in memory: there is no GPU cache, prefetch or memory to set,
+        only the processor's threads."""
+        for w in (self.prefetch, self.cache, self.budget, self.cpu_experts):
+            self.speed_form.setRowVisible(w, on_gpu)
 
     def _variant_changed(self, _index: int) -> None:
         path = self.variant.currentData()

@@ -737,6 +737,7 @@ def _compile():
 
 
 def set_threads(n: int) -> None:
-    """numba's threads for launches from the calling thread (1..numba's pool size)."""
-    k = kernels()
-    k.numba.set_num_threads(max(1, min(n, k.numba.config.NUMBA_NUM_THREADS)))
+    """numba's threads for launches from the calling thread (1..numba's pool size), for this
+    kernel and the others numba compiles (engine/kernels/int8_cpu.py, mxfp4_cpu.py)."""
+    import numba
+    numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))

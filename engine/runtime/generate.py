@@ -8,6 +8,7 @@ decoded token in `Engine.last_trace` (the GUI's expert map).
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -168,6 +169,8 @@ class Engine:
         self.lock = threading.Lock()
         self.eos_ids = eos_ids(store.path, tokenizer)
         self.sampling_defaults = store_sampling_defaults(store.path)
+        # the CPU threads load_engine chose (set_cpu_threads(0) goes back to them)
+        self.auto_threads = (torch.get_num_threads(), model.hybrid.threads if model.hybrid is not None else None)
 
     # -- settings applied from the next message --------------------------------------------------
 
@@ -175,6 +178,20 @@ class Engine:
         if depth < 0:
             raise UserError("Prefetch depth must be 0 (off) or more.")
         self.model.prefetch_depth = depth
+
+    def set_cpu_threads(self, n: int) -> None:
+        """Threads of the work done on the CPU (experts computed there; on a machine without a
+        GPU, everything), 0 for the engine's own choice at load. Call it on the thread that
+        then generates: numba's count is per launching thread."""
+        if n < 0:
+            raise UserError("Processor threads must be 0 (automatic) or more.")
+        torch_threads, hybrid_threads = self.auto_threads
+        torch.set_num_threads(n or torch_threads)
+        if hqq_cpu.available() == "":
+            hqq_cpu.set_threads(n or hybrid_threads or os.cpu_count() or 1)
+        if self.model.hybrid is not None:
+            self.model.hybrid.threads = n or hybrid_threads
+            self.model.hybrid.threads_set_in = None  # its next run sets them on its thread
 
     def set_cache_experts(self, k: int) -> None:
         with self.lock:

@@ -53,6 +53,7 @@ class FakeEngine:
         self.max_context = 4096
         self.prefetch = opts.prefetch
         self.cache_experts = opts.cache_experts or 2
+        self.cpu_threads = 0
         self.calls: list[tuple[list[dict], SamplingSettings]] = []
         self.last_stats = GenerationStats()
         self.last_trace = ExpertTrace(layers, experts)
@@ -65,6 +66,9 @@ class FakeEngine:
 
     def set_cache_experts(self, k: int) -> None:
         self.cache_experts = k
+
+    def set_cpu_threads(self, n: int) -> None:
+        self.cpu_threads = n
 
     def stream(self, messages, sampling: SamplingSettings, cancel=None):
         self.calls.append((messages, sampling))

@@ -156,15 +156,24 @@ def test_model_page_without_a_gpu(launch, qtbot, tmp_path):
 def test_chat_without_a_gpu_names_the_model_and_hides_gpu_numbers(launch, qtbot, data_dir, store):
     write_settings(data_dir, wizard_done=True, store_path=str(store),
                    installed=[{"path": str(store), "name": "Demo model", "expert_bits": 2}])
-    parts = launch(engine=FakeEngineBackend(device="cpu"))
+    backend = FakeEngineBackend(device="cpu")
+    parts = launch(engine=backend)
     qtbot.waitUntil(lambda: parts.controller.loaded is not None, timeout=3000)
     window = parts.window
     assert "Demo model" in window.chat.view.toPlainText() and "Mixtral" not in window.chat.view.toPlainText()
     assert "Mixtral" not in window.chat.input.editor.placeholderText()
     send(parts, qtbot)
     assert window.status.shown_keys() == ["tps", "ttft"], "no cache, prefetch, GPU memory or copy speed"
-    assert not window.settings_panel.speed.isVisibleTo(window.settings_panel), "no GPU cache to size"
+    panel = window.settings_panel
+    assert not any(w.isVisibleTo(panel) for w in (panel.prefetch, panel.cache, panel.budget, panel.cpu_experts)), \
+        "no GPU cache to size"
     assert "tok/s" in window.status.labels["tps"].text()
+    assert panel.cpu_threads.isVisibleTo(panel) and panel.cpu_threads.text() == "Auto"
+    assert backend.engine.cpu_threads == 0
+    panel.cpu_threads.setValue(1)  # goes with the next message, without a reload
+    send(parts, qtbot)
+    assert backend.engine.cpu_threads == 1 and len(backend.engines) == 1
+    assert parts.controller.settings.get(Key.CPU_THREADS) == 1
 
 
 def test_status_bar_words_on_a_gpu(ready, qtbot):

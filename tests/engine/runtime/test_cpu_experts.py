@@ -227,3 +227,34 @@ def test_the_cpu_rate_is_timed_on_experts_read_in_turn_from_ram(monkeypatch):
     Hybrid.run = lambda self, jobs: calls.append([c.i for c, _ in jobs])
     generate.cpu_seconds(Hybrid(), [Copy(i) for i in range(30)], x, together=4)
     assert calls == [[0, 1, 2, 3], [4, 5, 6, 7]]  # small experts as a layer runs them: a few to a call
+
+
+def test_the_engines_cpu_threads_change_between_messages_and_go_back_to_its_own(tiny_checkpoint, tmp_path):
+    """Engine.set_cpu_threads (the app's "Processor threads"): torch's and numba's counts on the
+    calling thread and the CPU experts' own; 0 restores what load_engine chose. Replies stay
+    the same."""
+    import numba
+
+    from moeferry.engine.errors import UserError
+    from moeferry.engine.runtime.generate import SamplingSettings, load_engine
+    from moeferry.engine.storage.convert import convert_checkpoint
+
+    convert_checkpoint(tiny_checkpoint[0], tmp_path / "st", 4, 16, "cpu")
+    before = torch.get_num_threads()
+    try:
+        engine = load_engine(tmp_path / "st", device="cpu", cpu_experts="all", cpu_threads=2)
+        assert engine.model.hybrid is not None and engine.model.hybrid.every_expert
+        greedy = SamplingSettings(temperature=0.0, max_new_tokens=6)
+        want = [p.token_id for p in engine.stream("MoE", greedy)]
+        engine.set_cpu_threads(1)
+        assert (torch.get_num_threads(), numba.get_num_threads(), engine.model.hybrid.threads) == (1, 1, 1)
+        assert [p.token_id for p in engine.stream("MoE", greedy)] == want
+        assert torch.get_num_threads() == 1, "its run kept the count"
+        engine.set_cpu_threads(0)
+        assert torch.get_num_threads() == 2 and engine.model.hybrid.threads == 2
+        assert numba.get_num_threads() == min(2, numba.config.NUMBA_NUM_THREADS)
+        with pytest.raises(UserError, match="Processor threads"):
+            engine.set_cpu_threads(-1)
+        engine.close()
+    finally:
+        torch.set_num_threads(before)
