@@ -134,12 +134,35 @@ def add_generate_parser(sub) -> None:
     s.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, stats")
 
 
+TEXT_OPTIONS = ("--prompt",)  # options whose value is free text
+
+
+def glue_text_options(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """`--prompt TEXT` as `--prompt=TEXT` where TEXT starts with "-": argparse takes such a value
+    for an option of its own ("- a list", "-x") and stops with "expected one argument". A
+    value that is one of the command's options (`--prompt --json`: the text forgotten) stays
+    apart, so argparse still says so."""
+    options = {o for a in parser._subparsers._group_actions for sub in a.choices.values()  # noqa: SLF001
+               for o in sub._option_string_actions} if parser._subparsers else set()  # noqa: SLF001
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in TEXT_OPTIONS and i + 1 < len(argv) and argv[i + 1].startswith("-") \
+                and argv[i + 1].split("=", 1)[0] not in options:
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in PASS_THROUGH:
         args = argparse.Namespace(command=argv[0], rest=argv[1:])
     else:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args = parser.parse_args(glue_text_options(argv, parser))
     try:
         return run(args)
     except UserError as e:

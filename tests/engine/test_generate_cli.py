@@ -148,6 +148,19 @@ def test_max_new_tokens_cut_to_the_context_says_so(capsys):
     assert json.loads(captured.out)["stats"]["new_tokens"] <= int(cut.group(1)) < 500
 
 
+def test_a_prompt_that_starts_with_a_dash_is_the_prompt(capsys):
+    """argparse takes a value starting with "-" for an option and stopped with "expected one
+    argument" (found by random prompts through the CLI); a forgotten prompt is still refused."""
+    engine = load_engine("demo", device="cpu")
+    for text in ("- a list", "-x", "--help me"):
+        assert cli.main(["generate", "demo", "--prompt", text, "--max-new-tokens", "2", "--json"]) == 0, text
+        out = json.loads(capsys.readouterr().out)
+        assert out["stats"]["prompt_tokens"] == len(engine.encode(text, False))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "demo", "--prompt", "--json"])
+    assert e.value.code == 2 and "--prompt: expected one argument" in capsys.readouterr().err
+
+
 def test_cpu_run_reports_no_vram_and_refuses_fused_kernels(capsys):
     assert cli.main(["generate", "demo", "--chat", "--prompt", "hi", "--max-new-tokens", "3", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["stats"]["peak_vram_bytes"] == 0
