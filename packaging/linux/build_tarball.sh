@@ -33,7 +33,7 @@ VERSION=$(sed -n 's/^version *= *"\([^"]*\)".*/\1/p' "$ROOT/pyproject.toml" | he
 ARCH=$(uname -m)
 "$PY" -c "import torch, PyInstaller; print('torch', torch.__version__, '| CUDA', torch.version.cuda, '| PyInstaller', PyInstaller.__version__)" \
     || { echo "build_tarball.sh: $PY lacks torch or PyInstaller: see packaging/README.md" >&2; exit 1; }
-# A CPU-only build says so in its name: it cannot run Mixtral, only the demo model.
+# A CPU-only build says so in its name: it runs every model on the processor alone.
 CUDA=$("$PY" -c "import torch; print(torch.version.cuda or '')")
 NAME="moeferry-$VERSION-linux-$ARCH"
 [ -n "$CUDA" ] || NAME="$NAME-cpu"
