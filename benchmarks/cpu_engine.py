@@ -79,7 +79,10 @@ def main(argv=None) -> int:
     p.add_argument("--group-size", type=int, help="HQQ rows per scale (default: the width's own)")
     p.add_argument("--attn-bits", type=int, default=4, choices=(4, 8))
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, nargs="+", default=[16],
+                   help="tokens before the decoded ones; several: a row each (the attention's share grows with them)")
+    p.add_argument("--dense", choices=("both", "low-bit"), default="both",
+                   help="low-bit: leave out the float32 variant (slow: it reads 3-4x the bytes)")
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="also profile one run of the in-place engine")
@@ -93,24 +96,26 @@ def main(argv=None) -> int:
     experts = "MXFP4" if a.expert_format == "mxfp4" else f"{a.expert_bits}-bit, groups of {eq['group_size']}"
     print(f"{a.model}, first {cfg.num_layers} layers, experts {experts} ({host.shape[2] / 1e6:.1f} MB each), "
           f"{a.attn_bits}-bit attention, built in {time.perf_counter() - t:.0f} s; "
-          f"{a.threads} threads, P={a.prompt_len}, T={a.new_tokens}, uniform routing", flush=True)
-    prompt = torch.randint(0, cfg.vocab_size, (a.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
-    print("| dense matrices | their RAM | GB read per token | first token s | decode tok/s (median; all) |")
-    print("|---|---|---|---|---|")
-    for label, in_place in (("low-bit: 2-4 bit in place, 8-bit and the head int8", True), ("dequantized to float32", False)):
+          f"{a.threads} threads, T={a.new_tokens}, uniform routing", flush=True)
+    print("| dense matrices | their RAM | GB read per token | prompt | first token s | decode tok/s (median; all) |")
+    print("|---|---|---|---|---|---|")
+    variants = (("low-bit: 2-4 bit in place, 8-bit and the head int8", True), ("dequantized to float32", False))
+    for label, in_place in variants[:1 if a.dense == "low-bit" else 2]:
         dense, dense_bytes = move_dense(dense_q, cpu, torch.float32, in_place)
         s = bench.Synthetic(cfg, dense, dense_bytes, host, fields, eq, cpu, 0.0, a.expert_bits, a.attn_bits,
                             torch.float32, a.model)
-        decode_rate(s, prompt, 3, a.threads)  # numba's compile and the pools' start
-        runs = [decode_rate(s, prompt, a.new_tokens, a.threads) for _ in range(a.repeats)]
-        rates = [r for _, r in runs]
-        print(f"| {label} | {fmt_bytes(dense_bytes)} | {token_bytes(s, dense) / 1e9:.2f} | "
-              f"{statistics.median(f for f, _ in runs):.2f} | **{statistics.median(rates):.2f}** "
-              f"({', '.join(f'{r:.2f}' for r in rates)}) |", flush=True)
-        if a.profile and in_place:
-            profile = cProfile.Profile()
-            profile.runcall(decode_rate, s, prompt, a.new_tokens, a.threads)
-            pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(12)
+        for length in a.prompt_len:
+            prompt = torch.randint(0, cfg.vocab_size, (length,), generator=torch.Generator().manual_seed(0)).tolist()
+            decode_rate(s, prompt, 3, a.threads)  # numba's compile and the pools' start
+            runs = [decode_rate(s, prompt, a.new_tokens, a.threads) for _ in range(a.repeats)]
+            rates = [r for _, r in runs]
+            print(f"| {label} | {fmt_bytes(dense_bytes)} | {token_bytes(s, dense) / 1e9:.2f} | {length} | "
+                  f"{statistics.median(f for f, _ in runs):.2f} | **{statistics.median(rates):.2f}** "
+                  f"({', '.join(f'{r:.2f}' for r in rates)}) |", flush=True)
+            if a.profile and in_place:
+                profile = cProfile.Profile()
+                profile.runcall(decode_rate, s, prompt, a.new_tokens, a.threads)
+                pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(12)
     return 0
 
 
