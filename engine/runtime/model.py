@@ -151,12 +151,17 @@ def family_options(c: dict) -> dict:
 def rope_parameters(c: dict) -> dict:
     """config.json's RoPE settings as transformers 5 reads them: rope_parameters, or in a config
     written before it (gpt-oss's and Qwen's on the Hub) rope_scaling (whose rope_type may be
-    spelled "type") with rope_theta beside it."""
+    spelled "type") with rope_theta beside it. TypeError when one of them is not a mapping."""
     rope = c.get("rope_parameters")
-    if not isinstance(rope, dict) or not rope:
-        rope = dict(c.get("rope_scaling") or {})
+    if not rope:
+        rope = c.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise TypeError("rope_scaling is not a mapping")
+        rope = dict(rope)
         if c.get("rope_theta") is not None:
             rope.setdefault("rope_theta", c["rope_theta"])
+    if not isinstance(rope, dict):
+        raise TypeError("rope_parameters is not a mapping")
     rope = dict(rope)
     if "rope_type" not in rope and "type" in rope:
         rope["rope_type"] = rope["type"]

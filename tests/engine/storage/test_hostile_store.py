@@ -494,6 +494,7 @@ def test_an_experts_file_that_is_not_one_byte_tensor_at_its_start_is_refused(tin
 
 @pytest.mark.parametrize("changes", [
     {"rope_parameters": [1]}, {"rope_parameters": {"rope_theta": "big", "rope_type": "default"}},
+    {"rope_parameters": None, "rope_scaling": "linear"}, {"rope_parameters": None, "rope_scaling": [2.0]},
     {"rms_norm_eps": -1}, {"sliding_window": True}, {"num_key_value_heads": 3}, {"head_dim": 10**9},
     {"max_position_embeddings": 0}])
 def test_a_store_config_with_unusable_values_is_one_sentence(tiny_store, tmp_path, changes):
