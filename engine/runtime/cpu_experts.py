@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from moeferry.engine.kernels import hqq_cpu, mxfp4_cpu
 from moeferry.engine.kernels.torch_cpu import FORMATS as COPY_FORMATS, INPUT_MULTIPLE, CpuMatrix, make_matrix
 from moeferry.engine.runtime import placement
+from moeferry.engine.runtime.cpu_threads import ThreadGovernor
 from moeferry.engine.runtime.model import clamped_swiglu
 from moeferry.engine.storage.mxfp4 import Mxfp4Matrix
 
@@ -250,9 +251,10 @@ class CpuExperts:
             self.able.setdefault(layer, set()).add(e)
         cpu_bytes = max((c.nbytes() for c in copies.values()), default=0)
         self.sizes = placement.ExpertSizes(gpu_bytes, cpu_bytes, params)
-        self.threads, self.numba = threads, any(isinstance(c, HqqExpert) for c in copies.values())
-        self.threads_set_in: int | None = None  # the thread whose pools have self.threads (use_threads)
-        self.use_threads()
+        self.numba = any(isinstance(c, HqqExpert) for c in copies.values())
+        self.torch_threads = torch.get_num_threads()  # torch's count at most, under the governor
+        self.asked_threads = threads  # --cpu-threads (None: automatic)
+        self.set_threads(threads)
         self.stats = CpuRunStats()
         self.stage: torch.Tensor | None = None  # pinned float32 [1, H]: a decoded token's CPU sum on its way up
         self.stage_dev: torch.Tensor | None = None  # its twin on the device (on a CPU device: itself)
@@ -265,15 +267,38 @@ class CpuExperts:
     def nbytes(self) -> int:
         return sum(c.nbytes() for c in self.copies.values())
 
+    def set_threads(self, n: int | None) -> None:
+        """n threads for the CPU's kernels; None: for numba's kernels, every one of numba's pool
+        but fewer while other programs hold cores (engine/runtime/cpu_threads.py), else the
+        pools' own counts."""
+        self.governor = None
+        if n is None and self.numba:
+            import numba
+            most = numba.config.NUMBA_NUM_THREADS
+            self.governor = ThreadGovernor(most) if most > 1 else None
+            n = most
+        self.threads, self.threads_set_in = n, None  # the thread whose pools have self.threads (use_threads)
+        self.use_threads()
+
     def use_threads(self) -> None:
         """Give the calling thread's pools (torch's and numba's keep their size per thread) the
         CPU experts' thread count, once per thread: the experts run in the thread that decodes,
-        which need not be the one that loaded (the API server decodes on its queue's thread)."""
+        which need not be the one that loaded (the API server decodes on its queue's thread).
+        Under the governor torch keeps at most its own count (its pool is sized to the cores,
+        numba's to the logical processors)."""
         if self.threads and self.threads_set_in != threading.get_ident():
-            torch.set_num_threads(self.threads)
+            torch.set_num_threads(self.threads if self.governor is None else min(self.threads, self.torch_threads))
             if self.numba:
                 hqq_cpu.set_threads(self.threads)
             self.threads_set_in = threading.get_ident()
+
+    def token_done(self, seconds: float) -> None:
+        """A decoded token took this long: the governor's count for the next (when it has one)."""
+        if self.governor is not None:
+            n = self.governor.observe(seconds)
+            if n != self.threads:
+                self.threads, self.threads_set_in = n, None
+                self.use_threads()
 
     def warm(self) -> None:
         """Run the kernels a decoded layer calls, one expert and two together, once now: numba

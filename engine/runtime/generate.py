@@ -169,8 +169,9 @@ class Engine:
         self.lock = threading.Lock()
         self.eos_ids = eos_ids(store.path, tokenizer)
         self.sampling_defaults = store_sampling_defaults(store.path)
-        # the CPU threads load_engine chose (set_cpu_threads(0) goes back to them)
-        self.auto_threads = (torch.get_num_threads(), model.hybrid.threads if model.hybrid is not None else None)
+        # the CPU threads load_engine chose (set_cpu_threads(0) goes back to them): torch's, and
+        # the count asked for the CPU experts (None: their governor's)
+        self.auto_threads = (torch.get_num_threads(), model.hybrid.asked_threads if model.hybrid is not None else None)
 
     # -- settings applied from the next message --------------------------------------------------
 
@@ -185,13 +186,12 @@ class Engine:
         then generates: numba's count is per launching thread."""
         if n < 0:
             raise UserError("Processor threads must be 0 (automatic) or more.")
-        torch_threads, hybrid_threads = self.auto_threads
+        torch_threads, asked = self.auto_threads
         torch.set_num_threads(n or torch_threads)
         if hqq_cpu.available() == "":
-            hqq_cpu.set_threads(n or hybrid_threads or os.cpu_count() or 1)
+            hqq_cpu.set_threads(n or asked or os.cpu_count() or 1)
         if self.model.hybrid is not None:
-            self.model.hybrid.threads = n or hybrid_threads
-            self.model.hybrid.threads_set_in = None  # its next run sets them on its thread
+            self.model.hybrid.set_threads(n or asked)
 
     def set_cache_experts(self, k: int) -> None:
         with self.lock:
@@ -265,7 +265,10 @@ class Engine:
                 yield tok
                 if tok in self.eos_ids or n + 1 == max_new or (cancel is not None and cancel.is_set()):
                     break
+                t = time.perf_counter()
                 logits = model.forward(torch.tensor([tok], device=self.device), start=len(done))
+                if model.hybrid is not None:
+                    model.hybrid.token_done(time.perf_counter() - t)
                 done.append(tok)
                 repetition.add(tok)
                 tok = sample(logits[-1], s, gen, repetition)

@@ -258,3 +258,36 @@ def test_the_engines_cpu_threads_change_between_messages_and_go_back_to_its_own(
         engine.close()
     finally:
         torch.set_num_threads(before)
+
+
+def test_automatic_threads_follow_the_governor_and_a_count_given_turns_it_off():
+    """CpuExperts without a thread count run numba's kernels under a ThreadGovernor: token_done
+    feeds it each decoded token's time, and its count reaches numba's and torch's pools."""
+    import numba
+
+    spec, H, I = quant.EXPERT_SPECS[2], 64, 96
+    gen = torch.Generator().manual_seed(12)
+    expert = ce.hqq_expert({m: quant.quantize_matrix(torch.randn(*shape, generator=gen) * 0.05, spec, optimize=False)
+                            for m, shape in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I)))})
+    before = torch.get_num_threads()
+    try:
+        hybrid = ce.CpuExperts({(0, 0): expert}, "all", every_expert=True)
+        most = numba.config.NUMBA_NUM_THREADS
+        if most == 1:
+            assert hybrid.governor is None
+            return
+        assert hybrid.governor is not None and hybrid.threads == most
+        for _ in range(12):  # every token 0.1 s at the most, 0.01 s at one fewer: the first try wins
+            hybrid.token_done(0.1 if hybrid.threads == most else 0.01)
+        assert hybrid.threads == most - 1
+        hybrid.run([(expert, torch.randn(1, H, generator=gen))])
+        assert numba.get_num_threads() == most - 1 and torch.get_num_threads() <= most - 1
+        hybrid.set_threads(1)
+        assert hybrid.governor is None and hybrid.threads == 1
+        hybrid.token_done(5.0)
+        assert hybrid.threads == 1
+        hybrid.set_threads(None)
+        assert hybrid.governor is not None and hybrid.threads == most
+    finally:
+        torch.set_num_threads(before)
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
