@@ -39,14 +39,21 @@ from moeferry.engine.runtime.generate import cpu_copies_of, cpu_experts_for, mov
 from moeferry.engine.units import fmt_bytes  # noqa: E402
 
 
-def decode_rate(s: bench.Synthetic, prompt: list[int], new_tokens: int, threads: int) -> tuple[float, float]:
-    """(first token s, decoded tokens/s) of one run of the CPU engine over s."""
+def cpu_model(s: bench.Synthetic, threads: int | None, context: int):
+    """The CPU engine over s, as load_engine makes it for a model too big for the CPU's expert
+    cache (threads None: automatic), with uniform routing and room for context tokens."""
     model = s.model("lru", 1, 0, "reference")
     views = bench.expert_views(s.cfg, s.fields, s.eq)
     copies = cpu_copies_of(s.cfg, s.host, views, s.device, None, None, 1)
     model.hybrid = cpu_experts_for(copies, s.cfg, s.host, model.cache, "all", threads, every_expert=True)
     model.routing = routing_mod.parse_routing("uniform", s.cfg, s.device, 0.85, 1, 0)
-    model.setup_kv(len(prompt) + new_tokens)
+    model.setup_kv(context)
+    return model
+
+
+def decode_rate(s: bench.Synthetic, prompt: list[int], new_tokens: int, threads: int) -> tuple[float, float]:
+    """(first token s, decoded tokens/s) of one run of the CPU engine over s."""
+    model = cpu_model(s, threads, len(prompt) + new_tokens)
     with torch.inference_mode():
         t0 = time.perf_counter()
         tok = int(model.forward(torch.tensor(prompt), 0)[-1].argmax())
