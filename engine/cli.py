@@ -126,8 +126,8 @@ def add_generate_parser(sub) -> None:
     s.add_argument("--cpu-format", choices=("hqq", "int4", "int8", "dense"),
                    help="how the CPU runs experts: hqq (default for 2-4 bit stores: the stored bytes in "
                         "place, no extra RAM) or a CPU copy in int4 (default for 16-bit stores), int8, dense")
-    s.add_argument("--cpu-threads", type=int, help="threads of the CPU experts (default: every core, fewer while "
-                                                   "other programs keep some busy)")
+    s.add_argument("--cpu-threads", type=int, help="threads of the CPU experts (default: every core; without a GPU, "
+                                                   "fewer while other programs keep some busy)")
     s.add_argument("--ram-budget", help="RAM for the CPU copies, e.g. 24GiB (default: what is available)")
     s.add_argument("--expert-units", type=int, default=1,
                    help="cut each HQQ expert into this many units along its FFN at load (exact, the same "

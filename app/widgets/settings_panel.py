@@ -108,9 +108,9 @@ class SettingsPanel(QScrollArea):
         self.cpu_threads.setRange(0, os.cpu_count() or 1)
         self.cpu_threads.setSpecialValueText("Auto")
         self.cpu_threads.setToolTip("<p>How many processor threads compute what runs on the processor: the experts "
-                                    "it computes, and everything on a computer without a GPU. Auto: every core, and "
-                                    "fewer while other programs keep some of them busy (it measures which count "
-                                    "replies faster as it goes).</p>")
+                                    "it computes, and everything on a computer without a GPU. Auto: every core; without "
+                                    "a GPU, fewer while other programs keep some of them busy (it measures which "
+                                    "count replies faster as it goes).</p>")
         form.addRow("Prefetch depth", self.prefetch)
         form.addRow("Experts cached per layer", self.cache)
         form.addRow("GPU memory limit", self.budget)

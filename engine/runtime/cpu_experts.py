@@ -268,11 +268,13 @@ class CpuExperts:
         return sum(c.nbytes() for c in self.copies.values())
 
     def set_threads(self, n: int | None) -> None:
-        """n threads for the CPU's kernels; None: for numba's kernels, every one of numba's pool
-        but fewer while other programs hold cores (engine/runtime/cpu_threads.py), else the
-        pools' own counts."""
+        """n threads for the CPU's kernels; None: on a machine without a GPU (every_expert, numba's
+        kernels), every one of numba's pool but fewer while other programs hold cores
+        (engine/runtime/cpu_threads.py), else the pools' own counts. The GPU hybrid's tokens
+        vary with its hits and misses more than the governor's tries tell apart (not measured
+        there yet)."""
         self.governor = None
-        if n is None and self.numba:
+        if n is None and self.numba and self.every_expert:
             import numba
             most = numba.config.NUMBA_NUM_THREADS
             self.governor = ThreadGovernor(most) if most > 1 else None

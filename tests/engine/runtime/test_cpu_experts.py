@@ -288,6 +288,8 @@ def test_automatic_threads_follow_the_governor_and_a_count_given_turns_it_off():
         assert hybrid.threads == 1
         hybrid.set_threads(None)
         assert hybrid.governor is not None and hybrid.threads == most
+        on_a_gpu = ce.CpuExperts({(0, 0): expert}, "all")  # the hybrid: the pools' own counts
+        assert on_a_gpu.governor is None and on_a_gpu.threads is None
     finally:
         torch.set_num_threads(before)
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
