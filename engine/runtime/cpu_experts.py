@@ -279,6 +279,10 @@ class CpuExperts:
             most = numba.config.NUMBA_NUM_THREADS
             self.governor = ThreadGovernor(most) if most > 1 else None
             n = most
+        self._take(n)
+
+    def _take(self, n: int | None) -> None:
+        """n from now on, in the calling thread's pools and, at their next run, in others'."""
         self.threads, self.threads_set_in = n, None  # the thread whose pools have self.threads (use_threads)
         self.use_threads()
 
@@ -299,8 +303,7 @@ class CpuExperts:
         if self.governor is not None:
             n = self.governor.observe(seconds)
             if n != self.threads:
-                self.threads, self.threads_set_in = n, None
-                self.use_threads()
+                self._take(n)
 
     def warm(self) -> None:
         """Run the kernels a decoded layer calls, one expert and two together, once now: numba
