@@ -32,7 +32,7 @@ import torch
 
 from moeferry.engine.kernels import hqq_gpu, mxfp4_gpu
 from moeferry.engine.kernels.hqq_gpu import tl, triton
-from moeferry.engine.runtime.model import ATTN_PROJECTIONS, EagerOps, Step, expand_units
+from moeferry.engine.runtime.model import ATTN_PROJECTIONS, EagerOps, Step, distinct_ids, expand_units
 from moeferry.engine.storage.mxfp4 import Mxfp4Matrix
 
 
@@ -50,12 +50,15 @@ class FusedOps(EagerOps):
         self.guess_weights = torch.zeros(cfg.top_k, dtype=torch.float32, device=dev)
         k = cfg.top_k // cfg.expert_units  # the router's choice before expand_units
         self.routed_weights = torch.zeros(k, dtype=torch.float32, device=dev)
-        self.routed_ids = torch.zeros(k, dtype=torch.long, device=dev)
-        # a subset of the top-k (the others on the CPU): its positions, ids and weights
-        self.at_host = torch.zeros(cfg.top_k, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.routed_ids = distinct_ids((k,), dev)
+        # a subset of the top-k (the others on the CPU): its positions, ids and weights; distinct
+        # from the start, as the grouped kernels need (distinct_ids)
+        self.at_host = distinct_ids((cfg.top_k,), "cpu")
+        if dev.type == "cuda":
+            self.at_host = self.at_host.pin_memory()
         self.at_np = self.at_host.numpy()
-        self.at = torch.zeros(cfg.top_k, dtype=torch.long, device=dev)
-        self.at_ids = torch.zeros(cfg.top_k, dtype=torch.long, device=dev)
+        self.at = distinct_ids((cfg.top_k,), dev)
+        self.at_ids = distinct_ids((cfg.top_k,), dev)
         self.at_weights = torch.zeros(cfg.top_k, dtype=torch.float32, device=dev)
 
     def add_norm(self, x, delta, weight, out) -> None:

@@ -38,7 +38,7 @@ import torch
 
 from moeferry.engine.kernels import hqq_gpu
 from moeferry.engine.kernels.decode import FusedOps, add_rms_norm, attention_options, rope_attention, route_topk
-from moeferry.engine.runtime.model import EagerOps
+from moeferry.engine.runtime.model import EagerOps, distinct_ids
 
 
 def use_cuda_graphs(model, on: bool = True) -> None:
@@ -55,7 +55,7 @@ class GraphedDecode:
         self.logits = torch.zeros(1, cfg.vocab_size, dtype=torch.float32, device=dev)
         moe = max(1, cfg.num_moe_layers)  # a forced routing's choice for the one graph
         self.forced = (torch.zeros(moe, cfg.top_k, dtype=torch.float32, device=dev),
-                       torch.zeros(moe, cfg.top_k, dtype=torch.long, device=dev))
+                       distinct_ids((moe, cfg.top_k), dev))
         if capture:
             self.pool = torch.cuda.graph_pool_handle()
             self.capture_stream = capture_stream(dev)

@@ -315,8 +315,7 @@ class OffloadedMixtral:
         moe = max(1, cfg.num_moe_layers)
         return Step(tokens, x, torch.zeros_like(x), torch.zeros_like(x), torch.zeros_like(x),
                     torch.zeros(T, cfg.top_k, dtype=torch.float32, device=dev),
-                    torch.zeros(moe, T, cfg.top_k, dtype=torch.long, device=dev),
-                    torch.zeros(moe, cfg.top_k, dtype=torch.long, device=dev), cos, sin, **options)
+                    distinct_ids((moe, T, cfg.top_k), dev), distinct_ids((moe, cfg.top_k), dev), cos, sin, **options)
 
     # -- one forward, top to bottom ---------------------------------------------------------------
 
@@ -686,6 +685,14 @@ def layer_weights(cfg: ModelConfig, dense: dict, i: int) -> dict:
         layer["shared"] = swiglu_weights(dense, p + "mlp.shared_expert.")
         layer["shared_gate"] = dense[p + "mlp.shared_expert_gate.weight"]
     return layer
+
+
+def distinct_ids(shape: tuple, device) -> torch.Tensor:
+    """Expert ids [..., k] that are a valid routing before any router wrote them: 0..k-1 in each
+    row. The grouped expert kernels order a token's experts by id and assume them distinct (as
+    top-k makes them); rows of zeros, run while CUDA graphs are prepared, made them read past
+    their scratch (gpt-oss-20b's MXFP4 kernel: an illegal memory access)."""
+    return torch.arange(shape[-1], device=device).expand(shape).clone()
 
 
 def swiglu_weights(dense: dict, prefix: str) -> dict:

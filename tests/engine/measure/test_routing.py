@@ -292,6 +292,45 @@ def test_cli_bench_checks_its_routing_before_anything_else():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("model_name", ["gpt-oss-20b", "qwen3-30b-a3b"])
+def test_preparing_graphs_runs_the_grouped_kernels_on_distinct_experts(monkeypatch, model_name):
+    """The grouped expert kernels order a token's experts by id and read past their scratch when
+    two are equal (gpt-oss-20b's MXFP4 kernel: an illegal memory access while its graphs were
+    prepared). Every run of them, the graphs' warm-up included, must get distinct ids: resident
+    under forced routing (the one graph), a smaller cache, and the hybrid's GPU part."""
+    from moeferry.engine.kernels.decode import FusedOps
+    from moeferry.engine.measure.bench_shapes import shape_config
+    from moeferry.engine.runtime.generate import cpu_copies_of, cpu_experts_for
+    seen = []
+    run = FusedOps.moe_decode
+
+    def recording(self, h, experts, slot_bytes, ids, weights, table, out):
+        if not torch.cuda.is_current_stream_capturing():  # a capture records, it does not run
+            seen.append(ids.tolist())
+        return run(self, h, experts, slot_bytes, ids, weights, table, out)
+
+    monkeypatch.setattr(FusedOps, "moe_decode", recording)
+    cfg = shape_config(model_name)
+    s = bench.build(2, 4, 4, config=TINY | {"num_experts": 8, "top_k": min(4, cfg.top_k)}, model=model_name,
+                    log=lambda m: None)
+    for k, hybrid in ((s.cfg.num_experts, False), (5, False), (5, True)):
+        model = s.model("lru", k, 1, "fused")
+        model.routing = routing.UniformRouting(s.cfg.num_layers, s.cfg.num_experts, s.cfg.top_k, s.device, seed=3)
+        if hybrid:
+            copies = cpu_copies_of(s.cfg, s.host, bench.expert_views(s.cfg, s.fields, s.eq), s.device, None, None, k)
+            model.hybrid = cpu_experts_for(copies, s.cfg, s.host, model.cache, "all", 2)
+        model.setup_kv(32)
+        use_cuda_graphs(model)
+        seen.clear()
+        model.graphs.prepare(32)
+        model.forward(torch.tensor([5], device=s.device), 0)
+        assert seen, "the grouped kernels ran"
+        for ids in seen:
+            assert len(set(ids)) == len(ids) and all(0 <= e < s.cfg.num_experts for e in ids), (k, hybrid, ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("budget", ["12GiB-like", "resident"])
 def test_graphs_honour_forced_routing(budget):
     """Graphed decode (per-layer graphs with K < E; the one-graph path with K = E) under forced
