@@ -206,7 +206,8 @@ class ExpertCache:
         """acquire() of each of these experts, for kernels that read their slots from the device
         table (sync_table): the misses' copies are queued in one go, one switch to the copy
         stream, and the compute stream waits once, for the last of them (the copy stream runs
-        in order, so that covers the others and any earlier prefetch). Then release(layer)."""
+        in order, so that covers the others and any earlier prefetch). The caller then
+        releases the layer, as after acquire()."""
         if not self.cuda or len(experts) > self.K:  # a smaller cache reuses slots within the step
             for e in experts:
                 self.acquire(layer, e, keep)
