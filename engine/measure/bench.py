@@ -176,10 +176,6 @@ class NaiveCache(ExpertCache):
             self.copy_stream.synchronize()
         return self._weights(layer, slot), slot
 
-    def acquire_all(self, layer: int, experts, keep=()) -> None:
-        for e in experts:
-            self.acquire(layer, e, keep)
-
     def prefetch(self, layer: int, experts: list[int]) -> None:
         pass
 

@@ -202,42 +202,6 @@ class ExpertCache:
         self.in_use[layer].add(slot)
         return self._weights(layer, slot), slot
 
-    def acquire_all(self, layer: int, experts, keep=()) -> None:
-        """acquire() of each of these experts, for kernels that read their slots from the device
-        table (sync_table): the misses' copies are queued in one go, one switch to the copy
-        stream, and the compute stream waits once, for the last of them (the copy stream runs
-        in order, so that covers the others and any earlier prefetch). The caller then
-        releases the layer, as after acquire()."""
-        if not self.cuda or len(experts) > self.K:  # a smaller cache reuses slots within the step
-            for e in experts:
-                self.acquire(layer, e, keep)
-            return
-        lru, in_use, awaited = self.lru[layer], self.in_use[layer], self.awaited[layer]
-        waits, copies = [], []
-        for e in experts:
-            slot = lru.get(e)
-            if slot is None:
-                self.stats.misses += 1
-                copies.append((e, self._claim(layer, e, keep)))
-                continue
-            self.stats.hits += 1
-            lru.move_to_end(e)
-            if e in self.unused_prefetch[layer]:
-                self.unused_prefetch[layer].discard(e)
-                self.stats.prefetch_used += 1
-            if not awaited[slot]:
-                waits.append(slot)
-            in_use.add(slot)
-        compute = torch.cuda.current_stream(self.device_index)
-        if copies:
-            self._copy(layer, copies)
-            waits = [copies[-1][1]]
-        for slot in waits:
-            compute.wait_event(self.ready[layer][slot])
-        for _, slot in copies:
-            awaited[slot] = True
-            in_use.add(slot)
-
     def sync_table(self, layer: int) -> None:
         """Send layer's expert -> slot row to the device, in the compute stream's order, if the
         host changed it. The previous send of the row has run: the host syncs on routing in
@@ -284,49 +248,37 @@ class ExpertCache:
     # -- inside ---------------------------------------------------------------------------------
 
     def _load(self, layer: int, expert: int, keep, slot: int | None = None) -> int:
-        slot = self._claim(layer, expert, keep, slot)
-        if self.cuda:
-            if slot in self.in_use[layer]:  # used earlier in this step (a cache smaller than top-k)
-                self.release(layer)  # the copy waits for the work queued on it so far
-            self._copy(layer, [(expert, slot)])
-            self.awaited[layer][slot] = False
-        else:
-            self.slot_views[layer][slot].copy_(self.host_views[layer][expert])
-            self._decode(layer, slot)
-            self.stats.bytes_h2d += self.B
-        return slot
-
-    def _claim(self, layer: int, expert: int, keep, slot: int | None = None) -> int:
-        """A slot for expert (a free one, else the LRU's victim; or the caller's choice: the
-        benchmark's naive cache), entered in the LRU and the slot table."""
         lru = self.lru[layer]
-        if slot is None:
+        if slot is None:  # else the caller's choice (the benchmark's naive cache)
             slot = len(lru) if len(lru) < self.K else self._evict(layer, keep)
         lru[expert] = slot
         self.table_np[layer, expert] = slot
         self.table_dirty.add(layer)
-        return slot
-
-    def _copy(self, layer: int, copies: list[tuple[int, int]]) -> None:
-        """Queue the copies of (expert, slot) on the copy stream, after the layer's last use of
-        its slots; the last slot's ready event is recorded after them all."""
-        compute = torch.cuda.current_stream(self.device_index)
-        torch.cuda.set_stream(self.copy_stream)  # not torch.cuda.stream(): it resolves the device twice
-        try:
-            if not self.free_awaited[layer]:
-                self.copy_stream.wait_event(self.free[layer])
-                self.free_awaited[layer] = True
-            for expert, slot in copies:
-                self.slot_views[layer][slot].copy_(self.host_views[layer][expert], non_blocking=self.pinned)
+        src, dst = self.host_views[layer][expert], self.slot_views[layer][slot]
+        if self.cuda:
+            if slot in self.in_use[layer]:  # used earlier in this step (a cache smaller than top-k)
+                self.release(layer)  # the copy waits for the work queued on it so far
+            compute = torch.cuda.current_stream(self.device_index)
+            torch.cuda.set_stream(self.copy_stream)  # not torch.cuda.stream(): it resolves the device twice
+            try:
+                if not self.free_awaited[layer]:
+                    self.copy_stream.wait_event(self.free[layer])
+                    self.free_awaited[layer] = True
+                dst.copy_(src, non_blocking=self.pinned)
                 if self.pace_cycles:
                     torch.cuda._sleep(self.pace_cycles)
-                if self.link_s_per_byte:
-                    start = max(time.perf_counter(), self.link_free_at)
-                    self.link_free_at = self.ready_at[layer][slot] = start + self.B * self.link_s_per_byte
-            self.ready[layer][copies[-1][1]].record(self.copy_stream)
-        finally:
-            torch.cuda.set_stream(compute)
-        self.stats.bytes_h2d += self.B * len(copies)
+                self.ready[layer][slot].record(self.copy_stream)
+            finally:
+                torch.cuda.set_stream(compute)
+            self.awaited[layer][slot] = False
+            if self.link_s_per_byte:
+                start = max(time.perf_counter(), self.link_free_at)
+                self.link_free_at = self.ready_at[layer][slot] = start + self.B * self.link_s_per_byte
+        else:
+            dst.copy_(src)
+            self._decode(layer, slot)
+        self.stats.bytes_h2d += self.B
+        return slot
 
     def _evict(self, layer: int, keep) -> int:
         """Drop the least recently used expert not in keep (else the oldest); its slot."""

@@ -436,13 +436,10 @@ class OffloadedMixtral:
                 job = self.hybrid.start(i, on_cpu, *io)
                 mark("down")
         routes = token_routes(ids_host, ids.device) if add_all is None and len(ids_host) > 1 else None
-        on_device = [e for e in needed if e not in on_cpu]  # copies and compute queued, waiting for neither
-        if add_all is None:
-            for e in on_device:
-                w, slot = self.cache.acquire(i, e, keep=needed)
+        for e in (e for e in needed if e not in on_cpu):  # copies and compute queued, waiting for neither
+            w, slot = self.cache.acquire(i, e, keep=needed)
+            if add_all is None:
                 add_expert(w, slot, e, ids_host[0].index(e) if routes is None else routes[e])
-        else:
-            self.cache.acquire_all(i, on_device, keep=needed)
         mark("queue")
         if add_all is not None:
             self.cache.sync_table(i)

@@ -200,34 +200,3 @@ def test_the_experts_home_falls_back_to_torchs_pinned_memory_when_registration_f
     monkeypatch.setattr(torch, "empty", empty)
     host = ec.pinned_empty((2, ec.HUGE_PAGE))
     assert host.shape == (2, ec.HUGE_PAGE) and asked == [True]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("k", [2, 4])
-def test_acquire_all_queues_the_misses_together_and_compute_waits_for_them(k):
-    """A layer's experts acquired at once (the grouped kernels' path) leave the cache as
-    acquiring them one by one does, and the compute stream reads every slot's new bytes even
-    behind slow copies (each copy followed by a GPU spin on the copy stream)."""
-    gen = torch.Generator().manual_seed(2)
-    host = torch.arange(L * E, dtype=torch.uint8)[:, None].repeat(1, 1 << 16).view(L, E, 1 << 16)
-    dev = torch.device("cuda")
-    together, alone = (CACHES["lru"](host.clone(), k, dev, lambda buf: buf, pace_cycles=2_000_000) for _ in range(2))
-    for _ in range(40):
-        layer = int(torch.randint(L, (1,), generator=gen))
-        needed = sorted(torch.randperm(E, generator=gen)[:2].tolist())
-        together.acquire_all(layer, needed, keep=needed)
-        for e in needed:
-            alone.acquire(layer, e, keep=needed)
-        for cache in (together, alone):
-            cache.sync_table(layer)
-            slots = cache.table[layer, needed].long()
-            first_bytes = cache.slots[layer, slots, 0].cpu()  # on the compute stream
-            assert first_bytes.tolist() == [layer * E + e for e in needed]
-            cache.release(layer)
-        assert list(together.lru[layer]) == list(alone.lru[layer])
-        if torch.randint(3, (1,), generator=gen) == 0:
-            guess = torch.randperm(E, generator=gen)[:1].tolist()
-            together.prefetch((layer + 1) % L, guess)
-            alone.prefetch((layer + 1) % L, guess)
-    assert together.stats == alone.stats and together.stats.misses > 10
