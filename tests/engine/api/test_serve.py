@@ -24,6 +24,8 @@ import pytest
 from moeferry.engine.api.openai_api import ApiError, StopMatcher, parse_request
 
 ROOT = Path(__file__).resolve().parents[3]
+# the inherited PYTHONPATH is kept: a worktree that puts its moeferry there serves its own code, not the install's
+PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 LONG_PROMPT = "def f(x):"  # the demo rambles on after this without an end-of-text token
 QUESTION = "What is a list in Python?"
 
@@ -43,7 +45,7 @@ class Server:
         self.home = home
         self.repo_before = repo_files()
         full_env = {k: v for k, v in os.environ.items() if k != "MOEFERRY_API_KEY"}
-        full_env.update(PYTHONPATH=str(ROOT), HOME=str(home), TMPDIR=str(home), XDG_CACHE_HOME=str(home / ".cache"),
+        full_env.update(PYTHONPATH=PYTHONPATH, HOME=str(home), TMPDIR=str(home), XDG_CACHE_HOME=str(home / ".cache"),
                         HF_HOME=str(home / ".hf"), PYTHONDONTWRITEBYTECODE="1", HF_HUB_OFFLINE="1", **(env or {}))
         self.proc = subprocess.Popen([sys.executable, "-m", "moeferry.engine.cli", "serve", "demo", "--device", device,
                                       "--port", "0", *args], cwd=str(ROOT), env=full_env,
@@ -432,7 +434,7 @@ def test_an_api_key_is_required_when_set_and_never_logged(tmp_path):
 
 
 def run_serve(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH)
     env.pop("MOEFERRY_API_KEY", None)
     return subprocess.run([sys.executable, "-m", "moeferry.engine.cli", "serve", "demo", *args], cwd=str(ROOT), env=env,
                           capture_output=True, text=True, timeout=60, check=False)
