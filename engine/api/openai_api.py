@@ -135,11 +135,21 @@ def parse_messages(messages) -> list[dict]:
 def message_text(content, where: str) -> str:
     """A message's content: a string, or a list of text parts joined (no images here)."""
     if isinstance(content, str):
-        return content
+        return unicode_text(content, where)
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
+        return unicode_text("".join(p["text"] for p in content), where)
     raise ApiError(400, f"'{where}' must be a string or a list of text parts; this model reads text only.", where)
+
+
+def unicode_text(text: str, where: str) -> str:
+    """text, refused when it holds a lone surrogate (JSON lets "\\ud800" through), which the tokenizer cannot encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"'{where}' holds an unpaired surrogate (such as \\ud800); send valid Unicode text.",
+                       where) from None
+    return text
 
 
 def parse_prompt(prompt) -> str:
@@ -147,7 +157,7 @@ def parse_prompt(prompt) -> str:
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise ApiError(400, "'prompt' must be a non-empty string (one prompt per request).", "prompt")
-    return prompt
+    return unicode_text(prompt, "prompt")
 
 
 def parse_stop(stop) -> list[str]:

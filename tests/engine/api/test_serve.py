@@ -162,12 +162,23 @@ def test_stop_matcher_cuts_across_pieces_and_holds_back_partial_matches():
     (b'{"model": "demo", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, 400),  # nested too deep
     (json.dumps({"model": "demo", "messages": chat_messages(), "seed": 10**30}).encode(), "seed", 400),
     (json.dumps({"model": "demo", "messages": chat_messages(), "seed": -2}).encode(), "seed", 400),
+    (b'{"model": "demo", "messages": [{"role": "user", "content": "a \\ud800 b"}]}', "messages[0].content", 400),
+    (b'{"model": "demo", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}',
+     "messages[0].content", 400),
 ])
 def test_parse_request_refuses_bad_fields_naming_them(body, param, status):
     with pytest.raises(ApiError) as e:
         parse_request(body, True, "demo", 1024)
     assert (e.value.param, e.value.status) == (param, status)
     assert set(e.value.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_lone_surrogate_in_a_prompt_is_refused_not_a_server_error():
+    # JSON's \ud800 escape decodes to a str the tokenizer cannot take: it answered 500 (TypeError)
+    with pytest.raises(ApiError) as e:
+        parse_request(b'{"model": "demo", "prompt": "x\\ud800"}', False, "demo", 1024)
+    assert (e.value.param, e.value.status) == ("prompt", 400)
+    assert parse_request(b'{"model": "demo", "prompt": "\\ud83d\\ude00"}', False, "demo", 1024).prompt == "\U0001f600"
 
 
 def test_parse_request_reads_the_fields_it_knows_and_ignores_others():
