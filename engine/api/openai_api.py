@@ -15,6 +15,7 @@ per chunk and `data: [DONE]\n\n` at the end. MoE Ferry's own numbers ride along 
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -109,11 +110,19 @@ def _get(body: dict, name: str, kind: type, default, prefix: str = ""):
         return default
     ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value, ok = float(value), True
+        value, ok = int_as_float(value), True
     if not ok:
         words = {bool: "true or false", int: "an integer", float: "a number", dict: "an object"}[kind]
         raise ApiError(400, f"'{prefix}{name}' must be {words}; got {json.dumps(value)[:40]}.", prefix + name)
     return value
+
+
+def int_as_float(value: int) -> float:
+    """A JSON integer as a float; one beyond any float (1 followed by 400 zeros) is infinite."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def parse_messages(messages) -> list[dict]:

@@ -165,6 +165,8 @@ def test_stop_matcher_cuts_across_pieces_and_holds_back_partial_matches():
     (b'{"model": "demo", "messages": [{"role": "user", "content": "a \\ud800 b"}]}', "messages[0].content", 400),
     (b'{"model": "demo", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}',
      "messages[0].content", 400),
+    (json.dumps({"model": "demo", "messages": chat_messages(), "temperature": 10**400}).encode(), "temperature", 400),
+    (json.dumps({"model": "demo", "messages": chat_messages(), "top_p": -10**400}).encode(), "top_p", 400),
 ])
 def test_parse_request_refuses_bad_fields_naming_them(body, param, status):
     with pytest.raises(ApiError) as e:
