@@ -294,7 +294,9 @@ def make_app(scheduler: Scheduler, info: Callable[[], ModelInfo | None], api_key
 
 def key_matches(header: str, api_key: str) -> bool:
     scheme, _, given = header.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), api_key.encode())
+    # surrogatepass: a header's bytes that are not UTF-8 arrive as surrogates (and a key from argv may hold them)
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("utf-8", "surrogatepass"),
+                                                              api_key.encode("utf-8", "surrogatepass"))
 
 
 async def generation(request: web.Request, scheduler: Scheduler, model: ModelInfo, chat: bool):

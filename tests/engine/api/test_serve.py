@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -439,11 +440,24 @@ def test_an_api_key_is_required_when_set_and_never_logged(tmp_path):
         status, answer = raw("POST", f"http://127.0.0.1:{s.port}/v1/completions",
                              json.dumps({"model": "demo", "prompt": "x"}).encode())
         assert status == 401 and answer["error"]["type"] == "authentication_error"
+        with socket.create_connection(("127.0.0.1", s.port), timeout=30) as sock:  # a key that is not UTF-8
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n"
+                         b"Connection: close\r\n\r\n")
+            assert sock.makefile("rb").readline().split()[1] == b"401"
         reply = s.client(key).chat.completions.create(model="demo", messages=chat_messages(), max_tokens=4)
         assert reply.choices[0].message.content is not None
     finally:
         s.stop()
     assert s.lines and all(key not in line for line in s.lines)
+
+
+def test_a_key_that_is_not_utf8_is_wrong_not_a_server_error():
+    from moeferry.engine.api.serve import key_matches
+
+    header = b"Bearer \xff\xfe".decode("utf-8", "surrogateescape")  # as aiohttp hands such a header over
+    assert not key_matches(header, "sk-local")
+    assert key_matches(header, header.removeprefix("Bearer "))
+    assert key_matches("bearer  sk-local ", "sk-local") and not key_matches("Basic sk-local", "sk-local")
 
 
 def run_serve(*args: str) -> subprocess.CompletedProcess:
