@@ -202,6 +202,8 @@ class Scheduler:
     def submit(self, job: Job) -> bool:
         """Queue a job; False when the queue is full."""
         with self.cond:
+            # a client that left while it waited gives its place up now, not when its turn would have come
+            self.waiting = collections.deque(j for j in self.waiting if not j.cancel.is_set())
             if self.closed or len(self.waiting) >= self.max_waiting:
                 return False
             self.waiting.append(job)

@@ -198,6 +198,30 @@ def test_parse_request_reads_the_fields_it_knows_and_ignores_others():
     assert parse_request(json.dumps(body).encode(), True, "demo", 1024).seed is None
 
 
+def test_a_client_that_left_the_queue_gives_its_place_up():
+    from moeferry.engine.api.serve import Job, Scheduler
+
+    release, started = threading.Event(), threading.Event()
+
+    def runner(job):
+        started.set()
+        release.wait(10)
+
+    def new_job():
+        return Job(parse_request(b'{"model": "m", "prompt": "x"}', False, "m", 64), emit=lambda event: None)
+
+    scheduler = Scheduler(runner, max_waiting=1)
+    try:
+        assert scheduler.submit(new_job()) and started.wait(10)  # runs
+        gone = new_job()
+        assert scheduler.submit(gone) and not scheduler.submit(new_job())  # waits; the queue is full
+        gone.cancel.set()  # its client disconnected
+        assert scheduler.submit(new_job())
+    finally:
+        release.set()
+        scheduler.close()
+
+
 # Mixtral-8x7B-Instruct-v0.1's original chat template: user/assistant turns only
 MIXTRAL_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != "
                     "(loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate "
