@@ -207,27 +207,57 @@ class StopMatcher:
     """Cuts the text at the first stop sequence, holding back text that may start one.
 
     feed(piece) returns (text safe to send, whether a stop sequence was reached); the stop
-    sequence itself is never sent, as OpenAI does.
+    sequence itself is never sent, as OpenAI does. Each stop is followed by Knuth-Morris-Pratt
+    matching, so a piece costs its own length whatever is held back: searching the held-back
+    text afresh for every piece took minutes for a client whose long stop the reply kept
+    matching (cubic in the reply's length).
     """
 
     def __init__(self, stops: list[str]):
         self.stops = stops
+        self.borders = [border_table(s) for s in stops]
+        self.matched = [0] * len(stops)  # per stop, how many of its first characters the text ends with
         self.held = ""
 
     def feed(self, piece: str) -> tuple[str, bool]:
         text = self.held + piece
-        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if found:
-            self.held = ""
-            return text[:min(found)], True
-        keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
-                    if text.endswith(s[:k])), default=0)
+        cut = None  # where the earliest stop sequence starts in text
+        for i, (stop, border) in enumerate(zip(self.stops, self.borders)):
+            n = self.matched[i]
+            for pos, char in enumerate(piece):
+                while n and stop[n] != char:
+                    n = border[n - 1]
+                if stop[n] == char:
+                    n += 1
+                if n == len(stop):
+                    start = len(self.held) + pos + 1 - n
+                    cut = start if cut is None else min(cut, start)
+                    break
+            self.matched[i] = n
+        if cut is not None:
+            self.flush()
+            return text[:cut], True
+        keep = max(self.matched, default=0)
         self.held = text[len(text) - keep:]
         return text[:len(text) - keep], False
 
     def flush(self) -> str:
         held, self.held = self.held, ""
+        self.matched = [0] * len(self.stops)
         return held
+
+
+def border_table(s: str) -> list[int]:
+    """border[i]: the length of the longest proper prefix of s[:i + 1] that also ends it."""
+    border = [0] * len(s)
+    n = 0
+    for i in range(1, len(s)):
+        while n and s[i] != s[n]:
+            n = border[n - 1]
+        if s[i] == s[n]:
+            n += 1
+        border[i] = n
+    return border
 
 
 # ---------------------------------------------------------------------------------------------
