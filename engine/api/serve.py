@@ -44,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from moeferry.engine.api.openai_api import (
     SSE_DONE,
@@ -65,6 +66,7 @@ from moeferry.engine.api.openai_api import (
 from moeferry.engine.errors import UserError
 
 log = logging.getLogger("moeferry.serve")
+http_log = logging.getLogger("moeferry.serve.http")  # aiohttp's own, for what happens outside the handlers
 MAX_BODY_BYTES = 1 << 20
 RETRY_AFTER_S = 2
 KEY_ENV = "MOEFERRY_API_KEY"
@@ -371,6 +373,22 @@ async def stream_reply(request: web.Request, req: ApiRequest, model: str, events
 # The server on a thread of its own
 
 
+class OneLineBadHttp(logging.Filter):
+    """aiohttp logs each malformed HTTP request (a bad Content-Length, a 10 kB header line) with a
+    traceback, which any client could fill the terminal with; such a record keeps one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, HttpProcessingError):
+            what = error.message.splitlines()[0] if error.message else type(error).__name__
+            record.msg, record.args = f"{record.getMessage()}: {what}", ()
+            record.exc_info = record.exc_text = None
+        return True
+
+
+http_log.addFilter(OneLineBadHttp())
+
+
 class ApiServer:
     """An aiohttp app served from its own thread and event loop. start() returns the bound port."""
 
@@ -392,7 +410,7 @@ class ApiServer:
 
     def _run(self) -> None:
         loop = self.loop = asyncio.new_event_loop()
-        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, logger=http_log)
         try:
             loop.run_until_complete(runner.setup())
             site = web.TCPSite(runner, self.host, self.port)

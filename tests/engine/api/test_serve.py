@@ -467,6 +467,10 @@ def test_bad_requests_get_openai_error_objects(server, client):
         err = answer["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["param"] == param
         assert "Traceback" not in err["message"]
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:  # not even HTTP
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n")
+        assert sock.makefile("rb").readline().split()[1] == b"400"
+    server.wait_for(r"Error handling request from .*: Invalid character in Content-Length", 10)  # one line
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-4o", messages=chat_messages())
     assert e.value.code == "model_not_found"
