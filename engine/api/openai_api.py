@@ -73,7 +73,7 @@ def parse_request(raw: bytes, chat: bool, model_id: str, max_context: int) -> Ap
     if not isinstance(model, str):
         raise ApiError(400, "'model' is required and must be a string; GET /v1/models lists the ids.", "model")
     if model != model_id:
-        raise ApiError(404, f"The model '{model}' does not exist here; this server has '{model_id}'.",
+        raise ApiError(404, f"The model '{shown(model)}' does not exist here; this server has '{model_id}'.",
                        "model", "model_not_found")
     prompt = parse_messages(body.get("messages")) if chat else parse_prompt(body.get("prompt"))
     refuse_unsupported(body)
@@ -85,7 +85,7 @@ def parse_request(raw: bytes, chat: bool, model_id: str, max_context: int) -> Ap
     req.max_tokens = _get(body, name, int, None)
     if req.max_tokens is not None and not 1 <= req.max_tokens < max_context:
         raise ApiError(400, f"'{name}' must be between 1 and {max_context - 1} (this model's context is "
-                            f"{max_context} tokens, prompt included); got {req.max_tokens}.",
+                            f"{max_context} tokens, prompt included); got {shown(req.max_tokens)}.",
                        name, "context_length_exceeded" if req.max_tokens >= max_context else None)
     req.temperature = _get(body, "temperature", float, 1.0)
     if not 0 <= req.temperature <= 2:
@@ -98,7 +98,7 @@ def parse_request(raw: bytes, chat: bool, model_id: str, max_context: int) -> Ap
         req.seed = None
     if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
         raise ApiError(400, f"'seed' must be an integer from 0 to {MAX_SEED} (or -1 for none); got "
-                            f"{str(req.seed)[:40]}.", "seed")
+                            f"{shown(req.seed)}.", "seed")
     req.stop = parse_stop(body.get("stop"))
     return req
 
@@ -113,8 +113,14 @@ def _get(body: dict, name: str, kind: type, default, prefix: str = ""):
         value, ok = int_as_float(value), True
     if not ok:
         words = {bool: "true or false", int: "an integer", float: "a number", dict: "an object"}[kind]
-        raise ApiError(400, f"'{prefix}{name}' must be {words}; got {json.dumps(value)[:40]}.", prefix + name)
+        raise ApiError(400, f"'{prefix}{name}' must be {words}; got {shown(json.dumps(value))}.", prefix + name)
     return value
+
+
+def shown(value, limit: int = 40) -> str:
+    """A client's value as an error message repeats it: cut to limit characters."""
+    text = str(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def int_as_float(value: int) -> float:
@@ -136,7 +142,7 @@ def parse_messages(messages) -> list[dict]:
         role = "system" if m.get("role") == "developer" else m.get("role")
         if role not in ROLES:
             raise ApiError(400, f"'{where}.role' must be one of {', '.join(ROLES)}; got "
-                                f"{json.dumps(m.get('role'))[:40]}.", f"{where}.role")
+                                f"{shown(json.dumps(m.get('role')))}.", f"{where}.role")
         out.append({"role": role, "content": message_text(m.get("content"), f"{where}.content")})
     return out
 

@@ -60,6 +60,7 @@ from moeferry.engine.api.openai_api import (
     new_id,
     parse_request,
     response_body,
+    shown,
     sse,
     usage_body,
 )
@@ -278,7 +279,7 @@ def make_app(scheduler: Scheduler, info: Callable[[], ModelInfo | None], api_key
     async def one_model(request):
         m = current()
         if request.match_info["model"] != m.model_id:
-            raise ApiError(404, f"The model '{request.match_info['model']}' does not exist here; this server has "
+            raise ApiError(404, f"The model '{shown(request.match_info['model'])}' does not exist here; this server has "
                                 f"'{m.model_id}'.", "model", "model_not_found")
         return web.json_response(model_body(m.model_id, m.created))
 

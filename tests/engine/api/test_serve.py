@@ -212,6 +212,15 @@ def test_parse_request_refuses_bad_fields_naming_them(body, param, status):
     assert set(e.value.body()["error"]) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize("field,value", [("model", "m" * 100_000), ("max_tokens", 10**4000), ("seed", 10**4000),
+                                         ("temperature", "t" * 100_000)])
+def test_an_error_repeats_at_most_a_short_piece_of_what_the_client_sent(field, value):
+    body = {"model": "demo", "messages": chat_messages()} | {field: value}
+    with pytest.raises(ApiError) as e:
+        parse_request(json.dumps(body).encode(), True, "demo", 1024)
+    assert e.value.param == field and len(e.value.body()["error"]["message"]) < 200
+
+
 def test_a_lone_surrogate_in_a_prompt_is_refused_not_a_server_error():
     # JSON's \ud800 escape decodes to a str the tokenizer cannot take: it answered 500 (TypeError)
     with pytest.raises(ApiError) as e:
