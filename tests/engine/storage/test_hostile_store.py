@@ -504,3 +504,18 @@ def test_a_store_config_with_unusable_values_is_one_sentence(tiny_store, tmp_pat
     with pytest.raises(UserError) as e:
         store.open_store(st)
     assert "config.json" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ('{"repetition_penalty": "x"}', "repetition_penalty x"),
+    ('{"repetition_penalty": -1.5}', "repetition_penalty -1.5"),
+    ('{"no_repeat_ngram_size": 2.5}', "no_repeat_ngram_size 2.5"),
+    ("[1, 2]", "not a JSON object"),
+])
+def test_a_damaged_generation_config_is_one_sentence(tiny_store, tmp_path, text, needle):
+    """Its values were read without a check (found by hostile files: "x" ended in an unexpected
+    ValueError, a negative penalty went unchecked into the sampler)."""
+    st = copy_store(tiny_store, tmp_path / "s")
+    (st / "generation_config.json").write_text(text)
+    rehash(st)
+    one_sentence(generate(st), 2, "generation_config.json", needle)
