@@ -519,3 +519,13 @@ def test_a_damaged_generation_config_is_one_sentence(tiny_store, tmp_path, text,
     (st / "generation_config.json").write_text(text)
     rehash(st)
     one_sentence(generate(st), 2, "generation_config.json", needle)
+
+
+@pytest.mark.parametrize("template", ["{{ ''.__class__.__mro__[1].__subclasses__() }}", "{% for m in messages %}"])
+def test_a_chat_template_that_fails_is_one_sentence(tiny_store, tmp_path, template):
+    """The sandbox's refusal of an escape and a syntax error reached the user as an unexpected
+    error (found by hostile files)."""
+    st = copy_store(tiny_store, tmp_path / "s")
+    (st / "chat_template.jinja").write_text(template)
+    rehash(st)
+    one_sentence(generate(st, "--chat"), 2, "chat template", "without --chat")
