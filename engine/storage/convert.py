@@ -121,7 +121,7 @@ def detect_format(src) -> str:
         keys = json.loads(index.read_text())["weight_map"]
     except (OSError, ValueError, KeyError, TypeError):
         return "hf"
-    return "paper" if any(k.endswith(".W_q") for k in keys) else "hf"
+    return "paper" if isinstance(keys, dict) and any(str(k).endswith(".W_q") for k in keys) else "hf"
 
 
 def expert_loader(refs: dict[str, TensorRef], cfg: ModelConfig):

@@ -341,6 +341,15 @@ def test_a_truncated_checkpoint_shard_gives_a_sentence(tiny_checkpoint, tmp_path
                          "--attn-bits", "16"), 2, shard.name, "truncated")
 
 
+def test_an_index_whose_weight_map_is_a_list_is_one_sentence(tiny_checkpoint, tmp_path):
+    """Found by hostile files: an unexpected AttributeError from telling the paper's format apart."""
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_checkpoint[0], ck)
+    (ck / "model.safetensors.index.json").write_text('{"weight_map": [1, 2]}')
+    one_sentence(cli("convert", str(ck), str(tmp_path / "out"), "--expert-bits", "16", "--attn-bits", "16"),
+                 2, "index.json", "damaged")
+
+
 # ---------------------------------------------------------------------------------------------
 # 6 and 8. convert: free space, leftovers, fsync, unwritable DEST, tokenizer, generate's input
 
