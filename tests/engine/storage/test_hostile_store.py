@@ -14,6 +14,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import threading
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from types import SimpleNamespace
@@ -341,6 +342,20 @@ def test_a_truncated_checkpoint_shard_gives_a_sentence(tiny_checkpoint, tmp_path
                          "--attn-bits", "16"), 2, shard.name, "truncated")
 
 
+
+@pytest.mark.parametrize("shard,needle", [("/etc/hostname", "absolute"), ("../ck/{}", "..")])
+def test_an_index_naming_shards_outside_the_checkpoint_is_refused(tiny_checkpoint, tmp_path, shard, needle):
+    """model.safetensors.index.json's file names were opened as they were, so an index could make
+    convert read any file (found by hostile files: /etc/passwd was read as a shard)."""
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_checkpoint[0], ck)
+    index = json.loads((ck / "model.safetensors.index.json").read_text())
+    index["weight_map"]["lm_head.weight"] = shard.format(index["weight_map"]["lm_head.weight"])  # ..: the same file
+    (ck / "model.safetensors.index.json").write_text(json.dumps(index))
+    one_sentence(cli("convert", str(ck), str(tmp_path / "out"), "--expert-bits", "16", "--attn-bits", "16"),
+                 2, "index.json", needle)
+
+
 def test_an_index_whose_weight_map_is_a_list_is_one_sentence(tiny_checkpoint, tmp_path):
     """Found by hostile files: an unexpected AttributeError from telling the paper's format apart."""
     ck = tmp_path / "ck"
@@ -349,6 +364,25 @@ def test_an_index_whose_weight_map_is_a_list_is_one_sentence(tiny_checkpoint, tm
     one_sentence(cli("convert", str(ck), str(tmp_path / "out"), "--expert-bits", "16", "--attn-bits", "16"),
                  2, "index.json", "damaged")
 
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX")
+def test_a_named_pipe_among_the_shards_is_not_opened(tiny_checkpoint, tmp_path):
+    """Opening a FIFO blocks until someone writes to it: convert hung for ever (found by hostile files)."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    for f in tiny_checkpoint[0].iterdir():
+        if f.name != "model.safetensors.index.json":
+            shutil.copy(f, ck / f.name)
+    os.mkfifo(ck / "zz-extra.safetensors")
+    from moeferry.engine.storage.convert import index_tensors
+    refs = []
+    reader = threading.Thread(target=lambda: refs.append(index_tensors(ck)), daemon=True)
+    reader.start()
+    reader.join(30)
+    if reader.is_alive():  # blocked opening the pipe: let it go (it reads nothing), then fail
+        os.close(os.open(ck / "zz-extra.safetensors", os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(30)
+    assert refs and "lm_head.weight" in refs[0]
 
 # ---------------------------------------------------------------------------------------------
 # 6 and 8. convert: free space, leftovers, fsync, unwritable DEST, tokenizer, generate's input
