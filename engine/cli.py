@@ -261,6 +261,17 @@ def check_text(text: str, flag: str) -> None:
                         f"encoding).") from None
 
 
+def encode_prompt(engine, prompt: str, chat: bool) -> list[int]:
+    """The prompt's token ids; a chat template that fails (a syntax error, or the sandbox refusing
+    what it tries) is one sentence."""
+    from jinja2 import TemplateError
+    try:
+        return engine.encode(prompt, chat)
+    except TemplateError as e:
+        raise UserError(f"The model's chat template failed ({type(e).__name__}: {str(e)[:120]}); run without "
+                        f"--chat, or convert the model again with a sound chat template.") from None
+
+
 def cmd_generate(args) -> int:
     """Exit 0, or 130 when Ctrl-C stopped the reply (what came so far is printed)."""
     from moeferry.engine.runtime.generate import SamplingSettings, check_sampling, load_engine
@@ -277,7 +288,7 @@ def cmd_generate(args) -> int:
                          expert_units=args.expert_units)
     if engine.note:
         print(f"moeferry: {engine.note}", file=sys.stderr)
-    prompt_tokens = len(engine.encode(args.prompt, args.chat))
+    prompt_tokens = len(encode_prompt(engine, args.prompt, args.chat))
     room = engine.max_context - prompt_tokens
     if 0 < room < args.max_new_tokens:
         print(f"moeferry: --max-new-tokens {args.max_new_tokens} is cut to {room}: the prompt's "

@@ -28,6 +28,7 @@ from moeferry.engine.runtime.decode_graphs import use_cuda_graphs
 from moeferry.engine.runtime.expert_cache import ExpertCache
 from moeferry.engine.runtime.model import ModelConfig, OffloadedMixtral
 from moeferry.engine.storage import quant, store as store_mod
+from moeferry.engine.storage.manifest import read_json
 from moeferry.engine.units import GB, KB, MB, TB, GiB, KiB, MiB, TiB, fmt_bytes
 
 
@@ -55,13 +56,33 @@ def detokenize(tokenizer, ids: Iterable[int]) -> Iterator[tuple[int, str]]:
 # Sampling
 
 
+def generation_config(path: Path) -> dict:
+    """A store's generation_config.json ({} when it has none), or one sentence when it is not
+    a JSON object."""
+    gc = path / "generation_config.json"
+    if not gc.is_file():
+        return {}
+    cfg = read_json(gc)
+    if not isinstance(cfg, dict):
+        raise UserError(f"{gc} is not a JSON object; correct or delete the checkpoint's generation_config.json "
+                        f"and convert the model again.")
+    return cfg
+
+
 def store_sampling_defaults(path: Path) -> dict:
     """The repetition controls a store's generation_config.json sets (transformers' key names)."""
-    import json
-    gc = path / "generation_config.json"
-    cfg = json.loads(gc.read_text()) if gc.is_file() else {}
-    return {"repeat_penalty": float(cfg.get("repetition_penalty") or 1.0),
-            "no_repeat_ngram": int(cfg.get("no_repeat_ngram_size") or 0)}
+    cfg = generation_config(path)
+    penalty, ngram = cfg.get("repetition_penalty") or 1.0, cfg.get("no_repeat_ngram_size") or 0
+    if not (is_number(penalty) and 0 < penalty < float("inf")) or not (type(ngram) is int and ngram >= 0):
+        raise UserError(f"{path}/generation_config.json sets repetition_penalty {str(penalty)[:40]} and "
+                        f"no_repeat_ngram_size {str(ngram)[:40]}, where a number above 0 and a whole number "
+                        f"of 0 or more belong; correct them in the checkpoint's generation_config.json and "
+                        f"convert the model again.")
+    return {"repeat_penalty": float(penalty), "no_repeat_ngram": ngram}
+
+
+def is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 100.0
@@ -311,12 +332,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def eos_ids(path: Path, tokenizer) -> set[int]:
-    ids = set()
-    gc = path / "generation_config.json"
-    if gc.is_file():
-        import json
-        v = json.loads(gc.read_text()).get("eos_token_id")
-        ids.update(v if isinstance(v, list) else [v] if v is not None else [])
+    v = generation_config(path).get("eos_token_id")
+    ids = {i for i in (v if isinstance(v, list) else [v]) if type(i) is int}
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids

@@ -137,15 +137,27 @@ def family_options(c: dict) -> dict:
     if kind == "gpt_oss":
         o.update(sinks=True, router="topk_softmax", router_bias=True, expert_act="clamped_swiglu",
                  swiglu_alpha=c.get("swiglu_alpha", 1.702), swiglu_limit=c.get("swiglu_limit", 7.0))
-    if c.get("layer_types") and c.get("sliding_window"):
-        o["layer_windows"] = tuple(c["sliding_window"] if t == "sliding_attention" else None
-                                   for t in c["layer_types"])
-    elif kind in ("qwen3_moe", "qwen2_moe") and c.get("use_sliding_window") and c.get("sliding_window"):
+    types = c.get("layer_types") or default_layer_types(c, kind, layers)
+    if types and c.get("sliding_window"):
+        o["layer_windows"] = tuple(c["sliding_window"] if t == "sliding_attention" else None for t in types)
+    elif kind == "qwen3_moe" and c.get("use_sliding_window") and c.get("sliding_window"):
         o["layer_windows"] = (c["sliding_window"],) * layers
     rope = rope_parameters(c)
     if rope.get("rope_type", "default") != "default":
         o["rope_scaling"] = rope
     return o
+
+
+def default_layer_types(c: dict, kind: str, layers: int) -> list[str] | None:
+    """The layer_types transformers' config class fills in where config.json has none: gpt_oss
+    slides on every other layer from the first, qwen2_moe (with use_sliding_window) on every
+    other one below max_window_layers. None for the other families (one kind of layer)."""
+    if kind == "gpt_oss":
+        return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if kind == "qwen2_moe" and c.get("use_sliding_window"):
+        below = c.get("max_window_layers", 28)
+        return ["sliding_attention" if i % 2 == 0 and i < below else "full_attention" for i in range(layers)]
+    return None
 
 
 def rope_parameters(c: dict) -> dict:

@@ -29,6 +29,7 @@ import torch
 from moeferry.engine.errors import UserError
 from moeferry.engine.runtime.generate import resolve_device
 from moeferry.engine.runtime.model import ModelConfig
+from moeferry.engine.setup.hf_cache import path_problem
 from moeferry.engine.storage import mxfp4, quant, store
 from moeferry.engine.storage.manifest import FORMAT, VERSION, read_json
 from moeferry.engine.storage.safetensors_io import FormatError, StreamingWriter, read_header, read_tensor
@@ -80,6 +81,11 @@ def read_index(src: Path) -> tuple[dict[str, str], list[str]]:
         files = sorted(set(weight_map.values()))  # not a dict of file names: damaged too
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise UserError(f"{index} is missing or damaged; download the checkpoint again.") from None
+    for f in files:  # relative names that stay in src (the paper's format has subfolders)
+        problem = path_problem(f)
+        if problem:
+            raise UserError(f"{index} names the shard {f[:80]!r}, which {problem}; a checkpoint's shards are "
+                            f"files of its own folder: download the checkpoint again.")
     missing = [f for f in files if not (src / f).is_file()]
     if missing:
         raise UserError(f"{src} is missing {len(missing)} of {len(files)} shards named by "
@@ -101,7 +107,7 @@ def index_tensors(src: Path) -> dict[str, TensorRef]:
     if (src / "model.safetensors.index.json").is_file():
         _, files = read_index(src)
     else:
-        files = sorted(p.name for p in src.glob("*.safetensors"))
+        files = sorted(p.name for p in src.glob("*.safetensors") if p.is_file())  # no FIFO to block on
         if not files:
             raise UserError(f"{src} has no .safetensors files; MoE Ferry reads safetensors "
                             f"checkpoints (model.safetensors or model-000NN-of-000MM.safetensors).")
@@ -121,7 +127,7 @@ def detect_format(src) -> str:
         keys = json.loads(index.read_text())["weight_map"]
     except (OSError, ValueError, KeyError, TypeError):
         return "hf"
-    return "paper" if any(k.endswith(".W_q") for k in keys) else "hf"
+    return "paper" if isinstance(keys, dict) and any(str(k).endswith(".W_q") for k in keys) else "hf"
 
 
 def expert_loader(refs: dict[str, TensorRef], cfg: ModelConfig):

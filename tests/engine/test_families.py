@@ -297,6 +297,28 @@ def test_a_config_of_rope_scaling_and_rope_theta_gets_transformers_tokens(tmp_pa
     assert list(engine.generate_ids(ids, greedy)) == reference_greedy(ref, ids, NEW_TOKENS)
 
 
+
+@pytest.mark.parametrize("vid,windows", [("gpt_oss-top3-window5", (5, None, 5)),
+                                         ("qwen2_moe-no-shared-top1-window", (4, None, None))])
+def test_a_config_without_layer_types_gets_transformers_windows(tmp_path, vid, windows):
+    """Without layer_types in config.json transformers' config classes fill them in: gpt_oss
+    slides on every other layer, qwen2_moe on every other one below max_window_layers (found by
+    random configs: the engine ran such a gpt_oss without windows, such a qwen2_moe with a window
+    on every layer)."""
+    v = BY_ID[vid]
+    save(v, build(v), tmp_path / "ck")
+    hf = json.loads((tmp_path / "ck" / "config.json").read_text())
+    del hf["layer_types"]
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(hf))
+    ref = v.model.from_pretrained(tmp_path / "ck", dtype=torch.float32).eval()
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st", 16, 16, "cpu")
+    assert open_store(tmp_path / "st").config.layer_windows == windows
+    engine = load_engine(tmp_path / "st", device="cpu", dtype="float32", cache_experts=2, prefetch=1)
+    engine.eos_ids = set()
+    ids = list(range(3, 3 + 12))  # longer than the windows
+    greedy = SamplingSettings(temperature=0, max_new_tokens=NEW_TOKENS)
+    assert list(engine.generate_ids(ids, greedy)) == reference_greedy(ref, ids, NEW_TOKENS)
+
 # ---------------------------------------------------------------------------------------------
 # gpt-oss's MXFP4 experts
 

@@ -14,6 +14,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import threading
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from types import SimpleNamespace
@@ -341,6 +342,48 @@ def test_a_truncated_checkpoint_shard_gives_a_sentence(tiny_checkpoint, tmp_path
                          "--attn-bits", "16"), 2, shard.name, "truncated")
 
 
+
+@pytest.mark.parametrize("shard,needle", [("/etc/hostname", "absolute"), ("../ck/{}", "..")])
+def test_an_index_naming_shards_outside_the_checkpoint_is_refused(tiny_checkpoint, tmp_path, shard, needle):
+    """model.safetensors.index.json's file names were opened as they were, so an index could make
+    convert read any file (found by hostile files: /etc/passwd was read as a shard)."""
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_checkpoint[0], ck)
+    index = json.loads((ck / "model.safetensors.index.json").read_text())
+    index["weight_map"]["lm_head.weight"] = shard.format(index["weight_map"]["lm_head.weight"])  # ..: the same file
+    (ck / "model.safetensors.index.json").write_text(json.dumps(index))
+    one_sentence(cli("convert", str(ck), str(tmp_path / "out"), "--expert-bits", "16", "--attn-bits", "16"),
+                 2, "index.json", needle)
+
+
+def test_an_index_whose_weight_map_is_a_list_is_one_sentence(tiny_checkpoint, tmp_path):
+    """Found by hostile files: an unexpected AttributeError from telling the paper's format apart."""
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_checkpoint[0], ck)
+    (ck / "model.safetensors.index.json").write_text('{"weight_map": [1, 2]}')
+    one_sentence(cli("convert", str(ck), str(tmp_path / "out"), "--expert-bits", "16", "--attn-bits", "16"),
+                 2, "index.json", "damaged")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX")
+def test_a_named_pipe_among_the_shards_is_not_opened(tiny_checkpoint, tmp_path):
+    """Opening a FIFO blocks until someone writes to it: convert hung for ever (found by hostile files)."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    for f in tiny_checkpoint[0].iterdir():
+        if f.name != "model.safetensors.index.json":
+            shutil.copy(f, ck / f.name)
+    os.mkfifo(ck / "zz-extra.safetensors")
+    from moeferry.engine.storage.convert import index_tensors
+    refs = []
+    reader = threading.Thread(target=lambda: refs.append(index_tensors(ck)), daemon=True)
+    reader.start()
+    reader.join(30)
+    if reader.is_alive():  # blocked opening the pipe: let it go (it reads nothing), then fail
+        os.close(os.open(ck / "zz-extra.safetensors", os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(30)
+    assert refs and "lm_head.weight" in refs[0]
+
 # ---------------------------------------------------------------------------------------------
 # 6 and 8. convert: free space, leftovers, fsync, unwritable DEST, tokenizer, generate's input
 
@@ -504,3 +547,28 @@ def test_a_store_config_with_unusable_values_is_one_sentence(tiny_store, tmp_pat
     with pytest.raises(UserError) as e:
         store.open_store(st)
     assert "config.json" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ('{"repetition_penalty": "x"}', "repetition_penalty x"),
+    ('{"repetition_penalty": -1.5}', "repetition_penalty -1.5"),
+    ('{"no_repeat_ngram_size": 2.5}', "no_repeat_ngram_size 2.5"),
+    ("[1, 2]", "not a JSON object"),
+])
+def test_a_damaged_generation_config_is_one_sentence(tiny_store, tmp_path, text, needle):
+    """Its values were read without a check (found by hostile files: "x" ended in an unexpected
+    ValueError, a negative penalty went unchecked into the sampler)."""
+    st = copy_store(tiny_store, tmp_path / "s")
+    (st / "generation_config.json").write_text(text)
+    rehash(st)
+    one_sentence(generate(st), 2, "generation_config.json", needle)
+
+
+@pytest.mark.parametrize("template", ["{{ ''.__class__.__mro__[1].__subclasses__() }}", "{% for m in messages %}"])
+def test_a_chat_template_that_fails_is_one_sentence(tiny_store, tmp_path, template):
+    """The sandbox's refusal of an escape and a syntax error reached the user as an unexpected
+    error (found by hostile files)."""
+    st = copy_store(tiny_store, tmp_path / "s")
+    (st / "chat_template.jinja").write_text(template)
+    rehash(st)
+    one_sentence(generate(st, "--chat"), 2, "chat template", "without --chat")
