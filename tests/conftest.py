@@ -10,6 +10,9 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+# for the processes tests start: the repository, then the inherited path (a worktree that puts its
+# own moeferry there runs its code, not the install's)
+PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -79,7 +82,7 @@ def reference_greedy(model, ids: list[int], n: int) -> list[int]:
 def run_cli(*args: str, timeout: int = 300):
     """Run `python -m moeferry.engine.cli ARGS` in a fresh process; return CompletedProcess."""
     import subprocess
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH)
     return subprocess.run([sys.executable, "-m", "moeferry.engine.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=str(ROOT))
 

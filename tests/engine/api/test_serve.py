@@ -23,10 +23,8 @@ import openai
 import pytest
 
 from moeferry.engine.api.openai_api import ApiError, StopMatcher, parse_request
+from tests.conftest import PYTHONPATH, ROOT
 
-ROOT = Path(__file__).resolve().parents[3]
-# the inherited PYTHONPATH is kept: a worktree that puts its moeferry there serves its own code, not the install's
-PYTHONPATH = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 LONG_PROMPT = "def f(x):"  # the demo rambles on after this without an end-of-text token
 QUESTION = "What is a list in Python?"
 
