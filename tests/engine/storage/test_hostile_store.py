@@ -479,6 +479,17 @@ def test_a_tokenizer_smaller_than_the_vocabulary_is_refused(tiny_checkpoint, tmp
     assert convert_checkpoint(tiny_checkpoint[0], tmp_path / "ok", 16, 16, "cpu", tokenizer=same).is_dir()
 
 
+def test_a_tokenizer_short_of_the_vocabulary_by_its_padding_is_taken(tmp_path):
+    """Models pad their vocabulary (Qwen3: 151,936 rows, 151,669 tokens); up to 1 % is padding."""
+    from types import SimpleNamespace
+
+    from moeferry.engine.storage import convert as conv
+    make_tokenizer(990, tmp_path / "tok")
+    conv.check_tokenizer(tmp_path / "tok", SimpleNamespace(vocab_size=1000))
+    with pytest.raises(UserError, match="knows 990 tokens but the model has 1024"):
+        conv.check_tokenizer(tmp_path / "tok", SimpleNamespace(vocab_size=1024))
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--temperature", "nan"], "--temperature"), (["--temperature", "1e-45"], "--temperature"),
     (["--temperature", "inf"], "--temperature"), (["--top-p", "nan"], "--top-p"),
