@@ -150,8 +150,8 @@ def check_room(req: ApiRequest, prompt_tokens: int, context: int) -> int:
     room = context - prompt_tokens
     if room < 1 or (req.max_tokens is not None and req.max_tokens > room):
         asked = f" plus max_tokens {req.max_tokens}" if req.max_tokens is not None else ""
-        raise ApiError(400, f"The prompt has {prompt_tokens} tokens{asked}, more than this model's context of "
-                            f"{context} tokens; shorten the prompt or lower max_tokens.",
+        raise ApiError(400, f"The prompt has {prompt_tokens} tokens{asked}, which does not fit this model's "
+                            f"context of {context} tokens with a reply; shorten the prompt or lower max_tokens.",
                        "messages" if req.chat else "prompt", "context_length_exceeded")
     return req.max_tokens or room
 

@@ -251,8 +251,8 @@ class Engine:
             raise UserError("The prompt is empty; give some text.")
         room = self.max_context - len(prompt_ids)
         if room < 1:
-            raise UserError(f"The prompt has {len(prompt_ids)} tokens, more than this model's context of "
-                            f"{self.max_context}; shorten it or start a new conversation.")
+            raise UserError(f"The prompt has {len(prompt_ids)} tokens, which leaves no room for a reply in this "
+                            f"model's context of {self.max_context}; shorten it or start a new conversation.")
         max_new = min(s.max_new_tokens, room)
         check_sampling(s)
         s = replace(s, **{k: v for k, v in self.sampling_defaults.items() if getattr(s, k) is None})

@@ -135,8 +135,8 @@ def test_an_over_long_prompt_is_one_sentence_without_transformers_warning():
     r = run_cli("generate", "demo", "--prompt", "word " * 2000, env={"TRANSFORMERS_VERBOSITY": "warning"})
     assert r.returncode == 2
     [line] = r.stderr.strip().splitlines()
-    assert re.fullmatch(r"moeferry: The prompt has 20\d\d tokens, more than this model's context of "
-                        r"1024; shorten it or start a new conversation\.", line)
+    assert re.fullmatch(r"moeferry: The prompt has 20\d\d tokens, which leaves no room for a reply in this "
+                        r"model's context of 1024; shorten it or start a new conversation\.", line)
 
 
 def test_max_new_tokens_cut_to_the_context_says_so(capsys):
