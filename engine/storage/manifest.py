@@ -89,9 +89,14 @@ def inside(folder: Path, p: Path) -> bool:
         return False
 
 
+MAX_JSON_BYTES = 64 << 20  # a config, manifest or index is kilobytes; a larger one is not read into memory
+
+
 def read_json(path: Path):
-    """The file's JSON value, or None when it is missing or not JSON."""
+    """The file's JSON value, or None when it is missing, larger than MAX_JSON_BYTES or not JSON."""
     try:
+        if path.stat().st_size > MAX_JSON_BYTES:
+            return None
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
         return None

@@ -481,8 +481,6 @@ def test_a_tokenizer_smaller_than_the_vocabulary_is_refused(tiny_checkpoint, tmp
 
 def test_a_tokenizer_short_of_the_vocabulary_by_its_padding_is_taken(tmp_path):
     """Models pad their vocabulary (Qwen3: 151,936 rows, 151,669 tokens); up to 1 % is padding."""
-    from types import SimpleNamespace
-
     from moeferry.engine.storage import convert as conv
     make_tokenizer(990, tmp_path / "tok")
     conv.check_tokenizer(tmp_path / "tok", SimpleNamespace(vocab_size=1000))
@@ -583,3 +581,17 @@ def test_a_chat_template_that_fails_is_one_sentence(tiny_store, tmp_path, templa
     (st / "chat_template.jinja").write_text(template)
     rehash(st)
     one_sentence(generate(st, "--chat"), 2, "chat template", "without --chat")
+
+
+def test_a_json_file_too_large_for_a_config_is_not_read(tiny_checkpoint, tmp_path, monkeypatch):
+    """A 300 MB config.json was read whole (825 MB of memory); past MAX_JSON_BYTES it is not
+    read at all, and the checkpoint gets one sentence."""
+    from moeferry.engine.storage import manifest
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_checkpoint[0], ck)
+    config = ck / "config.json"
+    monkeypatch.setattr(manifest, "MAX_JSON_BYTES", config.stat().st_size - 1)
+    monkeypatch.setattr(Path, "read_text", lambda *a, **k: pytest.fail("read a file past the limit"))
+    assert manifest.read_json(config) is None
+    with pytest.raises(UserError, match="config.json"):
+        convert_checkpoint(ck, tmp_path / "out", 16, 16, "cpu")
