@@ -428,8 +428,9 @@ def convert_checkpoint(src, dest, expert_bits: int, attn_bits: int, device: str 
                          (4, 8, 16), sorted({rows for rows, _ in dense_shapes}), None, "attention", notice)
     dev = resolve_device(device)
     tok_dir = resolve_tokenizer_dir(tokenizer) if tokenizer else None
-    if tok_dir is not None:
-        check_tokenizer(tok_dir, cfg)
+    # the tokenizer loads now, not at the first generate after minutes of converting
+    if tok_dir is not None or any((src / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+        check_tokenizer(tok_dir or src, cfg)
     check_destination(dest)
     tmp = store.temp_sibling(dest)
     store.remove_partial(tmp)  # leftovers of an earlier interrupted run, before measuring space
@@ -496,16 +497,16 @@ def file_error(e: OSError, dest: Path) -> UserError:
 
 
 def check_tokenizer(tok_dir: Path, cfg: ModelConfig) -> None:
-    """A tokenizer given with --tokenizer must ship no code and cover the model's vocabulary, but
-    for the padding many models add to it (Qwen3's 151,936 rows hold 151,669 tokens), which a
-    trained model does not sample: up to 1 % of the rows."""
+    """The tokenizer (the checkpoint's or one given with --tokenizer) must load, ship no code and
+    cover the model's vocabulary, but for the padding many models add to it (Qwen3's 151,936
+    rows hold 151,669 tokens), which a trained model does not sample: up to 1 % of the rows."""
     store.check_no_code(tok_dir, f"The tokenizer folder {tok_dir}")
     from transformers import AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad folder
-        raise UserError(f"Cannot load the tokenizer in {tok_dir} ({type(e).__name__}); give the folder "
-                        f"of the model's own tokenizer with --tokenizer.") from None
+        raise UserError(f"Cannot load the tokenizer in {tok_dir} ({type(e).__name__}); download the model's "
+                        f"tokenizer files again, or give their folder with --tokenizer.") from None
     if cfg.vocab_size - len(tok) > cfg.vocab_size // 100:
         raise UserError(f"The tokenizer in {tok_dir} knows {len(tok)} tokens but the model has "
                         f"{cfg.vocab_size}, so some of its output could not be shown; give the model's own "

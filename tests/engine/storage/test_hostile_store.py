@@ -595,3 +595,13 @@ def test_a_json_file_too_large_for_a_config_is_not_read(tiny_checkpoint, tmp_pat
     assert manifest.read_json(config) is None
     with pytest.raises(UserError, match="config.json"):
         convert_checkpoint(ck, tmp_path / "out", 16, 16, "cpu")
+
+
+def test_a_checkpoint_whose_tokenizer_does_not_load_is_refused_before_converting(tiny_checkpoint, tmp_path):
+    """It converted, and only the first generate refused it (pointing at `verify`, which passed)."""
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_checkpoint[0], ck)
+    (ck / "tokenizer.json").write_text('{"model": "this is not a tokenizer"}')
+    r = cli("convert", str(ck), str(tmp_path / "out"), "--expert-bits", "16", "--attn-bits", "16")
+    one_sentence(r, 2, "Cannot load the tokenizer", str(ck))
+    assert not (tmp_path / "out").exists()
