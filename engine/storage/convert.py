@@ -77,7 +77,7 @@ def read_index(src: Path) -> tuple[dict[str, str], list[str]]:
     """model.safetensors.index.json's weight_map and the shard files it names (all present)."""
     index = src / "model.safetensors.index.json"
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json(index)["weight_map"]  # None (missing, too large, not JSON): damaged
         files = sorted(set(weight_map.values()))  # not a dict of file names: damaged too
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise UserError(f"{index} is missing or damaged; download the checkpoint again.") from None
@@ -122,11 +122,8 @@ def index_tensors(src: Path) -> dict[str, TensorRef]:
 
 def detect_format(src) -> str:
     """'paper' for the paper's pre-quantized offloading checkpoint, else 'hf'."""
-    index = Path(src).expanduser() / "model.safetensors.index.json"
-    try:
-        keys = json.loads(index.read_text())["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return "hf"
+    index = read_json(Path(src).expanduser() / "model.safetensors.index.json")
+    keys = index.get("weight_map") if isinstance(index, dict) else None
     return "paper" if isinstance(keys, dict) and any(str(k).endswith(".W_q") for k in keys) else "hf"
 
 
@@ -381,14 +378,19 @@ def quantization_of(bits: int, specs: dict, source_dtype: str, allowed, rows: li
     return {"bits": bits, "group_size": g, "meta_group": s.meta_group, "method": "hqq"}
 
 
+def has_tokenizer(folder: Path) -> bool:
+    """Whether the folder holds a tokenizer's vocabulary (tokenizer.json or tokenizer.model)."""
+    return any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model"))
+
+
 def copy_tokenizer(src: Path, tok_dir: Path | None, dest: Path) -> None:
     where = tok_dir or src
-    found = [f for f in TOKENIZER_FILES if (where / f).is_file()]
-    if not any(f in found for f in ("tokenizer.json", "tokenizer.model")):
+    if not has_tokenizer(where):
         raise UserError(f"{where} has no tokenizer (tokenizer.json or tokenizer.model); copy the "
                         f"tokenizer files next to the weights or pass --tokenizer DIR.")
-    for f in found:
-        shutil.copy2(where / f, dest / f)
+    for f in TOKENIZER_FILES:
+        if (where / f).is_file():
+            shutil.copy2(where / f, dest / f)
     for f in EXTRA_FILES:
         if (src / f).is_file():
             shutil.copy2(src / f, dest / f)
@@ -429,7 +431,7 @@ def convert_checkpoint(src, dest, expert_bits: int, attn_bits: int, device: str 
     dev = resolve_device(device)
     tok_dir = resolve_tokenizer_dir(tokenizer) if tokenizer else None
     # the tokenizer loads now, not at the first generate after minutes of converting
-    if tok_dir is not None or any((src / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+    if tok_dir is not None or has_tokenizer(src):
         check_tokenizer(tok_dir or src, cfg)
     check_destination(dest)
     tmp = store.temp_sibling(dest)
