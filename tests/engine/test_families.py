@@ -297,7 +297,6 @@ def test_a_config_of_rope_scaling_and_rope_theta_gets_transformers_tokens(tmp_pa
     assert list(engine.generate_ids(ids, greedy)) == reference_greedy(ref, ids, NEW_TOKENS)
 
 
-
 @pytest.mark.parametrize("vid,windows", [("gpt_oss-top3-window5", (5, None, 5)),
                                          ("qwen2_moe-no-shared-top1-window", (4, None, None))])
 def test_a_config_without_layer_types_gets_transformers_windows(tmp_path, vid, windows):
@@ -318,6 +317,7 @@ def test_a_config_without_layer_types_gets_transformers_windows(tmp_path, vid, w
     ids = list(range(3, 3 + 12))  # longer than the windows
     greedy = SamplingSettings(temperature=0, max_new_tokens=NEW_TOKENS)
     assert list(engine.generate_ids(ids, greedy)) == reference_greedy(ref, ids, NEW_TOKENS)
+
 
 # ---------------------------------------------------------------------------------------------
 # gpt-oss's MXFP4 experts

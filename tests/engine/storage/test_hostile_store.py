@@ -342,7 +342,6 @@ def test_a_truncated_checkpoint_shard_gives_a_sentence(tiny_checkpoint, tmp_path
                          "--attn-bits", "16"), 2, shard.name, "truncated")
 
 
-
 @pytest.mark.parametrize("shard,needle", [("/etc/hostname", "absolute"), ("../ck/{}", "..")])
 def test_an_index_naming_shards_outside_the_checkpoint_is_refused(tiny_checkpoint, tmp_path, shard, needle):
     """model.safetensors.index.json's file names were opened as they were, so an index could make
@@ -383,6 +382,7 @@ def test_a_named_pipe_among_the_shards_is_not_opened(tiny_checkpoint, tmp_path):
         os.close(os.open(ck / "zz-extra.safetensors", os.O_WRONLY | os.O_NONBLOCK))
         reader.join(30)
     assert refs and "lm_head.weight" in refs[0]
+
 
 # ---------------------------------------------------------------------------------------------
 # 6 and 8. convert: free space, leftovers, fsync, unwritable DEST, tokenizer, generate's input
