@@ -3,8 +3,10 @@ tokens only (not the build, the prompt or the graph captures), per mode, on the 
 
     python3 benchmarks/host_profile.py OUT.txt 2g32u4                  # 12 GiB, lru then hybrid
     python3 benchmarks/host_profile.py OUT.txt 2g32u4 12GiB desktop    # and copies paced to 25 GB/s, 8 threads
+    python3 benchmarks/host_profile.py OUT.txt qwen3-30b-a3b:4         # another bench shape, HQQ 4-bit (MODES=lru: lru alone)
 
-The width as in benchmarks/hybrid_suite.py. cProfile slows Python down (about 2x), so the
+The width as in benchmarks/hybrid_suite.py (Mixtral's shape), or MODEL[:BITS] as `bench --model`
+takes it (gpt-oss: its MXFP4). cProfile slows Python down (about 2x), so the
 tok/s of these runs are not figures; what counts is where the host's share goes, by function
 (own time and cumulative), written to OUT.txt and its head printed.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import cProfile
 import io
+import os
 import pstats
 import re
 import sys
@@ -27,9 +30,13 @@ from moeferry.engine.runtime.model import OffloadedMixtral  # noqa: E402
 
 
 def main(out: str, width: str, *wheres: str) -> int:
-    bits, group, units = re.fullmatch(r"(\d)(?:g(\d+))?(?:u(\d+))?", width).groups()
-    s = bench.build(32, int(bits), 4, log=lambda m: None, group_size=int(group) if group else None,
-                    expert_units=int(units or 1))
+    if width[0].isdigit():
+        bits, group, units = re.fullmatch(r"(\d)(?:g(\d+))?(?:u(\d+))?", width).groups()
+        s = bench.build(32, int(bits), 4, log=lambda m: None, group_size=int(group) if group else None,
+                        expert_units=int(units or 1))
+    else:
+        model, _, bits = width.partition(":")
+        s = bench.build(None, int(bits or 4), 4, log=lambda m: None, model=model)
     forward, profiler = OffloadedMixtral.forward, [None]
 
     def profiled(self, tokens, start, last_only=True):
@@ -43,7 +50,7 @@ def main(out: str, width: str, *wheres: str) -> int:
 
     OffloadedMixtral.forward = profiled
     text, threads = [], torch.get_num_threads()
-    for where, mode in ((w, m) for w in wheres or ("12GiB",) for m in ("lru", "hybrid")):
+    for where, mode in ((w, m) for w in wheres or ("12GiB",) for m in os.environ.get("MODES", "lru,hybrid").split(",")):
         cond = bench.Conditions(h2d_gbps=25.0) if where == "desktop" else bench.Conditions()
         torch.set_num_threads(8 if where == "desktop" else threads)
         profiler[0] = cProfile.Profile()
