@@ -9,7 +9,9 @@ copy moves it). On CUDA the host copy is pinned and copies run on their own stre
 - before compute first uses a slot after a copy, the compute stream waits for the copy's
   `ready` event; once it has, everything later on that stream comes after the copy, so hits
   on a slot that was not copied again make no CUDA call at all.
-The host never waits for a copy. On the CPU "device" is host memory and copies are memcpy.
+The host never waits for a copy. These CUDA calls go straight to the driver
+(engine/runtime/cuda_driver.py: a microsecond each instead of torch's tens). On the CPU
+"device" is host memory and copies are memcpy.
 Pacing (the benchmark's stand-in for a slower link): with pace_cycles > 0 every copy is
 followed on the copy stream by a GPU spin of that many cycles before its `ready` event, so
 later copies and every use of the slot wait as they would behind a slower link.
@@ -28,6 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from . import cuda_driver
 
 
 @dataclass
@@ -87,8 +91,8 @@ class ExpertCache:
             # the device again on every call, which cost more host time per copy than the copy itself
             self.device_index = device.index if device.index is not None else torch.cuda.current_device()
             self.copy_stream = torch.cuda.Stream(device)
-            self.ready = [[torch.cuda.Event() for _ in range(self.K)] for _ in range(L)]
-            self.free = [torch.cuda.Event() for _ in range(L)]
+            self.ready = [[cuda_driver.new_event(self.copy_stream) for _ in range(self.K)] for _ in range(L)]
+            self.free = [cuda_driver.new_event(self.copy_stream) for _ in range(L)]
             # the copy stream has waited for the layer's last `free` (copies after the first skip the wait)
             self.free_awaited = [True] * L
         self.awaited = [[True] * self.K for _ in range(L)]  # the compute stream waited for the slot's last copy
@@ -97,6 +101,12 @@ class ExpertCache:
         # each copy's source and destination, made once: a view costs microseconds per copy
         self.slot_views = [[self.slots[l, s] for s in range(self.K)] for l in range(L)]
         self.host_views = None if self.host is None else [[self.host[l, e] for e in range(E)] for l in range(L)]
+        if self.cuda:  # the same as addresses and handles, for the driver's calls
+            self.slot_at = [[v.data_ptr() for v in row] for row in self.slot_views]
+            self.host_at = None if self.host is None else [[v.data_ptr() for v in row] for row in self.host_views]
+            self.copy_handle = self.copy_stream.cuda_stream
+            self.ready_handles = [[ev.cuda_event for ev in row] for row in self.ready]
+            self.free_handles = [ev.cuda_event for ev in self.free]
 
     def _fill(self, progress) -> None:
         """Everything fits: load once, never copy again. Else pin the host copy (CUDA)."""
@@ -197,7 +207,7 @@ class ExpertCache:
             self.stats.misses += 1
             slot = self._load(layer, expert, keep)
         if self.cuda and not self.awaited[layer][slot]:
-            torch.cuda.current_stream(self.device_index).wait_event(self.ready[layer][slot])
+            cuda_driver.wait(self._compute_handle(), self.ready_handles[layer][slot])
             self.awaited[layer][slot] = True
         self.in_use[layer].add(slot)
         return self._weights(layer, slot), slot
@@ -207,7 +217,12 @@ class ExpertCache:
         host changed it. The previous send of the row has run: the host syncs on routing in
         between (and a fully resident cache never changes)."""
         if layer in self.table_dirty:
-            self.table[layer].copy_(self.table_host[layer], non_blocking=self.cuda)
+            if self.cuda:
+                row = self.table_host[layer]
+                cuda_driver.copy_to_device(self.table[layer].data_ptr(), row.data_ptr(), row.nbytes,
+                                           self._compute_handle())
+            else:
+                self.table[layer].copy_(self.table_host[layer])
             self.table_dirty.discard(layer)
 
     def release(self, layer: int) -> None:
@@ -215,7 +230,7 @@ class ExpertCache:
         the device has run them."""
         self.in_use[layer].clear()
         if self.cuda:
-            self.free[layer].record(torch.cuda.current_stream(self.device_index))
+            cuda_driver.record(self.free_handles[layer], self._compute_handle())
             self.free_awaited[layer] = False
 
     def prefetch(self, layer: int, experts: list[int]) -> None:
@@ -254,31 +269,37 @@ class ExpertCache:
         lru[expert] = slot
         self.table_np[layer, expert] = slot
         self.table_dirty.add(layer)
-        src, dst = self.host_views[layer][expert], self.slot_views[layer][slot]
         if self.cuda:
             if slot in self.in_use[layer]:  # used earlier in this step (a cache smaller than top-k)
                 self.release(layer)  # the copy waits for the work queued on it so far
-            compute = torch.cuda.current_stream(self.device_index)
-            torch.cuda.set_stream(self.copy_stream)  # not torch.cuda.stream(): it resolves the device twice
-            try:
-                if not self.free_awaited[layer]:
-                    self.copy_stream.wait_event(self.free[layer])
-                    self.free_awaited[layer] = True
-                dst.copy_(src, non_blocking=self.pinned)
-                if self.pace_cycles:
-                    torch.cuda._sleep(self.pace_cycles)
-                self.ready[layer][slot].record(self.copy_stream)
-            finally:
-                torch.cuda.set_stream(compute)
+            if not self.free_awaited[layer]:
+                cuda_driver.wait(self.copy_handle, self.free_handles[layer])
+                self.free_awaited[layer] = True
+            cuda_driver.copy_to_device(self.slot_at[layer][slot], self.host_at[layer][expert], self.B, self.copy_handle)
+            if self.pace_cycles:
+                self._pace()
+            cuda_driver.record(self.ready_handles[layer][slot], self.copy_handle)
             self.awaited[layer][slot] = False
             if self.link_s_per_byte:
                 start = max(time.perf_counter(), self.link_free_at)
                 self.link_free_at = self.ready_at[layer][slot] = start + self.B * self.link_s_per_byte
         else:
-            dst.copy_(src)
+            self.slot_views[layer][slot].copy_(self.host_views[layer][expert])
             self._decode(layer, slot)
         self.stats.bytes_h2d += self.B
         return slot
+
+    def _compute_handle(self) -> int:
+        return torch.cuda.current_stream(self.device_index).cuda_stream
+
+    def _pace(self) -> None:
+        """The benchmark's slower link: a GPU spin on the copy stream after the copy."""
+        compute = torch.cuda.current_stream(self.device_index)
+        torch.cuda.set_stream(self.copy_stream)  # not torch.cuda.stream(): it resolves the device twice
+        try:
+            torch.cuda._sleep(self.pace_cycles)
+        finally:
+            torch.cuda.set_stream(compute)
 
     def _evict(self, layer: int, keep) -> int:
         """Drop the least recently used expert not in keep (else the oldest); its slot."""

@@ -200,3 +200,31 @@ def test_the_experts_home_falls_back_to_torchs_pinned_memory_when_registration_f
     monkeypatch.setattr(torch, "empty", empty)
     host = ec.pinned_empty((2, ec.HUGE_PAGE))
     assert host.shape == (2, ec.HUGE_PAGE) and asked == [True]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("k", [2, 4])
+def test_cuda_copies_and_the_compute_stream_wait_for_each_other(k):
+    """Through the driver's calls (engine/runtime/cuda_driver.py): the compute stream reads a
+    slot's new bytes even behind slow copies (a GPU spin after each), and a copy over a slot
+    waits for the reads queued on it before the layer's release, however late they run."""
+    gen = torch.Generator().manual_seed(2)
+    host = torch.arange(L * E, dtype=torch.uint8)[:, None].repeat(1, 1 << 16).view(L, E, 1 << 16)
+    cache = CACHES["lru"](host, k, torch.device("cuda"), lambda buf: buf, pace_cycles=2_000_000)
+    reads = []
+    for _ in range(40):
+        layer = int(torch.randint(L, (1,), generator=gen))
+        needed = sorted(torch.randperm(E, generator=gen)[:2].tolist())
+        for e in needed:
+            cache.acquire(layer, e, keep=needed)
+        cache.sync_table(layer)
+        torch.cuda._sleep(1_000_000)  # the reads run late: a copy that did not wait would overwrite first
+        slots = cache.table[layer, needed].long()
+        reads.append((cache.slots[layer, slots, 0].clone(), [layer * E + e for e in needed]))
+        cache.release(layer)
+        if torch.randint(3, (1,), generator=gen) == 0:
+            cache.prefetch((layer + 1) % L, torch.randperm(E, generator=gen)[:1].tolist())
+    torch.cuda.synchronize()
+    assert [got.tolist() for got, _ in reads] == [want for _, want in reads]
+    assert cache.stats.misses > 10

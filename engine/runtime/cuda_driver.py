@@ -1,0 +1,71 @@
+"""The CUDA driver calls the expert cache makes for every missed expert, through ctypes.
+
+torch's way to queue a host->device copy on a side stream (switch the current stream, `copy_`,
+record an event, switch back) cost the host about 30 us per missed expert: at Qwen3-30B-A3B's
+12 GiB, about 115 misses per token, a quarter of the token (docs/BENCHMARKS.md, 2026-12-05).
+The same work is three driver calls of about a microsecond each. The driver library is the
+one torch itself runs on (libcuda on Linux, nvcuda.dll on Windows); streams and events are
+torch's, passed by handle. Each call needs the device's context current on the calling thread,
+which any earlier torch CUDA call on that thread makes so (the cache's callers sync on the
+routing first).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+from functools import cache
+
+import torch
+
+
+class DriverError(RuntimeError):
+    pass
+
+
+@cache
+def _lib():
+    """The driver library with the argument types of the calls below, or None."""
+    try:
+        lib = ctypes.WinDLL("nvcuda.dll") if sys.platform == "win32" else ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    try:
+        lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.cuStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+    except AttributeError:
+        return None
+    return lib
+
+
+def available() -> bool:
+    return torch.cuda.is_available() and _lib() is not None
+
+
+def _check(code: int, call: str) -> None:
+    if code:
+        raise DriverError(f"The CUDA driver refused {call} (error {code}).")
+
+
+def copy_to_device(dst: int, src: int, nbytes: int, stream: int) -> None:
+    """Queue a copy of nbytes from host address src to device address dst on stream."""
+    _check(_lib().cuMemcpyHtoDAsync_v2(dst, src, nbytes, stream), "a host-to-device copy")
+
+
+def record(event: int, stream: int) -> None:
+    """Record event on stream (handles: torch.cuda.Event.cuda_event, torch.cuda.Stream.cuda_stream)."""
+    _check(_lib().cuEventRecord(event, stream), "an event record")
+
+
+def wait(stream: int, event: int) -> None:
+    """Make stream wait for event's last record."""
+    _check(_lib().cuStreamWaitEvent(stream, event, 0), "a stream wait")
+
+
+def new_event(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    """A torch event whose handle exists (torch creates it lazily, at its first record)."""
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
