@@ -295,6 +295,9 @@ class Synthetic:
         return model
 
 
+SPLIT_TOKENS = 24  # decoded after the timed ones with the layer split's marks on
+
+
 def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, routing=None, pace: int = 0,
              graphs=True, cpu_copies=None, link_gbps=None):
     """(first token s, decode s, cache stats of the decode, peak device bytes, guess recall by distance)."""
@@ -311,17 +314,17 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
         if link_gbps and model.hybrid.costs is not None:  # the paced link is the one it must plan for
             model.hybrid.costs.link_gbps = min(model.hybrid.costs.link_gbps, link_gbps)
     costs_at_load = asdict(model.hybrid.costs) if model.hybrid is not None and model.hybrid.costs else None
-    model.setup_kv(len(prompt) + new_tokens)
+    split = 0 if model.cache.holds_every_expert else SPLIT_TOKENS
+    model.setup_kv(len(prompt) + new_tokens + split)
     use_cuda_graphs(model, graphs and kernels == "fused")  # the reference path stays eager, as HQQ's
     if model.graphs is not None:
-        model.graphs.prepare(len(prompt) + new_tokens)  # captured before the clock starts
+        model.graphs.prepare(len(prompt) + new_tokens + split)  # captured before the clock starts
     t0 = time.perf_counter()
     logits = model.forward(torch.tensor(prompt, device=device), 0)
     tok = int(logits[-1].argmax())
     first = time.perf_counter() - t0
     before = asdict(model.cache.stats)
     cpu0 = replace(model.hybrid.stats) if model.hybrid is not None else None  # a copy
-    model.timeline = [] if not model.cache.holds_every_expert else None
     t1 = time.perf_counter()
     for n in range(new_tokens - 1):
         logits = model.forward(torch.tensor([tok], device=device), len(prompt) + n)
@@ -330,8 +333,6 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
     decode = time.perf_counter() - t1
     after = asdict(model.cache.stats)
     d = {key: after[key] - before[key] for key in after}
-    if model.timeline:
-        d["layer_split"] = layer_split(model.timeline, new_tokens - 1)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else model.cache.device_bytes()
     recall = routing.recall() if routing is not None else {}
     if model.hybrid is not None:  # the decode's CPU work alone (a prefill job reads its expert once for many tokens)
@@ -344,6 +345,11 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
             d["costs_at_load"] = {k: round(v, 6) for k, v in costs_at_load.items()}
             d["cpu_gbps_learned"] = model.hybrid.costs.cpu_gbps
             d["cpu_hand_off_ms_learned"] = model.hybrid.costs.cpu_overhead_s * 1e3
+    if split:  # where a layer's time goes, from the host's clock marks: they cost it time, so not in the timed tokens
+        model.timeline = []
+        for n in range(new_tokens - 1, new_tokens - 1 + split):
+            tok = int(model.forward(torch.tensor([tok], device=device), len(prompt) + n)[-1].argmax())
+        d["layer_split"] = layer_split(model.timeline, split)
     model.graphs = None  # break the model <-> graphs cycle so the slots go now
     del model
     return first, decode, d, peak, recall
