@@ -298,9 +298,9 @@ class TableRouting:
         depth = 0 if guesses is None else guesses.shape[0]
         return self.weights[i], self.ids[i], self.guesses[i, :depth] if depth else None
 
-    def token_table(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [L, k], ids [L, k]) of the one token of this step."""
-        return self.weights[:, 0], self.ids[:, 0]
+    def token_table(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weights [L, k], ids [L, k], guesses [L, D, k]) of the one token of this step."""
+        return self.weights[:, 0], self.ids[:, 0], self.guesses
 
 
 class UniformRouting(TableRouting):

@@ -16,10 +16,10 @@ run, else on the eager operations. The routed experts run in one of three ways, 
     device table) after the host's routing sync has made sure they are in place;
   * otherwise one graph per (layer, cache slot, top-k position) and expert.
 A forced routing (`model.routing`, engine/measure/routing.py) is written over the router's on the
-device before dispatch reads it; the one graph copies it from `forced`, which the host fills
-before each replay. With the CPU+GPU hybrid some of a layer's experts run on the CPU: the
-grouped launch then runs only the others (a graph per count) and the CPU's sum is added to
-`out` eagerly before the next graph reads it.
+device before dispatch reads it: the graphs copy it from `forced`, which the host fills once
+per token (three copies, where the eager forward makes three per layer). With the CPU+GPU
+hybrid some of a layer's experts run on the CPU: the grouped launch then runs only the others
+(a graph per count) and the CPU's sum is added to `out` eagerly before the next graph reads it.
 
 Graphs read the token position from a device tensor, so they replay at any position (on the
 eager operations an attention graph is keyed on the span it reads). Each graph is captured the first
@@ -53,9 +53,9 @@ class GraphedDecode:
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.s = model.new_step(torch.zeros(1, dtype=torch.long, device=dev), *self.rope_tables(), pos=self.pos)
         self.logits = torch.zeros(1, cfg.vocab_size, dtype=torch.float32, device=dev)
-        moe = max(1, cfg.num_moe_layers)  # a forced routing's choice for the one graph
+        moe = max(1, cfg.num_moe_layers)  # a forced routing's choice: weights, ids, guesses [.., D, k]
         self.forced = (torch.zeros(moe, cfg.top_k, dtype=torch.float32, device=dev),
-                       distinct_ids((moe, cfg.top_k), dev))
+                       distinct_ids((moe, cfg.top_k), dev), distinct_ids((moe, 1, cfg.top_k), dev))
         if capture:
             self.pool = torch.cuda.graph_pool_handle()
             self.capture_stream = capture_stream(dev)
@@ -89,13 +89,17 @@ class GraphedDecode:
         s.span = attention_span(start, m.kv.capacity)
         if m.routing is not None:
             m.routing.begin(1)
+        forced = self.is_forced()
+        if forced:
+            weights, ids, guesses = m.routing.token_table()
+            self.forced[0].copy_(weights)
+            self.forced[1].copy_(ids)
+            if m.prefetch_depth and not self.one_graph:
+                self.forced[2].copy_(guesses[:, :self.forced[2].shape[1]])
+        s.forced = self.forced if forced else None
         if self.one_graph:
             m.cache.sync_tables()  # once: a fully resident cache never changes
-            forced = self.is_forced()
-            if forced:
-                for buf, table in zip(self.forced, m.routing.token_table()):
-                    buf.copy_(table)
-            self.run(("token", forced), lambda: self.token_segment(forced))
+            self.run(("token", forced), self.token_segment)
             m.cache.count_hits(m.cfg.num_moe_layers * m.cfg.top_k)
             if m.trace is not None:
                 m.trace.append([(tuple(ids), m.cache.resident(i))
@@ -109,9 +113,8 @@ class GraphedDecode:
         self.run(("head",), self.head_segment)
         return self.logits.clone()
 
-    def token_segment(self, forced: bool) -> None:
+    def token_segment(self) -> None:
         """Every layer and the head, for a cache that holds every expert (no host part)."""
-        self.s.forced = self.forced if forced else None
         for i in range(self.m.cfg.num_layers):
             self.m.layer(i, self.s, self.ops)
         self.head_segment()
@@ -140,6 +143,8 @@ class GraphedDecode:
             self.graphs = {}
             if self.capture:
                 self.pool = torch.cuda.graph_pool_handle()
+            if depth and depth != self.forced[2].shape[1]:
+                self.forced = (*self.forced[:2], distinct_ids((self.forced[1].shape[0], depth, m.cfg.top_k), m.device))
             self.key = key
 
     def prepare(self, max_position: int, progress=None) -> None:
@@ -152,16 +157,17 @@ class GraphedDecode:
         self.check_keys()
         self.pos.zero_()
         jobs: dict[tuple, object] = {}
+        forced = self.is_forced()
+        s.forced = self.forced if forced else None
         if self.one_graph:
-            forced = self.is_forced()
-            jobs[("token", forced)] = lambda: self.token_segment(forced)
+            jobs[("token", forced)] = self.token_segment
         else:
             spans = sorted({attention_span(p, m.kv.capacity) for p in range(0, max_position, 256)}
                            | {attention_span(max_position - 1, m.kv.capacity)})
             for span in spans:
                 for i, layer in enumerate(m.layers):
                     s.span = span
-                    jobs.setdefault(("attention", i, ops.span(layer, s)),
+                    jobs.setdefault(("attention", i, ops.span(layer, s), forced),
                                     lambda i=i, layer=layer, span=span: self.attention_job(i, layer, span))
             for i, layer in enumerate(m.layers):
                 if "mlp" in layer:

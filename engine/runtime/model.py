@@ -217,7 +217,9 @@ class Step:
     pos: torch.Tensor | None = None  # [1] on the device: the one token's position (CUDA graphs)
     span: int = 0  # with pos: the cached positions an eager attention reads
     resident: bool = False  # every expert on the device: MoE layers have no host part
-    forced: tuple | None = None  # with resident: (weights, ids) [MoE layers, k] over the router's
+    # a forced routing over the router's, for the graphs: (weights, ids) [MoE layers, k], guesses
+    # [MoE layers, D, k], copied in each MoE layer's attention segment (GraphedDecode fills them)
+    forced: tuple | None = None
 
 
 @dataclass
@@ -362,7 +364,8 @@ class OffloadedMixtral:
         norms); step, when a list, gets this layer's routing (the trace).
         """
         layer = self.layers[i]
-        run(("attention", i, ops.span(layer, s)), lambda: self.attention_block(i, layer, s, ops))
+        key = ("attention", i, ops.span(layer, s), s.forced is not None)
+        run(key, lambda: self.attention_block(i, layer, s, ops))
         if "mlp" in layer:  # a dense layer: no experts
             run(("mlp", i), lambda: s.out.copy_(self.expert(layer["mlp"], s.h)))
         else:
@@ -379,9 +382,16 @@ class OffloadedMixtral:
         ops.add_norm(s.x, s.out if i > 0 else None, layer["attn_norm"], s.hn)
         ops.add_norm(s.x, ops.attention(i, layer, s), layer["moe_norm"], s.h)
         if "router" in layer:
-            ops.route(layer, s.h, s.weights, s.ids[layer["moe_index"]])
+            mi = layer["moe_index"]
+            ops.route(layer, s.h, s.weights, s.ids[mi])
             if not s.resident:
-                self.prefetcher.guess(self, ops, layer["moe_index"], s)
+                self.prefetcher.guess(self, ops, mi, s)
+            if s.forced is not None:
+                weights, ids, guesses = s.forced
+                s.ids[mi].copy_(ids[mi:mi + 1])
+                s.weights.copy_(weights[mi:mi + 1])
+                if (pending := self.prefetcher.pending(self, mi, s)) is not None:
+                    pending.copy_(guesses[mi, :pending.shape[0]])
             if not ops.grouped:  # the experts are added to out one by one (grouped: written whole)
                 s.out.zero_()
 
@@ -393,13 +403,10 @@ class OffloadedMixtral:
         mi = layer["moe_index"]
         ids = s.ids[mi]
         if s.resident:
-            if s.forced is not None:
-                ids.copy_(s.forced[1][mi:mi + 1])
-                s.weights.copy_(s.forced[0][mi:mi + 1])
             ops.experts(mi, s, ids)
             return
         guesses = self.prefetcher.pending(self, mi, s)
-        if self.routing is not None:
+        if self.routing is not None and s.forced is None:  # else the attention segment wrote it
             self.force_routing(mi, s, ids, guesses)
         io = (s.h, s.weights, s.out)  # for experts run on the CPU (self.hybrid)
         if ops.grouped:

@@ -17,7 +17,7 @@ from moeferry.engine.errors import UserError
 from moeferry.engine.measure import bench, routing
 from moeferry.engine.measure.routing import lru_hits
 from moeferry.engine.runtime import vram
-from moeferry.engine.runtime.decode_graphs import use_cuda_graphs
+from moeferry.engine.runtime.decode_graphs import GraphedDecode, use_cuda_graphs
 from moeferry.engine.runtime.model import rms_norm, rope_cos_sin
 from moeferry.engine.storage import quant
 
@@ -90,6 +90,32 @@ def test_forced_routing_gives_the_logits_of_the_eager_maths_with_that_choice(syn
     # and the choice is really forced: the dispatch saw the drawn experts, not the router's
     for step, (ids, _) in zip(model.trace, tables[1:]):
         assert [tuple(sel) for sel, _ in step] == [tuple(r) for r in ids[:, 0].tolist()]
+
+
+def test_the_graphs_force_the_routing_and_guesses_as_the_eager_forward_does(synthetic):
+    """The graphed decode (capture=False: its segments run as they come) writes the forced choice
+    and guesses in each layer's attention segment, from buffers filled once per token; dispatch
+    sees what the eager forward's copies per layer give it: the same experts, the same copies
+    and prefetches, the same logits."""
+    s = synthetic
+    prompt, tokens = [5, 17, 99, 3], [40, 7, 81, 2, 66, 13, 29, 90]
+    runs = []
+    for graphed in (False, True):
+        model = s.model("lru", 3, 1, "reference")
+        model.routing = routing.UniformRouting(s.cfg.num_layers, s.cfg.num_experts, s.cfg.top_k, "cpu", depth=1,
+                                               seed=3)
+        model.setup_kv(32)
+        if graphed:
+            model.graphs = GraphedDecode(model, capture=False)
+            model.graphs.prepare(32)
+        model.forward(torch.tensor(prompt), 0)
+        model.trace = []
+        logits = [model.forward(torch.tensor([t]), len(prompt) + n) for n, t in enumerate(tokens)]
+        runs.append((torch.cat(logits), model.trace, model.cache.stats))
+    (eager, eager_trace, eager_stats), (graphs, graphs_trace, graphs_stats) = runs
+    assert graphs_trace == eager_trace and len(graphs_trace) == len(tokens)
+    assert graphs_stats == eager_stats and eager_stats.prefetch_issued > 0 and eager_stats.misses > 0
+    torch.testing.assert_close(graphs, eager, rtol=1e-5, atol=1e-5)
 
 
 def test_a_recorded_trace_replays_identically(synthetic, tmp_path):
