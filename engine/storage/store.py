@@ -253,7 +253,8 @@ def sha256_file(path: Path, chunk: int = 16 << 20) -> str:
 def verify_store(arg: str | Path, progress=None) -> list[str]:
     """Re-hash every file in the manifest; return a sentence for each bad, missing or unlisted file.
 
-    A store that would run code, or whose config the engine refuses, raises UserError (exit 1).
+    A store that would run code, whose config the engine refuses, or whose manifest's layout
+    does not fit that config raises UserError (exit 1), as loading it would.
     """
     path, manifest = read_manifest(arg)
     hf = read_json(path / "config.json")
@@ -263,7 +264,7 @@ def verify_store(arg: str | Path, progress=None) -> list[str]:
         if not isinstance(hf, dict):
             bad.append("config.json: not a JSON object")
         else:
-            model_config(hf, f"The store {path}", exit_code=1)
+            check_layout(path, manifest, model_config(hf, f"The store {path}", exit_code=1))
     return bad
 
 

@@ -129,6 +129,14 @@ def test_an_unsupported_model_type_is_refused_at_load_and_verify(tiny_store, tmp
     one_sentence(cli("verify", str(st)), 1, "'custom_moe'")
 
 
+def test_verify_refuses_a_manifest_whose_expert_stride_does_not_fit_the_config(tiny_store, tmp_path):
+    st = copy_store(tiny_store, tmp_path / "s")
+    m = json.loads((st / "manifest.json").read_text())
+    m["experts"]["stride"] += 64
+    (st / "manifest.json").write_text(json.dumps(m))
+    one_sentence(cli("verify", str(st)), 1, "does not fit", "convert the model again")
+
+
 def test_the_tokenizer_never_runs_remote_code_even_past_the_checks(tiny_store, tmp_path, monkeypatch):
     """Defence in depth: with the folder checks switched off, transformers is still told not to
     trust the store's code, so it refuses instead of asking "run the custom code? [y/N]"."""
