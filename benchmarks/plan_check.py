@@ -91,7 +91,9 @@ def report_sizes(report: dict) -> plan.ModelSizes:
     sizes = plan.ModelSizes.from_config(config, report["expert_bits"], report.get("attn_bits", 4),
                                         name=f"bench {shape} {report['layers']} layers")
     sizes.expert_bytes = int(report["expert_bytes"])
-    sizes.dense_bytes = int(report["resident_bytes"])
+    # resident_bytes: the dense weights on the GPU; host_dense_bytes (in reports since the embedding
+    # stays in host memory) the rest
+    sizes.dense_bytes = int(report["resident_bytes"]) + int(report.get("host_dense_bytes", 0))
     return sizes
 
 

@@ -14,7 +14,6 @@ import json
 import sys
 
 import torch
-import torch.nn.functional as F
 
 from moeferry.engine.kernels import decode as dk, hqq_gpu
 from moeferry.engine.measure import bench
@@ -75,7 +74,6 @@ def profile(layers: int, expert_bits: int, log=print) -> dict:
         "moe_decode (2 experts)": lambda: ops.experts(0, st, st.ids[0]),
         "layer_segment (all of attention + routing)": lambda: m.attention_block(0, L0, st, ops),
         "head (norm + lm_head + float)": g.head_segment,
-        "embedding copy": lambda: st.x.copy_(F.embedding(st.tokens, m.embed)),
     }
     res = {name: graph_us(fn) for name, fn in pieces.items()}
     res["whole token (one graph)"] = graph_us(lambda: g.token_segment(False), reps=10)

@@ -39,7 +39,15 @@ from moeferry.engine.measure.bench_shapes import MODEL_SHAPES, family_dense, nat
 from moeferry.engine.runtime.cpu_experts import HqqExpert, Mxfp4Expert
 from moeferry.engine.runtime.decode_graphs import use_cuda_graphs
 from moeferry.engine.runtime.expert_cache import ExpertCache, pace_cycles, pin, pinned_empty, sleep_cycles_per_s
-from moeferry.engine.runtime.generate import compute_ready, cpu_copies_of, cpu_experts_for, device_bytes, parse_size
+from moeferry.engine.runtime.generate import (
+    EMBEDDING,
+    compute_ready,
+    cpu_copies_of,
+    cpu_experts_for,
+    device_bytes,
+    embedding_on_host,
+    parse_size,
+)
 from moeferry.engine.runtime.model import HOST_PHASES, ModelConfig, OffloadedMixtral
 from moeferry.engine.storage import mxfp4, quant, store as store_mod
 from moeferry.engine.units import GiB, fmt_bytes
@@ -109,12 +117,14 @@ def random_matrix(rows: int, cols: int, eq: dict, device, gen):
 
 def synthetic_model(cfg: ModelConfig, expert_bits: int, attn_bits: int, device, seed: int = 0,
                     dtype=torch.bfloat16, expert_format: str = "hqq", group_size: int | None = None):
-    """(dense weights on device, host experts uint8 [L, E, stride] (pinned on CUDA), expert fields, quantization)."""
+    """(dense weights, their bytes on the device, host experts uint8 [L, E, stride] (pinned on
+    CUDA), expert fields, quantization). The dense weights are on the device but for the
+    embedding, which stays in host memory on a GPU as the engine keeps an untied one
+    (generate.embedding_on_host)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     as_ = quant.ATTN_SPECS[attn_bits]
     eq = expert_quantization(expert_format, expert_bits, group_size)
-    dense = {"model.embed_tokens.weight": torch.randn(cfg.vocab_size, cfg.hidden_size, device=device,
-                                                      dtype=dtype, generator=gen) * 0.02,
+    dense = {EMBEDDING: torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype, generator=gen) * 0.02,
              "model.norm.weight": torch.ones(cfg.hidden_size, device=device, dtype=dtype),
              "lm_head.weight": torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype,
                                            generator=gen) * 0.02}
@@ -127,8 +137,11 @@ def synthetic_model(cfg: ModelConfig, expert_bits: int, attn_bits: int, device, 
         for m in store_mod.ATTN_MATRICES:
             dense[p + f"self_attn.{m}.weight"] = quant.random_qmatrix(*store_mod.attn_shape(cfg, m), as_, gen, device, plausible=True)
         dense.update(family_dense(cfg, i, lambda r, c: quant.random_qmatrix(r, c, as_, gen, device, plausible=True), device, gen))
+    on_host = embedding_on_host(dense, device)
+    if on_host:
+        dense[EMBEDDING] = dense[EMBEDDING].cpu()
     dense_bytes = sum(w.nbytes() if isinstance(w, quant.QMatrix) else w.numel() * w.element_size()
-                      for w in dense.values())
+                      for name, w in dense.items() if not (on_host and name == EMBEDDING))
     if cfg.expert_act == "clamped_swiglu":
         eq["bias_dtype"] = "BF16"
     fields, stride = store_mod.expert_layout(cfg, eq)
@@ -275,6 +288,12 @@ class Synthetic:
     dtype: torch.dtype = torch.bfloat16
     shape: str = "mixtral-8x7b"  # the MODEL_SHAPES key it was built from
     cpu_copies: dict | None = None  # the hybrid mode's CPU experts (cpu_copies_of), made on first use
+
+    @property
+    def host_dense_bytes(self) -> int:
+        """The dense weights' bytes in host memory, off the device (the embedding on a GPU)."""
+        return sum(w.nbytes for w in self.dense.values()
+                   if isinstance(w, torch.Tensor) and w.device.type != self.device.type)
 
     @property
     def expert_format(self) -> str:
@@ -510,6 +529,7 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
         "expert_units": s.cfg.expert_units,
         "expert_bits_per_weight": s.expert_bits_per_weight(), "attn_bits": s.attn_bits, "prompt_len": prompt_len,
         "new_tokens": new_tokens, "expert_bytes": stride, "resident_bytes": s.dense_bytes,
+        "host_dense_bytes": s.host_dense_bytes,
         "pinned_gb_per_s": bw / 1e9, "cache_experts": k,
         "routing": routing, "link": link, "cpu_threads": torch.get_num_threads(),
         "cpu_experts": cpu_experts_report(s.cpu_copies, cfg) if "hybrid" in modes else None,

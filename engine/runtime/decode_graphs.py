@@ -20,6 +20,8 @@ device before dispatch reads it: the graphs copy it from `forced`, which the hos
 per token (three copies, where the eager forward makes three per layer). With the CPU+GPU
 hybrid some of a layer's experts run on the CPU: the grouped launch then runs only the others
 (a graph per count) and the CPU's sum is added to `out` eagerly before the next graph reads it.
+An embedding kept in host memory (untied, on a GPU) is gathered there and copied into the
+residual stream before the first graph (OffloadedMixtral.embed_into), so no graph holds the lookup.
 
 Graphs read the token position from a device tensor, so they replay at any position (on the
 eager operations an attention graph is keyed on the span it reads). Each graph is captured the first
@@ -85,6 +87,8 @@ class GraphedDecode:
         m, s = self.m, self.s
         self.check_keys()
         s.tokens.copy_(tokens.view(1))
+        if m.embed_on_host:  # x filled before the graphs, which then hold no lookup
+            m.embed_into(s)
         self.pos.fill_(start)
         s.span = attention_span(start, m.kv.capacity)
         if m.routing is not None:

@@ -365,7 +365,7 @@ def parse_size(text: str | None) -> int | None:
 def device_bytes(cfg: ModelConfig, dense_bytes: int, expert_bytes: int, context: int, dtype,
                  device: torch.device, kernels: str = "auto") -> vram.DeviceBytes:
     """What the model holds on the device besides its expert cache (engine/runtime/vram.py's sizing,
-    the planner's too)."""
+    the planner's too); dense_bytes: move_dense's count, without an embedding in host memory."""
     on_gpu = device.type == "cuda"
     return vram.DeviceBytes(
         dense=dense_bytes,
@@ -414,8 +414,20 @@ def compute_ready(w, dtype):
     return store_mod.as_float(w, dtype)
 
 
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def embedding_on_host(dense: dict, device) -> bool:
+    """Whether the token embedding stays in host memory: on a GPU, when the LM head is a matrix
+    of its own, as llama.cpp keeps it. A token reads one row of it (gathered on the host:
+    OffloadedMixtral.embed_into), so its GPU memory goes to the expert cache instead; a head tied
+    to it reads all of it every token, and keeps it on the GPU."""
+    return torch.device(device).type != "cpu" and "lm_head.weight" in dense
+
+
 def move_dense(dense: dict, device, dtype, in_place: bool = False) -> tuple[dict, int]:
-    """The dense weights on the device, and their bytes there. On the CPU a quantized matrix is
+    """The dense weights on the device, and their bytes there; an embedding that stays in host
+    memory (embedding_on_host) in the compute dtype, not counted. On the CPU a quantized matrix is
     dequantized once, unless in_place (the CPU engine that runs every expert on the HQQ kernel):
     then the matrices of a quantized model are read in low-bit forms, for a quarter of
     float32's bytes per token and of its RAM or less: 2-4 bit ones as stored, on the same
@@ -425,8 +437,12 @@ def move_dense(dense: dict, device, dtype, in_place: bool = False) -> tuple[dict
     reads in a small MoE (Qwen3-30B-A3B's is 1.2 GB)."""
     on_cpu = device.type == "cpu"
     low_bit = in_place and on_cpu and any(isinstance(w, quant.QMatrix) for w in dense.values())
+    host_embedding = embedding_on_host(dense, device)
     out, nbytes = {}, 0
     for name, w in dense.items():
+        if host_embedding and name == EMBEDDING:
+            out[name] = w.to(dtype)
+            continue
         if low_bit and hqq_cpu.supported(w):
             out[name] = hqq_cpu.from_qmatrix(w)
         elif low_bit and (isinstance(w, quant.QMatrix) or name == "lm_head.weight") and int8_fits(w):

@@ -7,8 +7,11 @@ between them (routing sync, cache, the CPU hybrid, prefetch: engine/runtime/pref
 set of operations (norm, attention, router, experts): EagerOps here, or the fused ones of
 engine/kernels/decode.py; the CUDA-graph decode (engine/runtime/decode_graphs.py) runs this same layer
 and captures its segments. Its buffers are a Step.
-Attention, norms, routers and embeddings live on the compute device; experts come from the
+Attention, norms, routers and the LM head live on the compute device; experts come from the
 ExpertCache (engine/runtime/expert_cache.py), which copies them in from host memory when they miss.
+The token embedding lives on the device too, unless it is not tied to the LM head on a GPU: then
+it stays in host memory (generate.embedding_on_host) and embed_into copies the tokens' rows in
+before layer 0.
 The maths follows transformers exactly (Mixtral's router: softmax in float32, top-k,
 renormalised; experts summed in ascending index order), which the tests check.
 
@@ -280,6 +283,10 @@ class OffloadedMixtral:
         self.graphs = None  # CUDA-graph decode, set by engine/runtime/decode_graphs.py use_cuda_graphs()
         self.hybrid = None  # engine/cpu_experts.CpuExperts: misses computed on the CPU, or None
         self.embed = dense["model.embed_tokens.weight"]
+        self.embed_on_host = self.embed.device.type != device.type
+        # a decoded token's row, page-locked so that its copy to the GPU does not wait
+        self.staging = (torch.empty(1, cfg.hidden_size, dtype=self.embed.dtype, pin_memory=True)
+                        if self.embed_on_host and device.type == "cuda" else None)
         self.norm = dense["model.norm.weight"]
         self.lm_head = dense.get("lm_head.weight", self.embed)
         self.layers = [layer_weights(cfg, dense, i) for i in range(cfg.num_layers)]
@@ -344,6 +351,8 @@ class OffloadedMixtral:
             return self.graphs.step(tokens, start)
         pos = torch.arange(start, start + T, device=self.device)
         s = self.new_step(tokens, *self.rope(pos), start=start)
+        if self.embed_on_host:
+            self.embed_into(s)
         if self.routing is not None:
             self.routing.begin(T)
         step = [] if self.trace is not None and T == 1 else None
@@ -373,11 +382,22 @@ class OffloadedMixtral:
         if "shared" in layer:
             run(("shared", i), lambda: self.shared_expert(layer, s))
 
+    def embed_into(self, s: Step) -> None:
+        """x = the tokens' embeddings, from an embedding in host memory (embed_on_host): the rows
+        gathered on the host and copied to the device before layer 0, outside any CUDA graph. A
+        decoded token's row goes through the pinned staging row without the host waiting for the
+        copy; reading the tokens (on the device) waits for the device, so the last step's copy
+        out of that row is done before the row is written again."""
+        ids = s.tokens.cpu()
+        one = self.staging is not None and ids.numel() == 1
+        rows = torch.index_select(self.embed, 0, ids, out=self.staging) if one else F.embedding(ids, self.embed)
+        s.x.copy_(rows, non_blocking=one)
+
     def attention_block(self, i: int, layer: dict, s: Step, ops) -> None:
         """Layer i up to its FFN (a device segment): x += the last FFN's output (layer 0: x = the
-        embeddings); x += attention(norm(x)); h = norm(x); for a MoE layer, the router's choice
-        into s.ids and the prefetch guesses into s.guesses."""
-        if i == 0:
+        embeddings, unless embed_into wrote them already); x += attention(norm(x)); h = norm(x);
+        for a MoE layer, the router's choice into s.ids and the prefetch guesses into s.guesses."""
+        if i == 0 and not self.embed_on_host:
             s.x.copy_(F.embedding(s.tokens, self.embed))
         ops.add_norm(s.x, s.out if i > 0 else None, layer["attn_norm"], s.hn)
         ops.add_norm(s.x, ops.attention(i, layer, s), layer["moe_norm"], s.h)

@@ -4,11 +4,12 @@ One sizing for the planner (engine/setup/plan.py: the wizard's and `moeferry pro
 the engine (engine/runtime/generate.py: --vram-budget) and the benchmark (engine/measure/bench.py), so that a
 cache size the planner offers is one the engine accepts. Imports nothing heavy.
 
-    fixed  = dense weights + KV cache (every layer, full context) + workspace
+    fixed  = dense weights on the GPU + KV cache (every layer, full context) + workspace
     slots  = min(experts, (budget - fixed) // (MoE layers * expert stride))
 
-Without a budget on a GPU the engine takes what is free before loading, less
-AUTO_BUDGET_SLACK_BYTES for the CUDA context and the allocator.
+The dense weights on the GPU are all but an embedding not tied to the LM head, which stays in
+host RAM (generate.embedding_on_host). Without a budget on a GPU the engine takes what is free
+before loading, less AUTO_BUDGET_SLACK_BYTES for the CUDA context and the allocator.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def auto_budget(free_bytes: int) -> int:
 @dataclass(frozen=True)
 class DeviceBytes:
     """Bytes a model holds on the GPU apart from its expert cache, and one cache slot's bytes."""
-    dense: int  # every non-expert weight, as the GPU holds it
+    dense: int  # the non-expert weights the GPU holds, as it holds them
     kv_cache: int
     workspace: int
     per_slot: int  # one cached expert in every MoE layer
@@ -99,9 +100,10 @@ def cpu_cache_slots(num_moe_layers: int, expert_params: int, num_experts: int) -
 _QUANT_FIELD = re.compile(r"plane\d+|scale|zero|scale_meta|zero_meta|blocks|scales")
 
 
-def dense_bytes_on_gpu(header: dict) -> int:
-    """The dense weights' bytes on the GPU, from dense.safetensors' header: quantized matrices'
-    fields as stored, every other tensor in the compute dtype (what generate.move_dense makes)."""
+def dense_bytes(header: dict) -> int:
+    """The dense weights' bytes as the engine holds them, from dense.safetensors' header:
+    quantized matrices' fields as stored, every other tensor in the compute dtype (what
+    generate.move_dense makes; on a GPU an untied embedding among them stays in host RAM)."""
     total = 0
     for name, entry in header.items():
         n = math.prod(entry["shape"])

@@ -55,7 +55,7 @@ HOST_RESERVE_BYTES = 3 * GiB
 # A plan is "slower but better" worth recommending if it keeps this share of the best speed.
 # Offloaded decode is bound by the expert copies, so more expert bits stay inside it when they
 # leave the cache as large (3-bit costs ~7.5 % more bytes per expert) and fall outside when the
-# bigger experts cost a cached expert per layer (3-bit on a 16 GB card keeps ~75 %).
+# bigger experts cost a cached expert per layer (3-bit on a 15 GB card keeps ~75 %).
 SPEED_TOLERANCE = 0.85
 
 
@@ -111,7 +111,7 @@ class ModelSizes:
     num_experts: int
     top_k: int
     expert_bytes: int  # one packed expert: the unit copied host->device
-    dense_bytes: int  # everything but the experts (lives on the GPU)
+    dense_bytes: int  # everything but the experts (on a GPU: gpu_dense_bytes of it there, the rest in RAM)
     kv_bytes_per_token: int
     expert_params: int = 0
     dense_params: int = 0  # of which embed_params are only looked up, not read per token
@@ -136,6 +136,16 @@ class ModelSizes:
     @property
     def store_bytes(self) -> int:
         return self.all_expert_bytes + self.dense_bytes
+
+    @property
+    def host_dense_bytes(self) -> int:
+        """The dense bytes the engine keeps in RAM on a GPU: an embedding not tied to the LM
+        head, of which a token reads one row (generate.embedding_on_host)."""
+        return self.embed_bytes if self.head_params else 0
+
+    @property
+    def gpu_dense_bytes(self) -> int:
+        return self.dense_bytes - self.host_dense_bytes
 
     @property
     def active_params(self) -> int:
@@ -174,7 +184,7 @@ class ModelSizes:
         """What the engine holds on the GPU besides the cache, at its defaults (bfloat16,
         fused kernels), for a context of `context_tokens` (capped at the model's maximum)."""
         return vram.DeviceBytes(
-            dense=self.dense_bytes, kv_cache=self.kv_bytes_per_token * self.context(context_tokens),
+            dense=self.gpu_dense_bytes, kv_cache=self.kv_bytes_per_token * self.context(context_tokens),
             workspace=vram.workspace_bytes(self.ffn_matrix_params or self.expert_params // 3),
             per_slot=self.num_moe_layers * self.expert_bytes, num_experts=self.num_experts)
 
@@ -218,7 +228,7 @@ class ModelSizes:
             header, _ = read_header(path / "dense.safetensors")
         except FormatError as e:
             raise ValueError(str(e)) from None
-        sizes.dense_bytes = vram.dense_bytes_on_gpu(header)
+        sizes.dense_bytes = vram.dense_bytes(header)
         return sizes
 
 
@@ -459,7 +469,7 @@ def make_plan(hw: dict, model, vram_budget_bytes: int | None = None, *,
     kv, headroom = sizing.kv_cache, sizing.kv_cache + sizing.workspace
     budget = vram_budget_bytes if vram_budget_bytes is not None else default_vram_budget(hw)
     ram_total = hw.get("ram_total_bytes")
-    host_needed = m.all_expert_bytes + HOST_RESERVE_BYTES
+    host_needed = m.all_expert_bytes + m.host_dense_bytes + HOST_RESERVE_BYTES
     common = dict(vram_budget_bytes=budget, expert_bits=m.expert_bits, kv_cache_bytes=kv,
                   headroom_bytes=headroom, workspace_bytes=sizing.workspace,
                   context_tokens=context_tokens, model=m.name)
@@ -482,11 +492,11 @@ def make_plan(hw: dict, model, vram_budget_bytes: int | None = None, *,
     vram_needed = sizing.needed(k)
     ram_ok = ram_total is None or ram_total >= host_needed
     fits = vram_needed <= budget and ram_ok
-    notes = [f"VRAM: {gib(m.dense_bytes)} dense weights + {k} x {m.num_moe_layers} cached experts "
+    notes = [f"VRAM: {gib(m.gpu_dense_bytes)} dense weights + {k} x {m.num_moe_layers} cached experts "
              f"({gib(k * sizing.per_slot)}) + headroom {gib(headroom)} (KV cache for "
              f"{context_tokens} tokens {gib(kv)}, workspace {gib(sizing.workspace)})."]
     if not ram_ok:
-        verdict = (f"Not enough RAM: the experts need {gib(host_needed)} of host memory with the "
+        verdict = (f"Not enough RAM: the model needs {gib(host_needed)} of host memory with the "
                    f"system's share, and this machine has {gib(ram_total)}; use fewer bits or the "
                    f"demo model.")
     elif k >= m.num_experts:

@@ -1,10 +1,12 @@
-"""moeferry.engine.measure.bench's synthetic model, the part that runs without a GPU."""
+"""moeferry.engine.measure.bench's synthetic model, the part that runs without a GPU (and where
+its embedding lives on one, marked gpu)."""
 
 import pytest
 import torch
 
 from moeferry.engine.errors import UserError
 from moeferry.engine.measure import bench
+from moeferry.engine.runtime.generate import EMBEDDING, device_bytes
 from moeferry.engine.storage import quant, store
 
 
@@ -45,6 +47,7 @@ def test_gpt_oss_benches_mxfp4_experts_by_default():
     assert model.cache.slot_bytes == stride and model.cache.slots.shape == (2, 8, stride)
     r = bench.measure(s, None, 8, 6, ("lru",), ("reference",), 1, log=lambda m: None)
     assert r["expert_format"] == "mxfp4" and r["expert_bits_per_weight"] == 4.25 and r["expert_bytes"] == stride
+    assert r["host_dense_bytes"] == 0  # on the CPU every dense weight is on the device
     (result,) = r["results"]
     assert result["decode_tokens_per_s"] > 0 and result["hit_rate"] == 1.0  # no budget: every expert cached
     assert "MXFP4 experts, 4.25 bits/weight" in bench.markdown_table(r)
@@ -201,3 +204,24 @@ def test_the_bound_divides_by_the_paced_link_when_copies_are_paced():
     d = {"bytes_h2d": 63 * 490_000_000, "hits": 3, "misses": 1, "prefetch_used": 0, "prefetch_issued": 0}
     r = bench.mode_result("lru", "fused", 6, 0, 0.5, 2.0, d, 0, {}, 64, bench.link_bytes_per_s(paced), 0.006, None)
     assert r.bound_ms_per_token == pytest.approx(20.0)  # 0.49 GB at 24.5 GB/s, more than the compute
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_synthetic_embedding_stays_in_host_memory_and_its_bytes_go_to_the_cache():
+    """As the engine keeps an untied embedding: gpt-oss-20b's (201088 x 2880, 1.16 GB) in host
+    memory and out of the resident bytes, so a budget that cached 3 experts per layer with it on
+    the GPU caches what its bytes hold more; the model decodes from it (every expert cached: the
+    one-graph token)."""
+    s = bench.build(2, model="gpt-oss-20b", log=lambda m: None)
+    embed = s.dense[EMBEDDING]
+    assert embed.device.type == "cpu" and s.dense["lm_head.weight"].is_cuda
+    assert s.host_dense_bytes == embed.nbytes == 201088 * 2880 * 2
+    stride, prompt, new = s.host.shape[2], 8, 4
+    on_gpu = device_bytes(s.cfg, s.dense_bytes + embed.nbytes, stride, prompt + new, torch.bfloat16, s.device, "fused")
+    budget = on_gpu.needed(3)
+    k = bench.cache_size_for(budget, s.cfg, s.dense_bytes, stride, prompt + new, s.device)
+    assert k == min(s.cfg.num_experts, 3 + embed.nbytes // on_gpu.per_slot) == s.cfg.num_experts
+    r = bench.measure(s, str(budget), prompt, new, ("lru",), ("fused",), log=lambda m: None)
+    assert r["cache_experts"] == k and r["host_dense_bytes"] == embed.nbytes and r["resident_bytes"] == s.dense_bytes
+    assert r["results"][0]["decode_tokens_per_s"] > 0

@@ -51,6 +51,31 @@ def test_cuda_quantized_logits_match_dequantized_reference(tmp_path, expert_bits
     assert tok.shape[-1] == want.shape[-1]
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_cuda_host_embedding_greedy_tokens_equal_transformers(tmp_path, graphs):
+    """An untied embedding stays in host memory on the GPU (a token's row gathered there and
+    copied in before layer 0, through a pinned row): greedy tokens equal transformers' on the
+    store's dequantized weights, eager and through CUDA graphs, with 2 of 6 experts cached (a
+    graph per layer) and with all 6 (the one-graph token, which holds no lookup: a lookup of
+    device tokens in the host embedding would fail)."""
+    make_checkpoint(tmp_path / "ck", seed=5, num_key_value_heads=4, hidden_size=128, intermediate_size=256,
+                    num_local_experts=6, num_hidden_layers=3)
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st", 4, 8, "cuda")  # 4-bit experts: the grouped kernel's
+    want = reference_greedy(load_dequantized_hf_model(tmp_path / "st"), PROMPT, 24)
+    for k in (2, 6):
+        engine = load_engine(tmp_path / "st", device="cuda", dtype="float32", cache_experts=k, prefetch=1,
+                             cuda_graphs=graphs)
+        m = engine.model
+        assert m.embed_on_host and m.embed.device.type == "cpu" and m.staging.is_pinned()
+        assert m.lm_head.is_cuda
+        if graphs:
+            assert m.graphs.grouped and m.graphs.one_graph == (k == 6)
+        engine.eos_ids = set()
+        got = list(engine.generate_ids(PROMPT, SamplingSettings(temperature=0, max_new_tokens=24)))
+        assert got == want, f"K={k}"
+        engine.close()
+
+
 def test_cuda_graph_decode_equals_eager_decode(tmp_path):
     make_checkpoint(tmp_path / "ck", seed=5, num_key_value_heads=4, hidden_size=128, intermediate_size=256,
                     num_local_experts=6, num_hidden_layers=3)

@@ -187,3 +187,29 @@ def test_rope_tables_cover_the_kv_cache_not_the_whole_context(tmp_path):
     cos, sin = rope_cos_sin(m.inv_freq, torch.arange(512), m.dtype, m.rope_scale)
     assert torch.equal(g.s.cos, cos) and torch.equal(g.s.sin, sin)
     assert got == reference_greedy(hf, prompt, 80)
+
+
+@pytest.mark.parametrize("ops", [None, *OPS])
+def test_an_embedding_in_host_memory_gives_the_lookups_logits(tmp_path, ops):
+    """The path of an untied embedding on a GPU (kept in host memory: embed_into copies the
+    tokens' rows into x before layer 0, and neither attention_block nor any graph looks them up),
+    taken on the CPU: the eager forward (ops None) and the graphed decode give the logits of the
+    lookup in layer 0, for a prompt and the tokens after it (through the staging row)."""
+    checkpoint("mixtral", tmp_path / "ck")
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st", 16, 16, "cpu")
+    engine = load_engine(tmp_path / "st", device="cpu", dtype="float32", cache_experts=2, cuda_graphs=False)
+    m = engine.model
+    assert not m.embed_on_host and m.staging is None  # on the CPU the embedding is on the device
+
+    def logits() -> torch.Tensor:
+        if ops is not None:
+            graphed(m, ops).prepare(64)
+        out = [m.forward(torch.tensor(PROMPT), 0)]
+        for n, tok in enumerate([5, 9, 13, 2]):
+            out.append(m.forward(torch.tensor([tok]), len(PROMPT) + n))
+        return torch.cat(out)
+
+    want = logits()
+    m.embed_on_host = True
+    m.staging = torch.empty(1, m.cfg.hidden_size, dtype=m.embed.dtype)  # on a GPU page-locked
+    assert torch.equal(logits(), want)

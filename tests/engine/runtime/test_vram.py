@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from moeferry.engine.setup import plan
 from moeferry.engine.storage import store
 from moeferry.engine.units import GiB, MiB
 
+CATALOG = Path(__file__).resolve().parents[3] / "resources" / "catalog.json"
 CUDA = torch.device("cuda")  # only its type is read: nothing is allocated
 BUDGETS = [b * GiB // 4 for b in range(1, 400)] + [0, 1, 123_456_789]
 
@@ -34,7 +37,7 @@ def test_the_plan_and_the_engine_fit_the_same_cache_for_every_family(model, bits
     sizes = replace(plan.ModelSizes.from_config(hf, bits, 4), expert_bytes=stride)  # a store's stride
     planned = sizes.device_bytes(context)
     engine_context = min(context, cfg.max_position_embeddings)  # load_engine's
-    engine = generate.device_bytes(cfg, sizes.dense_bytes, stride, engine_context, torch.bfloat16, CUDA)
+    engine = generate.device_bytes(cfg, sizes.gpu_dense_bytes, stride, engine_context, torch.bfloat16, CUDA)
     assert planned == engine
     for budget in BUDGETS:
         assert planned.slots(budget) == engine.slots(budget)
@@ -61,6 +64,43 @@ def test_the_plan_and_the_engine_agree_on_the_demo_store_byte_for_byte(monkeypat
                 if k < st.config.num_experts:
                     with pytest.raises(generate.UserError):
                         generate.check_budget(budget, engine, k + 1)
+
+
+def test_an_untied_embedding_takes_no_gpu_bytes_and_a_tied_one_does():
+    """On a GPU the engine keeps an embedding that is not the LM head's in host RAM (a token
+    reads one row of it): move_dense neither moves nor counts it, and the planner leaves it out
+    of the GPU's bytes. A tied one (no lm_head.weight: the head reads all of it) stays on the GPU."""
+    st = store.open_store(demo_store_path())
+    dense = store.read_dense(st)
+    embed, head = (dense[n].numel() * 2 for n in ("model.embed_tokens.weight", "lm_head.weight"))  # bfloat16
+    sizes = plan.ModelSizes.from_store(st.path)
+    tied = {n: w for n, w in dense.items() if n != "lm_head.weight"}
+    moved, untied_b = generate.move_dense(dense, torch.device("meta"), torch.bfloat16)
+    _, tied_b = generate.move_dense(tied, torch.device("meta"), torch.bfloat16)
+    assert moved["model.embed_tokens.weight"].device.type == "cpu" and moved["lm_head.weight"].is_meta
+    assert untied_b == sizes.gpu_dense_bytes == sizes.dense_bytes - embed
+    assert tied_b == untied_b - head + embed
+    assert not generate.embedding_on_host(dense, torch.device("cpu"))  # the CPU engine's dense weights are all in RAM
+    for model in sorted(MODEL_SHAPES):
+        untied = plan.ModelSizes.from_config(MODEL_SHAPES[model], 4, 4)
+        tied = plan.ModelSizes.from_config(dict(MODEL_SHAPES[model], tie_word_embeddings=True), 4, 4)
+        assert untied.gpu_dense_bytes == untied.dense_bytes - untied.embed_bytes
+        assert tied.gpu_dense_bytes == tied.dense_bytes == untied.dense_bytes - untied.embed_bytes  # no head
+        assert untied.device_bytes(4096).dense == untied.gpu_dense_bytes
+
+
+def test_a_12_gib_budget_caches_every_gpt_oss_expert_with_its_embedding_in_ram():
+    """gpt-oss-20b's embedding (201088 x 2880, 1.16 GB) in host RAM leaves a 12 GiB budget room
+    for all 32 experts per layer (the whole token one CUDA graph); on the GPU it took 3 of them.
+    The RAM the plan asks for holds it instead."""
+    entry = next(e for e in json.loads(CATALOG.read_text())["models"] if e["id"] == "gpt-oss-20b-mxfp4")
+    sizes = plan.ModelSizes.from_catalog(entry)
+    assert sizes.host_dense_bytes == 201088 * 2880 * 2
+    hw = {"gpu_name": "Fake", "torch_cuda_available": True, "h2d_bytes_per_s": 20e9, "ram_total_bytes": 64 * GiB}
+    p = plan.make_plan(hw, sizes, 12 * GiB)
+    on_gpu = replace(sizes, head_params=0)  # as tied: the embedding counted on the GPU
+    assert p.cache_experts_per_layer == 32 and on_gpu.device_bytes(4096).slots(12 * GiB) == 29
+    assert p.host_ram_needed_bytes == sizes.all_expert_bytes + sizes.host_dense_bytes + plan.HOST_RESERVE_BYTES
 
 
 def test_without_a_budget_both_leave_the_same_slack():

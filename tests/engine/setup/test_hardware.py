@@ -222,6 +222,7 @@ def gpu_machine(**over) -> dict:
 
 def test_cli_probe_json_with_a_gpu(monkeypatch, capsys):
     hw = gpu_machine()
+    hw["vram_free_bytes"] = int(10.8 * GiB)  # the desktop takes the rest
     monkeypatch.setattr(hardware, "probe", lambda measure_bandwidth=True: hw)
     assert hardware.cli_probe(True) == 0
     report = json.loads(capsys.readouterr().out)
@@ -232,8 +233,8 @@ def test_cli_probe_json_with_a_gpu(monkeypatch, capsys):
     assert rec["id"] == "mixtral-8x7b-instruct-paper-2bit"  # no 93 GB download, no conversion
     assert rec["plan"]["device"] == "cuda" and rec["plan"]["cache_experts_per_layer"] >= 1
     # best_bits is plan.recommend's pick among the Mixtral variants: the most bits within
-    # SPEED_TOLERANCE of the fastest, the smaller download on a tie. On this 12 GB card the
-    # 3-bit experts leave room for one fewer cached expert per layer, which costs more than
+    # SPEED_TOLERANCE of the fastest, the smaller download on a tie. On this 12 GB card, 10.8 GiB
+    # free, the 3-bit experts leave room for one fewer cached expert per layer, which costs more than
     # that, so the 2-bit checkpoint that needs no conversion is also the best-bits pick.
     by_id = {r["id"]: r for r in report["plans"]}
     two = by_id["mixtral-8x7b-instruct-paper-2bit"]["plan"]

@@ -200,10 +200,10 @@ def test_more_bits_when_they_cost_no_cached_experts():
 
 
 def test_fewer_bits_when_bigger_experts_cost_cached_experts():
-    # 16 GB, PCIe-bound: 3-bit experts leave room for one fewer expert per layer, and the
+    # 15 GB, PCIe-bound: 3-bit experts leave room for one fewer expert per layer, and the
     # misses that adds cost far more than the tolerance allows.
     for h2d in (25e9, 12e9):
-        plans = bit_plans(gpu(16, h2d))
+        plans = bit_plans(gpu(15, h2d))
         ks = [p.cache_experts_per_layer for p in plans]
         assert ks[0] > ks[1] > ks[2] and plans[1].bound == "pcie"
         assert speeds(plans)[1] < P.SPEED_TOLERANCE - 0.03
@@ -211,11 +211,11 @@ def test_fewer_bits_when_bigger_experts_cost_cached_experts():
 
 
 def test_the_speed_tolerance_decides(monkeypatch):
-    sixteen, h200 = bit_plans(gpu(16)), bit_plans(gpu(141, 55e9, 4.8e12))
+    fifteen, h200 = bit_plans(gpu(15)), bit_plans(gpu(141, 55e9, 4.8e12))
     monkeypatch.setattr(P, "SPEED_TOLERANCE", 0.7)
-    assert sixteen[P.recommend(sixteen)].expert_bits == 3  # 3-bit keeps ~75 %, 4-bit ~49 %
+    assert fifteen[P.recommend(fifteen)].expert_bits == 3  # 3-bit keeps ~75 %, 4-bit ~49 %
     monkeypatch.setattr(P, "SPEED_TOLERANCE", 0.45)
-    assert sixteen[P.recommend(sixteen)].expert_bits == 4
+    assert fifteen[P.recommend(fifteen)].expert_bits == 4
     monkeypatch.setattr(P, "SPEED_TOLERANCE", 1.0)
     assert h200[P.recommend(h200)].expert_bits == 2  # only the fastest
 
@@ -225,7 +225,7 @@ def test_recommend_when_nothing_fits_and_on_ties():
     assert not any(p.fits for p in starved)
     assert starved[P.recommend(starved)].expert_bits == 2  # nothing fits: the smallest
     # two 2-bit variants at the same speed: the cheaper one (e.g. the smaller download)
-    plans = [make_plan(gpu(16), mixtral(2)), make_plan(gpu(16), mixtral(2)), make_plan(gpu(16), mixtral(3))]
+    plans = [make_plan(gpu(15), mixtral(2)), make_plan(gpu(15), mixtral(2)), make_plan(gpu(15), mixtral(3))]
     assert P.recommend(plans, [5.0, 1.0, 0.0]) == 1
 
 
