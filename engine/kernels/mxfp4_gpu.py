@@ -129,23 +129,24 @@ def moe_supported(experts: dict) -> bool:
 
 
 def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tensor, weights: torch.Tensor,
-               table: torch.Tensor, out: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+               table: torch.Tensor, out: torch.Tensor, alpha: float, limit: float,
+               cfg: tuple[dict, dict] | None = None) -> torch.Tensor:
     """One token through its routed experts, no host sync: out [1, H] = sum over k of
     weights[k] * (w2 clamped_swiglu(w1 h + b1, w3 h + b3) + b2) of expert ids[k], added in
     ascending expert order (the eager path's, step for step in out's dtype).
 
     experts: the views (w1, w3, w2, b1, b3, b2) of cache slot 0 of a layer; the expert in slot s
     lies s * slot_bytes bytes further. table [E] int32 (device): each expert's slot, read with
-    ids [k] (device), so one CUDA graph of this serves any routing.
+    ids [k] (device), so one CUDA graph of this serves any routing. cfg: (up, down) launch
+    parameters as gemv_config's, to override the defaults (benchmarks/mxfp4_sweep.py).
     """
     w1, w3, w2 = experts["w1"], experts["w3"], experts["w2"]
     topk = ids.numel()
     act = hqq_gpu._scratch.get("mxfp4_act", topk * w1.rows, h.dtype, h.device)
-    up = gemv_config(w1.rows, w1.cols)
+    up, down = cfg or (gemv_config(w1.rows, w1.cols), gemv_config(w2.rows, w2.cols))
     _moe_up_kernel[(triton.cdiv(w1.rows, up["BR"]), topk)](
         h, act, ids, table, slot_bytes, w1.blocks, w1.scales, experts["b1"], w3.blocks, w3.scales, experts["b3"],
         w1.rows, w1.cols // BLOCK, alpha, limit, BR=up["BR"], NB=up["NB"], num_warps=up["num_warps"])
-    down = gemv_config(w2.rows, w2.cols)
     _moe_down_kernel[(triton.cdiv(w2.rows, down["BR"]),)](
         act, out, ids, weights, table, slot_bytes, w2.blocks, w2.scales, experts["b2"], w2.rows, w2.cols // BLOCK,
         TOPK=topk, BR=down["BR"], NB=down["NB"], num_warps=down["num_warps"])
