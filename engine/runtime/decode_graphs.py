@@ -252,7 +252,7 @@ class GraphedDecode:
         add_rms_norm(torch.zeros_like(s.x), s.x, layer["attn_norm"], cfg.rms_norm_eps, torch.empty_like(s.x))
         if m.moe_layers:
             route_topk(s.x, m.moe_layers[0]["router"], cfg.top_k, torch.empty_like(s.weights[0]),
-                       torch.empty_like(s.guesses[0]), m.moe_layers[0].get("router_bias"))
+                       torch.empty_like(s.ids[0, 0]), m.moe_layers[0].get("router_bias"))
         q = torch.zeros(cfg.num_heads, cfg.head_dim, dtype=m.dtype, device=dev)
         kv = torch.zeros(cfg.num_kv_heads, cfg.head_dim, dtype=m.dtype, device=dev)
         cache = torch.zeros(1, cfg.num_kv_heads, cfg.head_dim, dtype=m.dtype, device=dev)

@@ -212,8 +212,9 @@ class Step:
     h: torch.Tensor  # the FFN's input (normed) [T, H]
     out: torch.Tensor  # the last FFN's output [T, H], added to x by the next layer or the head
     weights: torch.Tensor  # the current MoE layer's routing weights, float32 [T, k]
-    ids: torch.Tensor  # every MoE layer's routed experts [MoE layers, T, k]
-    guesses: torch.Tensor  # the current MoE layer's prefetch guesses [MoE layers, k] (last token)
+    ids: torch.Tensor  # every MoE layer's routed experts [MoE layers, T, k] (a view of picks)
+    guesses: torch.Tensor  # each MoE layer's prefetch guesses [MoE layers, D, k] (last token; of picks)
+    picks: torch.Tensor  # [MoE layers, T + D, k]: a layer's ids, then its guesses, read in one go
     cos: torch.Tensor  # RoPE at the T positions [T, 1, D]; with pos, the table [P, 1, D]
     sin: torch.Tensor
     start: int = 0  # the first token's position (eager)
@@ -240,11 +241,11 @@ class LayerTimes:
     phases: dict | None = None  # seconds of routed..done by dispatch's step (HOST_PHASES), "cpu" = kernel
 
 
-# dispatch's steps on the host, in order: the guesses read, the CPU's choice, h sent down, the
-# copies (and an expert at a time's device work) queued, the device's experts queued at once,
-# the cache's slots released and the prefetches queued, the CPU experts computed, their sum
-# sent up and added
-HOST_PHASES = ("guesses", "choose", "down", "queue", "device", "release", "cpu", "up")
+# dispatch's steps on the host after its one read of the routing and guesses, in order: the
+# CPU's choice, h sent down, the copies (and an expert at a time's device work) queued, the
+# device's experts queued at once, the cache's slots released and the prefetches queued, the
+# CPU experts computed, their sum sent up and added
+HOST_PHASES = ("choose", "down", "queue", "device", "release", "cpu", "up")
 
 
 def token_routes(ids_host: list[list[int]], device) -> dict:
@@ -334,9 +335,10 @@ class OffloadedMixtral:
         cfg, T, dev = self.cfg, tokens.shape[0], self.device
         x = torch.zeros(T, cfg.hidden_size, dtype=self.dtype, device=dev)
         moe = max(1, cfg.num_moe_layers)
+        picks = distinct_ids((moe, T + moe - 1, cfg.top_k), dev)  # guesses reach at most the last layer
         return Step(tokens, x, torch.zeros_like(x), torch.zeros_like(x), torch.zeros_like(x),
                     torch.zeros(T, cfg.top_k, dtype=torch.float32, device=dev),
-                    distinct_ids((moe, T, cfg.top_k), dev), distinct_ids((moe, cfg.top_k), dev), cos, sin, **options)
+                    picks[:, :T], picks[:, T:], picks, cos, sin, **options)
 
     # -- one forward, top to bottom ---------------------------------------------------------------
 
@@ -428,21 +430,23 @@ class OffloadedMixtral:
         guesses = self.prefetcher.pending(self, mi, s)
         if self.routing is not None and s.forced is None:  # else the attention segment wrote it
             self.force_routing(mi, s, ids, guesses)
+        picks = s.picks[mi, :ids.shape[0] + (0 if guesses is None else guesses.shape[0])]
         io = (s.h, s.weights, s.out)  # for experts run on the CPU (self.hybrid)
         if ops.grouped:
-            self.dispatch(mi, ids, guesses, step, add_all=lambda at: self.grouped_experts(i, s, ops, run, at), io=io)
+            self.dispatch(mi, picks, ids.shape[0], step, add_all=lambda at: self.grouped_experts(i, s, ops, run, at),
+                          io=io)
         else:
             def add_expert(w: dict, slot: int, e: int, k) -> None:
                 run(("expert", i, slot, k if isinstance(k, int) else None), lambda: self.add_expert(w, s, e, k))
 
-            self.dispatch(mi, ids, guesses, step, add_expert, io=io)
+            self.dispatch(mi, picks, ids.shape[0], step, add_expert, io=io)
 
-    def dispatch(self, i: int, ids: torch.Tensor, guesses: torch.Tensor | None, step: list | None,
+    def dispatch(self, i: int, picks: torch.Tensor, T: int, step: list | None,
                  add_expert=None, add_all=None, io: tuple | None = None) -> None:
         """Fetch the routed experts through the cache and run them; then prefetch the guesses.
 
-        ids [T, k] device; guesses [D, k] device (layers i+1..i+D) or None. The one host sync
-        per layer happens here: routing decides what to copy (the guesses ride along).
+        picks [T + D, k] device: the T tokens' routing, then the guesses for layers i+1..i+D.
+        The one host sync per layer happens here: one read of both decides what to copy.
         Either add_expert(w, slot, e, k) runs one expert at a time (k: its top-k position for
         one token, else token_routes' tokens and positions), or add_all(positions) runs
         the experts at those top-k positions at once once they are in place (the device reads
@@ -453,7 +457,7 @@ class OffloadedMixtral:
         prefetches): the link and the device work while the CPU does, and only the CPU's sum
         is left to send up and add after it.
         """
-        ids_host = ids.tolist()
+        rows = picks.tolist()
         routed = time.perf_counter()
         marks = [("routed", routed)] if self.timeline is not None else None
 
@@ -461,8 +465,7 @@ class OffloadedMixtral:
             if marks is not None:
                 marks.append((phase, time.perf_counter()))
 
-        guesses_host = guesses.tolist() if guesses is not None else []
-        mark("guesses")
+        ids_host, guesses_host = rows[:T], rows[T:]
         needed = sorted({e for row in ids_host for e in row})
         resident = set(self.cache.lru[i]) if self.timeline is not None else set()
         if step is not None:
@@ -474,7 +477,7 @@ class OffloadedMixtral:
             if on_cpu:  # h goes down now
                 job = self.hybrid.start(i, on_cpu, *io)
                 mark("down")
-        routes = token_routes(ids_host, ids.device) if add_all is None and len(ids_host) > 1 else None
+        routes = token_routes(ids_host, picks.device) if add_all is None and T > 1 else None
         for e in (e for e in needed if e not in on_cpu):  # copies and compute queued, waiting for neither
             w, slot = self.cache.acquire(i, e, keep=needed)
             if add_all is None:

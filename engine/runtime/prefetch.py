@@ -24,14 +24,14 @@ class Prefetcher:
         return range(i + 1, min(i + 1 + self.depth, model.cfg.num_moe_layers))
 
     def guess(self, model, ops, i: int, s) -> None:
-        """On the device: the guesses of MoE layer i into s.guesses (row d: layer i+1+d)."""
+        """On the device: the guesses of MoE layer i into s.guesses[i] (row d: layer i+1+d)."""
         for d, j in enumerate(self.ahead(model, i)):
-            ops.guess(j, s.x, s.hn, s.guesses[d])
+            ops.guess(j, s.x, s.hn, s.guesses[i, d])
 
     def pending(self, model, i: int, s):
         """The guesses `guess` wrote for MoE layer i: [D, k] on the device, or None."""
         n = len(self.ahead(model, i))
-        return s.guesses[:n] if n else None
+        return s.guesses[i, :n] if n else None
 
     def issue(self, cache, i: int, guesses: list[list[int]]) -> None:
         """Start the copies of the guesses read on the host (row d - 1: MoE layer i + d)."""

@@ -159,7 +159,7 @@ def test_the_cpu_computes_once_the_rest_of_the_layer_is_queued(copied):
 
     model = SimpleNamespace(cache=Cache(), hybrid=Hybrid(), timeline=None,
                             prefetcher=SimpleNamespace(issue=lambda cache, i, g: events.append("prefetch")))
-    OffloadedMixtral.dispatch(model, 0, torch.tensor([[1, 2, 3]]), None, None,
+    OffloadedMixtral.dispatch(model, 0, torch.tensor([[1, 2, 3]]), 1, None,
                               add_all=lambda at: events.append(f"device experts {at}"), io=(None, None, None))
     assert events == ["h down", *(["copy"] if copied else []), "table", "device experts [0, 1]", "release",
                       "prefetch", "cpu compute", "cpu add"]
