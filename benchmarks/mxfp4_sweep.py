@@ -1,6 +1,8 @@
 """Launch parameters of gpt-oss's grouped MXFP4 expert kernels (mxfp4_gpu.moe_decode), timed.
 
     python3 benchmarks/mxfp4_sweep.py [OUT.json]
+    python3 benchmarks/mxfp4_sweep.py OUT.json --decode    # then gpt-oss-20b's decode at 12 GiB with each
+
 
 On the GPU machine: one layer of the synthetic full-size gpt-oss-20b (32 experts in cache
 slots), one token through 4 routed experts per call, the routing drawn afresh for each of 64
@@ -8,6 +10,9 @@ calls so that the 422 MB of experts, not the 50 MB L2, serve the reads. Each (BR
 of the up kernel is timed with the default down kernel, then each of the down kernel with the
 best up; every output is checked against the default configuration's. Times are CUDA-event
 medians over 5 rounds of a CUDA graph of 64 calls (no launch gaps), in us per call.
+With --decode, the benchmark's full-size gpt-oss-20b (uniform routing, 12 GiB, lru, fused)
+then decodes with the default launch parameters, the best, and the default again, in one
+process, so that the tok/s of the two stand side by side.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ CALLS = 64
 CONFIGS = [dict(BR=br, NB=nb, num_warps=w) for br, nb, w in itertools.product((4, 8, 16), (16, 32), (4, 8))]
 
 
-def main(out: str | None = None) -> int:
+def main(out: str | None = None, *flags: str) -> int:
     s = bench.build(1, 4, 4, log=lambda m: None, model="gpt-oss-20b")
     cfg, dev = s.cfg, s.device
     E, k = cfg.num_experts, cfg.top_k
@@ -86,7 +91,24 @@ def main(out: str | None = None) -> int:
     print(f"best: up {top['up']} down {top['down']}: {top['us']:.1f} us per call (default {base_us:.1f})")
     if out:
         Path(out).write_text(json.dumps(rows, indent=1))
+    if "--decode" in flags:
+        decode_side_by_side((top["up"], top["down"]))
     return 0
+
+
+def decode_side_by_side(best: tuple[dict, dict]) -> None:
+    """gpt-oss-20b at 12 GiB, lru, with the default launch parameters, then `best`, then the
+    default again (moe_decode's cfg patched in for the middle run)."""
+    torch.cuda.empty_cache()
+    s = bench.build(None, 4, 4, log=lambda m: None, model="gpt-oss-20b")
+    run = mxfp4_gpu.moe_decode
+    for name, cfg in (("default", None), ("best", best), ("default", None)):
+        mxfp4_gpu.moe_decode = (lambda *a, cfg=cfg: run(*a, cfg)) if cfg else run
+        r = bench.measure(s, "12GiB", 128, 64, ("lru",), ("fused",), 0, log=lambda m: None,
+                          cond=bench.Conditions(routing="uniform"))["results"][0]
+        print(f"decode, {name} launch parameters: {r['decode_tokens_per_s']:.2f} tok/s, "
+              f"{r['cache_experts']} experts cached per layer", flush=True)
+    mxfp4_gpu.moe_decode = run
 
 
 if __name__ == "__main__":
