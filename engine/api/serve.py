@@ -390,11 +390,18 @@ class OneLineBadHttp(logging.Filter):
 http_log.addFilter(OneLineBadHttp())
 
 
-class ApiServer:
-    """An aiohttp app served from its own thread and event loop. start() returns the bound port."""
+IDLE_S = 60.0  # a connection without a whole request for this long is closed
 
-    def __init__(self, app: web.Application, host: str, port: int):
-        self.app, self.host, self.port = app, host, port
+
+class ApiServer:
+    """An aiohttp app served from its own thread and event loop. start() returns the bound port.
+
+    A connection that has not sent a whole request within idle_s of opening (or of its last
+    reply) is closed: a client that trickles its headers (slowloris) or idles would otherwise
+    hold its socket for aiohttp's default hour. A request being answered is never cut."""
+
+    def __init__(self, app: web.Application, host: str, port: int, idle_s: float = IDLE_S):
+        self.app, self.host, self.port, self.idle_s = app, host, port, idle_s
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -411,7 +418,8 @@ class ApiServer:
 
     def _run(self) -> None:
         loop = self.loop = asyncio.new_event_loop()
-        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, logger=http_log)
+        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, logger=http_log,
+                               keepalive_timeout=self.idle_s)
         try:
             loop.run_until_complete(runner.setup())
             site = web.TCPSite(runner, self.host, self.port)

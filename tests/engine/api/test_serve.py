@@ -274,6 +274,32 @@ MIXTRAL_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{% if (message[
                     "roles are supported!') }}{% endif %}{% endfor %}")
 
 
+def test_a_connection_that_trickles_its_headers_is_closed_and_others_are_served():
+    """slowloris: an unfinished request holds its socket only until the idle limit; a whole
+    request on another connection is answered meanwhile and after."""
+    from aiohttp import web
+
+    from moeferry.engine.api.serve import ApiServer
+
+    app = web.Application()
+    app.router.add_get("/ok", lambda request: web.json_response({"ok": True}))
+    server = ApiServer(app, "127.0.0.1", 0, idle_s=0.5)
+    port = server.start()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as slow:
+            slow.sendall(b"GET /ok HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never finished
+            assert raw("GET", f"http://127.0.0.1:{port}/ok") == (200, {"ok": True})
+            start = time.monotonic()
+            while time.monotonic() - start < 0.45:
+                slow.sendall(b"X-Slow: 1\r\n")  # a header now and then: does not keep it open
+                time.sleep(0.1)
+            assert slow.recv(1024) == b""  # closed by the server, without a reply
+            assert time.monotonic() - start < 5
+        assert raw("GET", f"http://127.0.0.1:{port}/ok") == (200, {"ok": True})
+    finally:
+        server.stop()
+
+
 def test_a_template_without_a_system_role_gets_the_system_text_in_the_first_message(tmp_path):
     from types import SimpleNamespace
 
