@@ -13,11 +13,14 @@ routing first).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 from functools import cache
 
 import torch
+
+from moeferry.engine.errors import UserError
+
+LIBRARY = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
 
 
 class DriverError(RuntimeError):
@@ -25,23 +28,18 @@ class DriverError(RuntimeError):
 
 
 @cache
-def _lib():
-    """The driver library with the argument types of the calls below, or None."""
+def library():
+    """The driver library with the argument types of the calls below (loaded once; one sentence
+    when it cannot be)."""
     try:
-        lib = ctypes.WinDLL("nvcuda.dll") if sys.platform == "win32" else ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-    try:
+        lib = ctypes.WinDLL(LIBRARY) if sys.platform == "win32" else ctypes.CDLL(LIBRARY)
         lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         lib.cuStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
-    except AttributeError:
-        return None
+    except (OSError, AttributeError):
+        raise UserError(f"PyTorch sees a CUDA GPU, but the NVIDIA driver's {LIBRARY} cannot be loaded; "
+                        f"reinstall the NVIDIA driver, or run with --device cpu.") from None
     return lib
-
-
-def available() -> bool:
-    return torch.cuda.is_available() and _lib() is not None
 
 
 def _check(code: int, call: str) -> None:
@@ -51,17 +49,17 @@ def _check(code: int, call: str) -> None:
 
 def copy_to_device(dst: int, src: int, nbytes: int, stream: int) -> None:
     """Queue a copy of nbytes from host address src to device address dst on stream."""
-    _check(_lib().cuMemcpyHtoDAsync_v2(dst, src, nbytes, stream), "a host-to-device copy")
+    _check(library().cuMemcpyHtoDAsync_v2(dst, src, nbytes, stream), "a host-to-device copy")
 
 
 def record(event: int, stream: int) -> None:
     """Record event on stream (handles: torch.cuda.Event.cuda_event, torch.cuda.Stream.cuda_stream)."""
-    _check(_lib().cuEventRecord(event, stream), "an event record")
+    _check(library().cuEventRecord(event, stream), "an event record")
 
 
 def wait(stream: int, event: int) -> None:
     """Make stream wait for event's last record."""
-    _check(_lib().cuStreamWaitEvent(stream, event, 0), "a stream wait")
+    _check(library().cuStreamWaitEvent(stream, event, 0), "a stream wait")
 
 
 def new_event(stream: torch.cuda.Stream) -> torch.cuda.Event:

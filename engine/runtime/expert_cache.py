@@ -89,6 +89,7 @@ class ExpertCache:
         if self.cuda:
             # streams looked up by index: torch.cuda.current_stream(torch.device("cuda")) resolves
             # the device again on every call, which cost more host time per copy than the copy itself
+            cuda_driver.library()  # a driver that cannot be loaded is said now, not at the first copy
             self.device_index = device.index if device.index is not None else torch.cuda.current_device()
             self.copy_stream = torch.cuda.Stream(device)
             self.ready = [[cuda_driver.new_event(self.copy_stream) for _ in range(self.K)] for _ in range(L)]

@@ -202,6 +202,19 @@ def test_the_experts_home_falls_back_to_torchs_pinned_memory_when_registration_f
     assert host.shape == (2, ec.HUGE_PAGE) and asked == [True]
 
 
+def test_a_driver_library_that_cannot_be_loaded_is_one_sentence(monkeypatch):
+    from moeferry.engine.errors import UserError
+    from moeferry.engine.runtime import cuda_driver
+
+    monkeypatch.setattr(cuda_driver, "LIBRARY", "libcuda-that-is-not-there.so.1")
+    cuda_driver.library.cache_clear()
+    try:
+        with pytest.raises(UserError, match="libcuda-that-is-not-there.so.1 cannot be loaded; reinstall"):
+            cuda_driver.library()
+    finally:
+        cuda_driver.library.cache_clear()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("k", [2, 4])
