@@ -10,7 +10,7 @@ copy moves it). On CUDA the host copy is pinned and copies run on their own stre
   `ready` event; once it has, everything later on that stream comes after the copy, so hits
   on a slot that was not copied again make no CUDA call at all.
 The host never waits for a copy. These CUDA calls go straight to the driver
-(engine/runtime/cuda_driver.py: a microsecond each instead of torch's tens). On the CPU
+(engine/runtime/cuda_driver.py), cheaper on the host than torch's stream switches. On the CPU
 "device" is host memory and copies are memcpy.
 Pacing (the benchmark's stand-in for a slower link): with pace_cycles > 0 every copy is
 followed on the copy stream by a GPU spin of that many cycles before its `ready` event, so
