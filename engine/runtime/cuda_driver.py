@@ -4,7 +4,7 @@ torch's way to queue a host->device copy on a side stream (switch the current st
 record an event, switch back) builds Python objects and resolves the device at every step. The
 same work is three driver calls here. In one call on the GPU machine (docs/bench/2026-12-05-first)
 the host's step per copied expert fell from about 16 to 10 us, at Qwen3-30B-A3B's 12 GiB
-(about 115 misses a token). The driver library is the one torch itself runs on (libcuda on
+(about 100 misses a token). The driver library is the one torch itself runs on (libcuda on
 Linux, nvcuda.dll on Windows); streams and events are torch's, passed by handle. Each call
 needs the device's context current on the calling thread, which any earlier torch CUDA call on
 that thread makes so (the cache's callers sync on the routing first).
