@@ -69,9 +69,10 @@ def generation_config(path: Path) -> dict:
     return cfg
 
 
-def store_sampling_defaults(path: Path) -> dict:
-    """The repetition controls a store's generation_config.json sets (transformers' key names)."""
-    cfg = generation_config(path)
+def store_sampling_defaults(path: Path, cfg: dict | None = None) -> dict:
+    """The repetition controls a store's generation_config.json sets (transformers' key names);
+    cfg: that file as generation_config read it, when the caller has."""
+    cfg = generation_config(path) if cfg is None else cfg
     penalty, ngram = cfg.get("repetition_penalty") or 1.0, cfg.get("no_repeat_ngram_size") or 0
     if not (is_number(penalty) and 0 < penalty < float("inf")) or not (type(ngram) is int and ngram >= 0):
         raise UserError(f"{path}/generation_config.json sets repetition_penalty {str(penalty)[:40]} and "
@@ -188,8 +189,9 @@ class Engine:
         self.last_trace = ExpertTrace(self.config.num_moe_layers, self.config.num_experts)
         self.cached_ids: list[int] = []  # tokens whose keys/values are in the KV cache
         self.lock = threading.Lock()
-        self.eos_ids = eos_ids(store.path, tokenizer)
-        self.sampling_defaults = store_sampling_defaults(store.path)
+        gen = generation_config(store.path)  # read once for both
+        self.eos_ids = eos_ids(gen, tokenizer)
+        self.sampling_defaults = store_sampling_defaults(store.path, gen)
         # the CPU threads load_engine chose (set_cpu_threads(0) goes back to them): torch's, and
         # the count asked for the CPU experts (None: their governor's)
         self.auto_threads = (torch.get_num_threads(), model.hybrid.asked_threads if model.hybrid is not None else None)
@@ -331,8 +333,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return min(n, len(b) - 1)  # always recompute the last prompt token: its logits are needed
 
 
-def eos_ids(path: Path, tokenizer) -> set[int]:
-    v = generation_config(path).get("eos_token_id")
+def eos_ids(gen: dict, tokenizer) -> set[int]:
+    """The end-of-sequence ids: generation_config.json's (gen, as generation_config read it) and the tokenizer's."""
+    v = gen.get("eos_token_id")
     ids = {i for i in (v if isinstance(v, list) else [v]) if type(i) is int}
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
