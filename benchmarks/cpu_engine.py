@@ -14,7 +14,9 @@ few experts, which the L3 would then serve. Each variant decodes --new-tokens af
 --prompt-len, --repeats times; the median decode rate is printed with the dense weights' RAM and
 the bytes a decoded token reads (the routed experts and the dense matrices; the head included).
 --profile then runs the engine as load_engine makes it once more under cProfile (prompt and
-decode) and prints the functions that took the most time.
+decode) and prints the functions that took the most time. --ab-decode-ops ROUNDS compares a lone
+token's operations, the compiled ones the engine runs (engine/kernels/decode_cpu.py) and the eager
+reference, in one process: ROUNDS times 4 tokens with each in turn, the context growing.
 """
 
 from __future__ import annotations
@@ -64,6 +66,24 @@ def decode_rate(s: bench.Synthetic, prompt: list[int], new_tokens: int, threads:
     return first, (new_tokens - 1) / (time.perf_counter() - t1)
 
 
+def decode_ops_ab(s: bench.Synthetic, prompt: list[int], rounds: int, threads: int) -> dict[str, float]:
+    """Decoded tokens/s of the compiled and the eager decode operations, taking turns every 4
+    tokens after 4 warm-up rounds (a shared machine's drift falls on both)."""
+    model = cpu_model(s, threads, len(prompt) + 8 * (rounds + 4))
+    variants, seconds = {"compiled": model.decode_ops, "eager": model.ops}, {"compiled": 0.0, "eager": 0.0}
+    with torch.inference_mode():
+        tok, pos = int(model.forward(torch.tensor(prompt), 0)[-1].argmax()), len(prompt)
+        for r in range(rounds + 4):
+            for name, ops in variants.items():
+                model.decode_ops = ops
+                t = time.perf_counter()
+                for _ in range(4):
+                    tok, pos = int(model.forward(torch.tensor([tok]), pos)[-1].argmax()), pos + 1
+                if r >= 4:
+                    seconds[name] += time.perf_counter() - t
+    return {name: 4 * rounds / t for name, t in seconds.items()}
+
+
 def token_bytes(s: bench.Synthetic, dense: dict) -> int:
     """Bytes one decoded token reads: top_k experts per MoE layer and every dense matrix but the
     embedding (one row of it)."""
@@ -93,6 +113,8 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="also profile one run of the in-place engine")
+    p.add_argument("--ab-decode-ops", type=int, metavar="ROUNDS",
+                   help="also compare the compiled and the eager operations of a decoded token, taking turns")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     cpu = torch.device("cpu")
@@ -119,6 +141,11 @@ def main(argv=None) -> int:
             print(f"| {label} | {fmt_bytes(dense_bytes)} | {token_bytes(s, dense) / 1e9:.2f} | {length} | "
                   f"{statistics.median(f for f, _ in runs):.2f} | **{statistics.median(rates):.2f}** "
                   f"({', '.join(f'{r:.2f}' for r in rates)}) |", flush=True)
+            if a.ab_decode_ops and in_place:
+                ab = decode_ops_ab(s, prompt, a.ab_decode_ops, a.threads)
+                print(f"decoded tokens/s, {a.ab_decode_ops} rounds of 4 each, context {length} to "
+                      f"{length + 8 * (a.ab_decode_ops + 4)}: compiled {ab['compiled']:.2f}, eager {ab['eager']:.2f} "
+                      f"({ab['compiled'] / ab['eager']:.3f}x)", flush=True)
             if a.profile and in_place:
                 profile = cProfile.Profile()
                 profile.runcall(decode_rate, s, prompt, a.new_tokens, a.threads)

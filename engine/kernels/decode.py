@@ -32,7 +32,7 @@ import torch
 
 from moeferry.engine.kernels import hqq_gpu, mxfp4_gpu
 from moeferry.engine.kernels.hqq_gpu import tl, triton
-from moeferry.engine.runtime.model import ATTN_PROJECTIONS, EagerOps, Step, distinct_ids, expand_units
+from moeferry.engine.runtime.model import EagerOps, Step, attention_options, distinct_ids, expand_units
 from moeferry.engine.storage.mxfp4 import Mxfp4Matrix
 
 
@@ -139,13 +139,6 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     _add_rms_norm_kernel[(1,)](x, x if delta is None else delta, weight, out, H, eps,
                                HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(H),
                                num_warps=8)
-
-
-def attention_options(layer: dict, eps: float) -> dict:
-    """rope_attention's options from a layer's weights and options (engine/model.layer_weights)."""
-    return dict(qk_norm=layer.get("qk_norm"), q_norm=layer.get("q_norm"), k_norm=layer.get("k_norm"), eps=eps,
-                clip=layer.get("clip_qkv"), sinks=layer.get("sinks"),
-                **{n[0] + "_bias": layer.get(n + "_bias") for n in ATTN_PROJECTIONS[:3]})
 
 
 def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,

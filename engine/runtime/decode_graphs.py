@@ -39,8 +39,8 @@ import warnings
 import torch
 
 from moeferry.engine.kernels import hqq_gpu
-from moeferry.engine.kernels.decode import FusedOps, add_rms_norm, attention_options, rope_attention, route_topk
-from moeferry.engine.runtime.model import EagerOps, distinct_ids
+from moeferry.engine.kernels.decode import FusedOps, add_rms_norm, rope_attention, route_topk
+from moeferry.engine.runtime.model import EagerOps, attention_options, distinct_ids
 
 
 def use_cuda_graphs(model, on: bool = True) -> None:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from moeferry.engine.contract import MAX_SEED, ExpertTrace, GenerationStats, SamplingSettings, TokenPiece  # noqa: F401 - re-exported
 from moeferry.engine.errors import UserError
 from moeferry.engine.kernels import hqq_cpu, torch_cpu
+from moeferry.engine.kernels.decode_cpu import use_compiled_decode
 from moeferry.engine.runtime import vram
 from moeferry.engine.runtime.decode_graphs import use_cuda_graphs
 from moeferry.engine.runtime.expert_cache import ExpertCache
@@ -575,6 +576,7 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
     model.prefetch_depth = 0 if every_expert else prefetch  # nothing is read from the cache
     model.setup_kv(context)  # allocated once, at full size: budgeted above and graph-friendly
     use_cuda_graphs(model, cuda_graphs)
+    use_compiled_decode(model)
     if model.graphs is not None:
         model.graphs.prepare(min(context, 1024), lambda f, m: report(0.9 + 0.1 * f, m))
     note = "" if (cache.pinned or cache.host is None or dev.type != "cuda") else \

@@ -4,9 +4,10 @@ forward -> layer (written once) -> attention block / experts (host: dispatch) ->
 eager operations, EagerOps, the per-layer weights, norm and RoPE helpers.
 A layer is a few device segments handed to `run(key, fn)` and, for a MoE layer, the host part
 between them (routing sync, cache, the CPU hybrid, prefetch: engine/runtime/prefetch.py). It runs on a
-set of operations (norm, attention, router, experts): EagerOps here, or the fused ones of
-engine/kernels/decode.py; the CUDA-graph decode (engine/runtime/decode_graphs.py) runs this same layer
-and captures its segments. Its buffers are a Step.
+set of operations (norm, attention, router, experts): EagerOps here, the fused ones of
+engine/kernels/decode.py, or, for a lone token on the CPU, those of engine/kernels/decode_cpu.py;
+the CUDA-graph decode (engine/runtime/decode_graphs.py) runs this same layer and captures its
+segments. Its buffers are a Step.
 Attention, norms, routers and the LM head live on the compute device; experts come from the
 ExpertCache (engine/runtime/expert_cache.py), which copies them in from host memory when they miss.
 The token embedding lives on the device too, unless it is not tied to the LM head on a GPU: then
@@ -295,6 +296,7 @@ class OffloadedMixtral:
         self.inv_freq, self.rope_scale = rope_frequencies(cfg, device)
         self.rope_long = long_rope(cfg, device)
         self.ops = EagerOps(self)
+        self.decode_ops = self.ops  # a lone token's, outside CUDA graphs (decode_cpu.use_compiled_decode)
 
     @property
     def prefetch_depth(self) -> int:
@@ -358,11 +360,12 @@ class OffloadedMixtral:
         if self.routing is not None:
             self.routing.begin(T)
         step = [] if self.trace is not None and T == 1 else None
+        ops = self.decode_ops if T == 1 else self.ops
         for i in range(self.cfg.num_layers):
-            self.layer(i, s, self.ops, run_now, step)
+            self.layer(i, s, ops, run_now, step)
         if step is not None:
             self.trace.append(step)
-        return self.head(s, self.ops, last_only)
+        return self.head(s, ops, last_only)
 
     def layer(self, i: int, s: Step, ops, run=run_now, step: list | None = None) -> None:
         """Layer i on s's buffers, with the operations `ops` (EagerOps here; the fused ones of
@@ -727,6 +730,14 @@ def layer_weights(cfg: ModelConfig, dense: dict, i: int) -> dict:
         layer["shared"] = swiglu_weights(dense, p + "mlp.shared_expert.")
         layer["shared_gate"] = dense[p + "mlp.shared_expert_gate.weight"]
     return layer
+
+
+def attention_options(layer: dict, eps: float) -> dict:
+    """The attention options of a layer (layer_weights) as the fused decode's rope_attention
+    takes them (engine/kernels/decode.py on the GPU, decode_cpu.py on the CPU)."""
+    return dict(qk_norm=layer.get("qk_norm"), q_norm=layer.get("q_norm"), k_norm=layer.get("k_norm"), eps=eps,
+                clip=layer.get("clip_qkv"), sinks=layer.get("sinks"),
+                **{n[0] + "_bias": layer.get(n + "_bias") for n in ATTN_PROJECTIONS[:3]})
 
 
 def distinct_ids(shape: tuple, device) -> torch.Tensor:

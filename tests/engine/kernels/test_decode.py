@@ -78,8 +78,8 @@ def attention_layer(variant: str, heads: int, kv_heads: int, D: int, g: torch.Ge
 def test_rope_attention_matches_the_eager_attention(dtype, variant, pos, window):
     from types import SimpleNamespace
 
-    from moeferry.engine.kernels.decode import attention_options, rope_attention
-    from moeferry.engine.runtime.model import OffloadedMixtral, rope_cos_sin
+    from moeferry.engine.kernels.decode import rope_attention
+    from moeferry.engine.runtime.model import OffloadedMixtral, attention_options, rope_cos_sin
     o = ATTENTION_VARIANTS[variant]
     heads, kv_heads, D, cap, eps = 8, o.get("kv_heads", 2), o.get("D", 64), 300, 1e-5
     g = torch.Generator().manual_seed(pos)
