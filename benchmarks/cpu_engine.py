@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moeferry.engine.kernels import hqq_cpu  # noqa: E402
+from moeferry.engine.kernels.decode_cpu import use_compiled_decode  # noqa: E402
 from moeferry.engine.kernels.torch_cpu import CpuMatrix  # noqa: E402
 from moeferry.engine.measure import bench, routing as routing_mod  # noqa: E402
 from moeferry.engine.measure.bench_shapes import MODEL_SHAPES, shape_config  # noqa: E402
@@ -48,6 +49,7 @@ def cpu_model(s: bench.Synthetic, threads: int | None, context: int):
     views = bench.expert_views(s.cfg, s.fields, s.eq)
     copies = cpu_copies_of(s.cfg, s.host, views, s.device, None, None, 1)
     model.hybrid = cpu_experts_for(copies, s.cfg, s.host, model.cache, "all", threads, every_expert=True)
+    use_compiled_decode(model)
     model.routing = routing_mod.parse_routing("uniform", s.cfg, s.device, 0.85, 1, 0)
     model.setup_kv(context)
     return model

@@ -41,9 +41,12 @@ def kernels():
 
 
 def use_compiled_decode(model) -> None:
-    """Decode a lone token with CpuDecodeOps where the model runs on the CPU in float32 (the
-    engine's loader and the benchmark call this; a model made otherwise decodes eagerly)."""
-    if model.device.type == "cpu" and model.dtype == torch.float32:
+    """Decode a lone token with CpuDecodeOps where the model runs on the CPU in float32 with its
+    experts on the numba kernels (model.hybrid: a model too big for the CPU's expert cache). numba
+    compiles these functions once per machine (once per run in the frozen app, which cannot
+    cache them: seconds), which a small model decoding eagerly (the demo) would not earn back.
+    The engine's loader calls this; a model made otherwise decodes eagerly."""
+    if model.device.type == "cpu" and model.dtype == torch.float32 and model.hybrid is not None:
         model.decode_ops = CpuDecodeOps(model)
 
 
@@ -75,6 +78,13 @@ class CpuDecodeOps(EagerOps):
             w, e = expand_units(w, e, units)
             weights[0].copy_(w)
             ids[0].copy_(e)
+
+
+def _parallel() -> bool:
+    """Whether the attention's and the router's loops take numba's threads: not where the engine
+    runs torch on one thread (a small model: the demo), where numba's count may still be every
+    core, and spinning threads collapse when another program holds one of them."""
+    return torch.get_num_threads() > 1
 
 
 def _flat(t: torch.Tensor | None) -> np.ndarray:
@@ -112,7 +122,7 @@ def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
         _flat(q), _flat(k), _flat(v), _flat(q_bias), _flat(k_bias), _flat(v_bias), _flat(q_norm), _flat(k_norm),
         _flat(sinks), norm, q_bias is not None, k_bias is not None, v_bias is not None, sinks is not None,
         clip or 0.0, eps, _flat(cos), _flat(sin), _into(k_cache).reshape(-1, kv_heads, D),
-        _into(v_cache).reshape(-1, kv_heads, D), pos, window or 0, D ** -0.5, _into(out))
+        _into(v_cache).reshape(-1, kv_heads, D), pos, window or 0, D ** -0.5, _into(out), _parallel())
 
 
 def route_topk(h: torch.Tensor, router: torch.Tensor, top_k: int, weights: torch.Tensor, ids: torch.Tensor,
@@ -120,10 +130,14 @@ def route_topk(h: torch.Tensor, router: torch.Tensor, top_k: int, weights: torch
     """weights [top_k] float32 and ids [top_k] int64 of h [1, H] under router [E, H] (+ bias [E]):
     the top-k of the softmax, renormalised to sum 1 or as they are."""
     kernels().route_topk(_flat(h), router.numpy(), _flat(bias), bias is not None, top_k, renormalize,
-                         _into(weights), _into(ids))
+                         _into(weights), _into(ids), _parallel())
 
 
 def _compile():
+    # Module globals, not closure variables: numba keys its disk cache on a pickle of the
+    # closure, in which a dispatcher has a fresh id in every process (hqq_cpu.py does the same).
+    global prange, _add_rms_norm, _rms_scale, _prepared, _head_rope, _rope_attention, _attend, _attend_parallel
+    global _attend_group, _exp_in_place, _router_logit, _router_logits, _router_logits_parallel, _route_topk
     from numba import njit, prange
 
     # reassociation lets the loops over a head or a row run in vector lanes; no other
@@ -132,7 +146,7 @@ def _compile():
     jit, pjit = njit(**options), njit(parallel=True, **options)
 
     @jit
-    def add_rms_norm(x, delta, has_delta, w, eps, out):
+    def _add_rms_norm(x, delta, has_delta, w, eps, out):
         total = 0.0  # float64
         for i in range(x.size):
             if has_delta:
@@ -143,7 +157,7 @@ def _compile():
             out[i] = w[i] * (x[i] * r)
 
     @jit
-    def rms_scale(x, w, eps):
+    def _rms_scale(x, w, eps):
         """x = rms_norm(x) * w, in place."""
         total = 0.0
         for i in range(x.size):
@@ -153,90 +167,104 @@ def _compile():
             x[i] = w[i] * (x[i] * r)
 
     @jit
-    def prepared(x, b, has_bias, w, norm, eps, clip):
+    def _prepared(x, b, has_bias, w, norm, eps, clip):
         """A projection as model.attention has it before the heads split: a copy, + bias, the
         norm over the whole projection (norm 2), clamped to +-clip."""
         y = x.copy()
         if has_bias:
             y += b
         if norm == 2:
-            rms_scale(y, w, eps)
+            _rms_scale(y, w, eps)
         if clip > 0:
             for i in range(y.size):
                 y[i] = min(max(y[i], -clip), clip)
         return y
 
     @jit
-    def head_rope(x, heads, D, w, norm, eps, cos, sin):
+    def _head_rope(x, heads, D, w, norm, eps, cos, sin):
         """Each head of x [heads * D], RMS-normed with w [D] (norm 1), then rotated, in place."""
         half = D // 2
         for h in range(heads):
             row = x[h * D:(h + 1) * D]
             if norm == 1:
-                rms_scale(row, w, eps)
+                _rms_scale(row, w, eps)
             for d in range(half):
                 a, b = row[d], row[d + half]
                 row[d] = a * cos[d] + (-b) * sin[d]
                 row[d + half] = b * cos[d + half] + a * sin[d + half]
 
     @jit
-    def rope_attention(q, k, v, qb, kb, vb, qn, kn, sinks, norm, q_bias, k_bias, v_bias, has_sinks, clip, eps,
-                       cos, sin, kc, vc, pos, window, scale, out):
+    def _rope_attention(q, k, v, qb, kb, vb, qn, kn, sinks, norm, q_bias, k_bias, v_bias, has_sinks, clip, eps,
+                       cos, sin, kc, vc, pos, window, scale, out, parallel):
         kv_heads, D = kc.shape[1], kc.shape[2]
         heads = q.size // D
         group = heads // kv_heads
-        qw = prepared(q, qb, q_bias, qn, norm, eps, clip)
-        kw = prepared(k, kb, k_bias, kn, norm, eps, clip)
-        vw = prepared(v, vb, v_bias, kn, 0, eps, clip)
-        head_rope(qw, heads, D, qn, norm, eps, cos, sin)
-        head_rope(kw, kv_heads, D, kn, norm, eps, cos, sin)
+        qw = _prepared(q, qb, q_bias, qn, norm, eps, clip)
+        kw = _prepared(k, kb, k_bias, kn, norm, eps, clip)
+        vw = _prepared(v, vb, v_bias, kn, 0, eps, clip)
+        _head_rope(qw, heads, D, qn, norm, eps, cos, sin)
+        _head_rope(kw, kv_heads, D, kn, norm, eps, cos, sin)
         for h in range(kv_heads):
             for d in range(D):
                 kc[pos, h, d] = kw[h * D + d]
                 vc[pos, h, d] = vw[h * D + d]
         lo = max(0, pos - window + 1) if window > 0 else 0
-        attend(qw, kc, vc, lo, pos + 1 - lo, group, scale, sinks, has_sinks, out)
-
-    @pjit
-    def attend(qw, kc, vc, lo, n, group, scale, sinks, has_sinks, out):
-        """out = softmax(q k^T * scale) v for each query head of qw over cache rows lo..lo+n-1,
-        the heads of a key/value head together (each row of k and v read once for them); the
-        key/value heads in parallel."""
-        kv_heads, D = kc.shape[1], kc.shape[2]
-        for kh in prange(kv_heads):
-            q = qw[kh * group * D:(kh + 1) * group * D]
-            scores = np.empty((group, n), dtype=np.float32)
-            for t in range(n):
-                key = kc[lo + t, kh]
-                for j in range(group):
-                    s = np.float32(0.0)
-                    for d in range(D):
-                        s += q[j * D + d] * key[d]
-                    scores[j, t] = s * scale
-            for j in range(group):
-                row = scores[j]
-                top = sinks[kh * group + j] if has_sinks else row[0]
-                for t in range(n):
-                    top = max(top, row[t])
-                for t in range(n):
-                    row[t] -= top
-                exp_in_place(row)
-                total = np.float32(np.exp(sinks[kh * group + j] - top)) if has_sinks else np.float32(0.0)
-                for t in range(n):
-                    total += row[t]
-                row /= total
-            acc = np.zeros((group, D), dtype=np.float32)
-            for t in range(n):
-                value = vc[lo + t, kh]
-                for j in range(group):
-                    p = scores[j, t]
-                    for d in range(D):
-                        acc[j, d] += p * value[d]
-            for j in range(group):
-                out[(kh * group + j) * D:(kh * group + j + 1) * D] = acc[j]
+        if parallel:
+            _attend_parallel(qw, kc, vc, lo, pos + 1 - lo, group, scale, sinks, has_sinks, out)
+        else:
+            _attend(qw, kc, vc, lo, pos + 1 - lo, group, scale, sinks, has_sinks, out)
 
     @jit
-    def exp_in_place(x):
+    def _attend(qw, kc, vc, lo, n, group, scale, sinks, has_sinks, out):
+        """out = softmax(q k^T * scale) v for each query head of qw over cache rows lo..lo+n-1,
+        one key/value head after another."""
+        for kh in range(kc.shape[1]):
+            _attend_group(qw, kc, vc, lo, n, group, scale, sinks, has_sinks, out, kh)
+
+    @pjit
+    def _attend_parallel(qw, kc, vc, lo, n, group, scale, sinks, has_sinks, out):
+        """_attend with the key/value heads on numba's threads."""
+        for kh in prange(kc.shape[1]):
+            _attend_group(qw, kc, vc, lo, n, group, scale, sinks, has_sinks, out, kh)
+
+    @jit
+    def _attend_group(qw, kc, vc, lo, n, group, scale, sinks, has_sinks, out, kh):
+        """The query heads of key/value head kh together: each cached row of k and v read once
+        for all of them."""
+        D = kc.shape[2]
+        q = qw[kh * group * D:(kh + 1) * group * D]
+        scores = np.empty((group, n), dtype=np.float32)
+        for t in range(n):
+            key = kc[lo + t, kh]
+            for j in range(group):
+                s = np.float32(0.0)
+                for d in range(D):
+                    s += q[j * D + d] * key[d]
+                scores[j, t] = s * scale
+        for j in range(group):
+            row = scores[j]
+            top = sinks[kh * group + j] if has_sinks else row[0]
+            for t in range(n):
+                top = max(top, row[t])
+            for t in range(n):
+                row[t] -= top
+            _exp_in_place(row)
+            total = np.float32(np.exp(sinks[kh * group + j] - top)) if has_sinks else np.float32(0.0)
+            for t in range(n):
+                total += row[t]
+            row /= total
+        acc = np.zeros((group, D), dtype=np.float32)
+        for t in range(n):
+            value = vc[lo + t, kh]
+            for j in range(group):
+                p = scores[j, t]
+                for d in range(D):
+                    acc[j, d] += p * value[d]
+        for j in range(group):
+            out[(kh * group + j) * D:(kh * group + j + 1) * D] = acc[j]
+
+    @jit
+    def _exp_in_place(x):
         """x = exp(x) for x <= 0, in loops the compiler vectorizes (numba's np.exp calls the C
         library once per value): 2^k times a degree-7 polynomial of the remainder, |r| <= ln 2 / 2,
         within about an ulp; below -87 (e^-87 ~ 1.6e-38) as e^-87."""
@@ -251,21 +279,33 @@ def _compile():
             powers[t] = (np.int32(k) + 127) << 23
         x *= powers.view(np.float32)
 
-    @pjit
-    def router_logits(h, router, bias, has_bias, p):
-        """p = router h (+ bias), the experts' rows in parallel (Qwen3's router is 1 MB)."""
-        E, H = router.shape
-        for e in prange(E):
-            s = np.float32(0.0)
-            for i in range(H):
-                s += router[e, i] * h[i]
-            p[e] = s + bias[e] if has_bias else s
+    @jit
+    def _router_logit(h, router, bias, has_bias, e):
+        s = np.float32(0.0)
+        for i in range(router.shape[1]):
+            s += router[e, i] * h[i]
+        return s + bias[e] if has_bias else s
 
     @jit
-    def route_topk(h, router, bias, has_bias, top_k, renormalize, weights, ids):
+    def _router_logits(h, router, bias, has_bias, p):
+        """p = router h (+ bias)."""
+        for e in range(router.shape[0]):
+            p[e] = _router_logit(h, router, bias, has_bias, e)
+
+    @pjit
+    def _router_logits_parallel(h, router, bias, has_bias, p):
+        """_router_logits with the experts' rows on numba's threads (Qwen3's router is 1 MB)."""
+        for e in prange(router.shape[0]):
+            p[e] = _router_logit(h, router, bias, has_bias, e)
+
+    @jit
+    def _route_topk(h, router, bias, has_bias, top_k, renormalize, weights, ids, parallel):
         E = router.shape[0]
         p = np.empty(E, dtype=np.float32)
-        router_logits(h, router, bias, has_bias, p)
+        if parallel:
+            _router_logits_parallel(h, router, bias, has_bias, p)
+        else:
+            _router_logits(h, router, bias, has_bias, p)
         top = p.max()
         total = np.float32(0.0)
         for e in range(E):
@@ -286,4 +326,4 @@ def _compile():
                 weights[j] /= picked
 
     from types import SimpleNamespace
-    return SimpleNamespace(add_rms_norm=add_rms_norm, rope_attention=rope_attention, route_topk=route_topk)
+    return SimpleNamespace(add_rms_norm=_add_rms_norm, rope_attention=_rope_attention, route_topk=_route_topk)

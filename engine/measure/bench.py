@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 
 from moeferry.engine.errors import UserError
-from moeferry.engine.kernels.decode_cpu import use_compiled_decode
 from moeferry.engine.measure import routing as routing_mod
 from moeferry.engine.measure.bench_shapes import MODEL_SHAPES, family_dense, native_expert_format, shape_config
 from moeferry.engine.runtime.cpu_experts import HqqExpert, Mxfp4Expert
@@ -312,7 +311,6 @@ class Synthetic:
                                decode=decode, pace_cycles=pace)
         model = OffloadedMixtral(self.cfg, self.dense, cache, self.device, self.dtype, kernels)
         model.prefetch_depth = prefetch
-        use_compiled_decode(model)
         return model
 
 

@@ -606,7 +606,11 @@ def test_bench_builds_a_synthetic_model_the_engine_runs(name):
 @pytest.mark.parametrize("vid", ["gpt_oss-top1-window3", "qwen3_moe-top3-dense-layer"])
 def test_cpu_experts_run_the_family_in_place(tmp_path, vid):
     """The hybrid's CPU experts on an HQQ store of another family (gpt_oss: biases and the
-    clamped SwiGLU): the dequantized model's greedy tokens with a cache of 2 and with none."""
+    clamped SwiGLU): the dequantized model's greedy tokens with a cache of 2 and with none,
+    each decoded token's norms, attention (sinks, sliding window; qwen3_moe's q/k norms) and
+    routing on the compiled CPU operations."""
+    from moeferry.engine.kernels.decode_cpu import CpuDecodeOps
+
     v = BY_ID[vid]
     save(v, build(v, seed=2), tmp_path / "ck")
     convert_checkpoint(tmp_path / "ck", tmp_path / "st", 4, 16, "cpu")
@@ -617,6 +621,7 @@ def test_cpu_experts_run_the_family_in_place(tmp_path, vid):
     for kw in ({"cache_experts": 2}, {}):
         engine = load_engine(tmp_path / "st", device="cpu", dtype="float32", cpu_experts="all", **kw)
         engine.eos_ids = set()
+        assert isinstance(engine.model.decode_ops, CpuDecodeOps)
         assert list(engine.generate_ids(ids, greedy)) == want, kw
         assert engine.last_stats.cpu_expert_runs > 0
 

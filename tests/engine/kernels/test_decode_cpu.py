@@ -13,6 +13,16 @@ from moeferry.engine.runtime.model import OffloadedMixtral, attention_options, r
 from tests.engine.kernels.test_decode import ATTENTION_CASES, ATTENTION_VARIANTS, attention_layer
 
 
+@pytest.fixture(params=[1, 2], ids=["serial", "parallel"])
+def torch_threads(request):
+    """The attention's and the router's loops run on numba's threads only where torch has more
+    than one (decode_cpu._parallel): both ways."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 def close(got, want):
     assert rel_err(got, want) <= 1e-5, rel_err(got, want)
 
@@ -31,7 +41,7 @@ def test_add_rms_norm(with_delta):
 
 
 @pytest.mark.parametrize("variant,pos,window", ATTENTION_CASES)
-def test_rope_attention_matches_the_eager_attention(variant, pos, window):
+def test_rope_attention_matches_the_eager_attention(variant, pos, window, torch_threads):
     o = ATTENTION_VARIANTS[variant]
     heads, kv_heads, D, cap, eps = 8, o.get("kv_heads", 2), o.get("D", 64), 300, 1e-5
     g = torch.Generator().manual_seed(pos)
@@ -65,7 +75,7 @@ def test_rope_attention_matches_the_eager_attention(variant, pos, window):
 @pytest.mark.parametrize("experts,top_k,hidden,routing", [
     (8, 2, 4096, "softmax_topk_norm"), (6, 3, 4096, "softmax_topk_norm"), (5, 1, 4096, "softmax_topk_norm"),
     (128, 8, 2048, "softmax_topk"), (32, 4, 2880, "topk_softmax"), (64, 8, 2048, "softmax_topk")])
-def test_route_topk_matches_the_model_router(experts, top_k, hidden, routing):
+def test_route_topk_matches_the_model_router(experts, top_k, hidden, routing, torch_threads):
     """Mixtral's shapes and odd ones (renormalised), Qwen3's and OLMoE's many experts (not),
     gpt-oss's router (a bias, softmax over the top-k logits)."""
     g = torch.Generator().manual_seed(experts)
