@@ -73,27 +73,28 @@ def attention_layer(variant: str, heads: int, kv_heads: int, D: int, g: torch.Ge
     return layer
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("variant,pos,window", ATTENTION_CASES)
-def test_rope_attention_matches_the_eager_attention(dtype, variant, pos, window):
+def attention_case(variant: str, pos: int, window: int | None, device, dtype):
+    """A decoded token's attention at pos and what the eager path makes of it: (q, k, v as
+    projected [heads or kv heads, D], cos and sin tables [P, 1, D], the KV cache k and v
+    [P, kv heads, D], the layer's weights and options, its output [heads * D], and the cache
+    rows it writes at pos). The eager path is model.attention with pos (prepare, rotate, write
+    row pos, masked SDPA or grouped_attention), its projections replaced by q, k, v and no
+    output projection; the returned caches are the untouched ones."""
     from types import SimpleNamespace
 
-    from moeferry.engine.kernels.decode import rope_attention
-    from moeferry.engine.runtime.model import OffloadedMixtral, attention_options, rope_cos_sin
+    from moeferry.engine.runtime.model import OffloadedMixtral, rope_cos_sin
     o = ATTENTION_VARIANTS[variant]
     heads, kv_heads, D, cap, eps = 8, o.get("kv_heads", 2), o.get("D", 64), 300, 1e-5
     g = torch.Generator().manual_seed(pos)
     inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
-    cos, sin = rope_cos_sin(inv.to(DEVICE), torch.arange(cap, device=DEVICE), dtype)  # [P, 1, D]
-    q = torch.randn(heads, D, generator=g).to(DEVICE, dtype)
-    k = torch.randn(kv_heads, D, generator=g).to(DEVICE, dtype)
-    v = torch.randn(kv_heads, D, generator=g).to(DEVICE, dtype)
-    kc = torch.randn(cap, kv_heads, D, generator=g).to(DEVICE, dtype)
-    vc = torch.randn(cap, kv_heads, D, generator=g).to(DEVICE, dtype)
-    options = {n: t.to(DEVICE, dtype) if isinstance(t, torch.Tensor) else t
+    cos, sin = rope_cos_sin(inv.to(device), torch.arange(cap, device=device), dtype)  # [P, 1, D]
+    q = torch.randn(heads, D, generator=g).to(device, dtype)
+    k = torch.randn(kv_heads, D, generator=g).to(device, dtype)
+    v = torch.randn(kv_heads, D, generator=g).to(device, dtype)
+    kc = torch.randn(cap, kv_heads, D, generator=g).to(device, dtype)
+    vc = torch.randn(cap, kv_heads, D, generator=g).to(device, dtype)
+    options = {n: t.to(device, dtype) if isinstance(t, torch.Tensor) else t
                for n, t in attention_layer(variant, heads, kv_heads, D, g).items()}
-    # the eager path: model.attention with pos (prepare, rotate, write row pos, masked SDPA or
-    # grouped_attention), its projections replaced by the q, k, v above and no output projection
     want_kc, want_vc = kc.clone(), vc.clone()
     model = SimpleNamespace(cfg=SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_dim=D,
                                                 sliding_window=window, rms_norm_eps=eps),
@@ -103,17 +104,33 @@ def test_rope_attention_matches_the_eager_attention(dtype, variant, pos, window)
     layer = {"q_proj": q.reshape(1, -1), "k_proj": k.reshape(1, -1), "v_proj": v.reshape(1, -1), "o_proj": None,
              **options}
     want = OffloadedMixtral.attention(model, 0, layer, q.reshape(1, -1), cos[pos:pos + 1], sin[pos:pos + 1], pos,
-                                      pos=torch.tensor([pos], device=DEVICE), span=cap).reshape(-1)
-    inputs = [t.clone() for t in (q, k, v)]
-    out = torch.empty(heads * D, device=DEVICE, dtype=dtype)
-    rope_attention(q, k, v, cos, sin, torch.tensor([pos], device=DEVICE), kc, vc, window, out,
-                   **attention_options(layer, eps))
-    close(out, want, dtype)
-    close(kc[pos], want_kc[pos], dtype)
-    close(vc[pos], want_vc[pos], dtype)
-    assert all(torch.equal(a, b) for a, b in zip((q, k, v), inputs))
-    rows = torch.arange(cap, device=DEVICE) != pos
-    assert torch.equal(kc[rows], want_kc[rows]) and torch.equal(vc[rows], want_vc[rows])
+                                      pos=torch.tensor([pos], device=device), span=cap).reshape(-1)
+    return SimpleNamespace(pos=pos, q=q, k=k, v=v, cos=cos, sin=sin, kc=kc, vc=vc, layer=layer, eps=eps,
+                           want=want, want_kc=want_kc, want_vc=want_vc, inputs=[t.clone() for t in (q, k, v)])
+
+
+def check_attention(c, out, close_to) -> None:
+    """out and the cache rows at pos are the eager path's (close_to(got, want)), q, k, v are
+    untouched, and no other cache row moved."""
+    pos = c.pos
+    close_to(out, c.want)
+    close_to(c.kc[pos], c.want_kc[pos])
+    close_to(c.vc[pos], c.want_vc[pos])
+    rows = torch.arange(c.kc.shape[0], device=c.kc.device) != pos
+    assert torch.equal(c.kc[rows], c.want_kc[rows]) and torch.equal(c.vc[rows], c.want_vc[rows])
+    assert all(torch.equal(a, b) for a, b in zip((c.q, c.k, c.v), c.inputs))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant,pos,window", ATTENTION_CASES)
+def test_rope_attention_matches_the_eager_attention(dtype, variant, pos, window):
+    from moeferry.engine.kernels.decode import rope_attention
+    from moeferry.engine.runtime.model import attention_options
+    c = attention_case(variant, pos, window, DEVICE, dtype)
+    out = torch.empty(c.want.shape[0], device=DEVICE, dtype=dtype)
+    rope_attention(c.q, c.k, c.v, c.cos, c.sin, torch.tensor([pos], device=DEVICE), c.kc, c.vc, window, out,
+                   **attention_options(c.layer, c.eps))
+    check_attention(c, out, lambda got, want: close(got, want, dtype))
 
 
 @pytest.mark.parametrize("experts,top_k,hidden", [(8, 2, 4096), (6, 3, 4096), (5, 1, 4096),

@@ -9,8 +9,8 @@ import torch
 
 from benchmarks.kernel_bench import rel_err
 from moeferry.engine.kernels.decode_cpu import add_rms_norm, rope_attention, route_topk
-from moeferry.engine.runtime.model import OffloadedMixtral, attention_options, rms_norm, rope_cos_sin
-from tests.engine.kernels.test_decode import ATTENTION_CASES, ATTENTION_VARIANTS, attention_layer
+from moeferry.engine.runtime.model import OffloadedMixtral, attention_options, rms_norm
+from tests.engine.kernels.test_decode import ATTENTION_CASES, attention_case, check_attention
 
 
 @pytest.fixture(params=[1, 2], ids=["serial", "parallel"])
@@ -42,34 +42,11 @@ def test_add_rms_norm(with_delta):
 
 @pytest.mark.parametrize("variant,pos,window", ATTENTION_CASES)
 def test_rope_attention_matches_the_eager_attention(variant, pos, window, torch_threads):
-    o = ATTENTION_VARIANTS[variant]
-    heads, kv_heads, D, cap, eps = 8, o.get("kv_heads", 2), o.get("D", 64), 300, 1e-5
-    g = torch.Generator().manual_seed(pos)
-    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
-    cos, sin = rope_cos_sin(inv, torch.arange(cap), torch.float32)  # [P, 1, D]
-    q, k, v = (torch.randn(n, D, generator=g) for n in (heads, kv_heads, kv_heads))
-    kc, vc = torch.randn(cap, kv_heads, D, generator=g), torch.randn(cap, kv_heads, D, generator=g)
-    layer = {"q_proj": q.reshape(1, -1), "k_proj": k.reshape(1, -1), "v_proj": v.reshape(1, -1), "o_proj": None,
-             **attention_layer(variant, heads, kv_heads, D, g)}
-    # the eager path: model.attention for one token at pos, its projections replaced by the q,
-    # k, v above and no output projection
-    want_kc, want_vc = kc.clone(), vc.clone()
-    model = SimpleNamespace(cfg=SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_dim=D,
-                                                sliding_window=window, rms_norm_eps=eps),
-                            kv=SimpleNamespace(k=want_kc[None], v=want_vc[None]),
-                            linear=lambda x, w: x if w is None else w)
-    model.project = lambda h, layer, name: OffloadedMixtral.project(model, h, layer, name)
-    want = OffloadedMixtral.attention(model, 0, layer, q.reshape(1, -1), cos[pos:pos + 1], sin[pos:pos + 1],
-                                      pos).reshape(-1)
-    inputs = [t.clone() for t in (q, k, v)]
-    out = torch.empty(heads * D)
-    rope_attention(q, k, v, cos[pos], sin[pos], pos, kc, vc, window, out, **attention_options(layer, eps))
-    close(out, want)
-    close(kc[pos], want_kc[pos])
-    close(vc[pos], want_vc[pos])
-    assert all(torch.equal(a, b) for a, b in zip((q, k, v), inputs))
-    rows = torch.arange(cap) != pos
-    assert torch.equal(kc[rows], want_kc[rows]) and torch.equal(vc[rows], want_vc[rows])
+    c = attention_case(variant, pos, window, "cpu", torch.float32)
+    out = torch.empty(c.want.shape[0])
+    rope_attention(c.q, c.k, c.v, c.cos[pos], c.sin[pos], pos, c.kc, c.vc, window, out,
+                   **attention_options(c.layer, c.eps))
+    check_attention(c, out, close)
 
 
 @pytest.mark.parametrize("experts,top_k,hidden,routing", [
