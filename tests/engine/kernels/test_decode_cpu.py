@@ -66,3 +66,12 @@ def test_route_topk_matches_the_model_router(experts, top_k, hidden, routing, to
     route_topk(h, router, top_k, w, ids, bias, renormalize=routing != "softmax_topk")
     assert ids.tolist() == want_ids[0].tolist()
     close(w, want_w[0])
+
+
+def test_rope_attention_refuses_a_position_past_the_cache():
+    """The compiled loops check no bounds: the wrapper does, before a row past the cache is written."""
+    kc, vc = torch.zeros(4, 2, 8), torch.zeros(4, 2, 8)
+    q, k, v = torch.randn(4, 8), torch.randn(2, 8), torch.randn(2, 8)
+    with pytest.raises(IndexError, match="position 4 in a cache of 4"):
+        rope_attention(q, k, v, torch.ones(8), torch.zeros(8), 4, kc, vc, None, torch.empty(32))
+    assert not kc.any() and not vc.any()
