@@ -27,10 +27,16 @@ import numpy as np
 import torch
 
 from moeferry.engine.kernels.hqq_cpu import numba_disk_cache
-from moeferry.engine.runtime.model import EagerOps, Step, attention_options, expand_units
+from moeferry.engine.runtime.model import EagerOps, Step, attention_options, expand_units, grouped_attention
 
 _JIT = None
 _NONE = np.zeros(1, dtype=np.float32)  # an option that is off (numba compiles one signature)
+# Cached positions up to which rope_attention's own loops compute the scores and their sum;
+# beyond, torch's batched products are faster where heads share a key/value head (2-core box,
+# 2 threads, one call in a loop; ours / torch's: 32 heads on 4 of 128 at 256 positions 106-131 /
+# 124-126 us, at 512 241-361 / 222-336, at 1024 456-755 / 321-622; 32 on 8 at 384 294-478 /
+# 223-246; 16 heads on 16, ours 10-50 % faster up to 1024 and level at 2048)
+COMPILED_SPAN = 384
 
 
 def kernels():
@@ -116,18 +122,25 @@ def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     """One decoded token's attention at position pos, as engine/kernels/decode.rope_attention
     (the same options) but with cos and sin of that position only ([D] values, any shape):
     q [heads * D], k and v [kv_heads * D] as projected (any shape; not modified); k_cache,
-    v_cache [capacity, kv_heads, D], row pos written; out [heads * D]."""
+    v_cache [capacity, kv_heads, D], row pos written; out [heads * D]. Over more than
+    COMPILED_SPAN positions the scores and their sum are torch's (model.grouped_attention)."""
     kv_heads, D = k_cache.shape[1:]
     if not 0 <= pos < k_cache.shape[0] or k.numel() != kv_heads * D or q.numel() % (kv_heads * D):
         # the compiled loops check no bounds: a row past the cache would be written anyway
         raise IndexError(f"rope_attention: position {pos} in a cache of {k_cache.shape[0]}, "
                          f"q of {q.numel()} and k of {k.numel()} values for {kv_heads} heads of {D}")
     norm = {None: 0, "head": 1, "full": 2}[qk_norm]
+    lo = max(0, pos - window + 1) if window else 0
+    compiled = pos + 1 - lo <= COMPILED_SPAN
     kernels().rope_attention(
         _flat(q), _flat(k), _flat(v), _flat(q_bias), _flat(k_bias), _flat(v_bias), _flat(q_norm), _flat(k_norm),
         _flat(sinks), norm, q_bias is not None, k_bias is not None, v_bias is not None, sinks is not None,
         clip or 0.0, eps, _flat(cos), _flat(sin), _into(k_cache).reshape(-1, kv_heads, D),
-        _into(v_cache).reshape(-1, kv_heads, D), pos, window or 0, D ** -0.5, _into(out), _parallel())
+        _into(v_cache).reshape(-1, kv_heads, D), pos, window or 0, D ** -0.5, _into(out), _parallel(), compiled)
+    if not compiled:  # out holds the prepared q
+        heads = q.numel() // D
+        q_ready = out.reshape(1, heads, D).clone()
+        out.view(-1).copy_(grouped_attention(q_ready, k_cache[lo:pos + 1], v_cache[lo:pos + 1], None, sinks).view(-1))
 
 
 def route_topk(h: torch.Tensor, router: torch.Tensor, top_k: int, weights: torch.Tensor, ids: torch.Tensor,
@@ -200,7 +213,8 @@ def _compile():
 
     @jit
     def _rope_attention(q, k, v, qb, kb, vb, qn, kn, sinks, norm, q_bias, k_bias, v_bias, has_sinks, clip, eps,
-                       cos, sin, kc, vc, pos, window, scale, out, parallel):
+                       cos, sin, kc, vc, pos, window, scale, out, parallel, attend):
+        """rope_attention; attend False: only the cache row, and the prepared q into out."""
         kv_heads, D = kc.shape[1], kc.shape[2]
         heads = q.size // D
         group = heads // kv_heads
@@ -214,7 +228,9 @@ def _compile():
                 kc[pos, h, d] = kw[h * D + d]
                 vc[pos, h, d] = vw[h * D + d]
         lo = max(0, pos - window + 1) if window > 0 else 0
-        if parallel:
+        if not attend:
+            out[:] = qw
+        elif parallel:
             _attend_parallel(qw, kc, vc, lo, pos + 1 - lo, group, scale, sinks, has_sinks, out)
         else:
             _attend(qw, kc, vc, lo, pos + 1 - lo, group, scale, sinks, has_sinks, out)
@@ -259,10 +275,16 @@ def _compile():
                 total += row[t]
             row /= total
         acc = np.zeros((group, D), dtype=np.float32)
-        for t in range(n):
-            value = vc[lo + t, kh]
+        for t in range(0, n - 1, 2):  # two rows of v per pass over acc
+            v0, v1 = vc[lo + t, kh], vc[lo + t + 1, kh]
             for j in range(group):
-                p = scores[j, t]
+                p0, p1 = scores[j, t], scores[j, t + 1]
+                for d in range(D):
+                    acc[j, d] += p0 * v0[d] + p1 * v1[d]
+        if n % 2:
+            value = vc[lo + n - 1, kh]
+            for j in range(group):
+                p = scores[j, n - 1]
                 for d in range(D):
                     acc[j, d] += p * value[d]
         for j in range(group):

@@ -40,8 +40,13 @@ def test_add_rms_norm(with_delta):
     close(out, want)
 
 
+@pytest.mark.parametrize("span", ["compiled", "torch"])
 @pytest.mark.parametrize("variant,pos,window", ATTENTION_CASES)
-def test_rope_attention_matches_the_eager_attention(variant, pos, window, torch_threads):
+def test_rope_attention_matches_the_eager_attention(variant, pos, window, torch_threads, span, monkeypatch):
+    """Both ways of computing the scores and their sum: rope_attention's own loops, and, over more
+    than COMPILED_SPAN positions, torch's on the q its loops prepared."""
+    from moeferry.engine.kernels import decode_cpu
+    monkeypatch.setattr(decode_cpu, "COMPILED_SPAN", 10**9 if span == "compiled" else 0)
     c = attention_case(variant, pos, window, "cpu", torch.float32)
     out = torch.empty(c.want.shape[0])
     rope_attention(c.q, c.k, c.v, c.cos[pos], c.sin[pos], pos, c.kc, c.vc, window, out,
