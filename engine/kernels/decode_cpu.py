@@ -13,7 +13,8 @@ kernels), in float32, the CPU engine's dtype:
   add_rms_norm    x += delta; out = rms_norm(x) * weight
   rope_attention  the layer's q/k/v preparation (biases, q/k RMSNorm per head or over the whole
                   projection, clipping), RoPE, k and v into the KV cache row, and the token
-                  against every cached position (GQA, sliding window, attention sinks)
+                  against every cached position (GQA, sliding window, attention sinks; over
+                  more than COMPILED_SPAN positions with torch's batched products)
   route_topk      router logits (+ bias), softmax, top-k, renormalised or not
 
 They take the options of engine/kernels/decode.py's GPU kernels and agree with the eager
