@@ -36,7 +36,7 @@ _NONE = np.zeros(1, dtype=np.float32)  # an option that is off (numba compiles o
 # beyond, torch's batched products are faster where heads share a key/value head (2-core box,
 # 2 threads, one call in a loop; ours / torch's: 32 heads on 4 of 128 at 256 positions 106-131 /
 # 124-126 us, at 512 241-361 / 222-336, at 1024 456-755 / 321-622; 32 on 8 at 384 294-478 /
-# 223-246; 16 heads on 16, ours 10-50 % faster up to 1024 and level at 2048)
+# 223-246; 16 heads on 16, ours 8-55 % less time up to 1024 and level at 2048)
 COMPILED_SPAN = 384
 
 
@@ -64,7 +64,10 @@ class CpuDecodeOps(EagerOps):
 
     def __init__(self, model):
         super().__init__(model)
-        self.attn = torch.zeros(1, model.cfg.num_heads * model.cfg.head_dim)
+        cfg = model.cfg
+        self.attn = torch.zeros(1, cfg.num_heads * cfg.head_dim)
+        k = cfg.top_k // cfg.expert_units  # the router's choice before expand_units
+        self.routed_weights, self.routed_ids = torch.zeros(k), torch.zeros(k, dtype=torch.long)
 
     def add_norm(self, x, delta, weight, out) -> None:
         add_rms_norm(x, delta, weight, self.m.cfg.rms_norm_eps, out)
@@ -78,9 +81,8 @@ class CpuDecodeOps(EagerOps):
 
     def route(self, layer: dict, h, weights, ids) -> None:
         units = self.m.cfg.expert_units
-        k = self.m.cfg.top_k // units
-        w, e = (weights[0], ids[0]) if units == 1 else (torch.empty(k), torch.empty(k, dtype=torch.long))
-        route_topk(h, layer["router"], k, w, e, layer.get("router_bias"),
+        w, e = (weights[0], ids[0]) if units == 1 else (self.routed_weights, self.routed_ids)
+        route_topk(h, layer["router"], len(e), w, e, layer.get("router_bias"),
                    renormalize=layer.get("routing") != "softmax_topk")
         if units > 1:
             w, e = expand_units(w, e, units)
@@ -137,7 +139,7 @@ def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
         _flat(q), _flat(k), _flat(v), _flat(q_bias), _flat(k_bias), _flat(v_bias), _flat(q_norm), _flat(k_norm),
         _flat(sinks), norm, q_bias is not None, k_bias is not None, v_bias is not None, sinks is not None,
         clip or 0.0, eps, _flat(cos), _flat(sin), _into(k_cache).reshape(-1, kv_heads, D),
-        _into(v_cache).reshape(-1, kv_heads, D), pos, window or 0, D ** -0.5, _into(out), _parallel(), compiled)
+        _into(v_cache).reshape(-1, kv_heads, D), pos, lo, D ** -0.5, _into(out), _parallel(), compiled)
     if not compiled:  # out holds the prepared q
         heads = q.numel() // D
         q_ready = out.reshape(1, heads, D).clone()
@@ -155,7 +157,7 @@ def route_topk(h: torch.Tensor, router: torch.Tensor, top_k: int, weights: torch
 def _compile():
     # Module globals, not closure variables: numba keys its disk cache on a pickle of the
     # closure, in which a dispatcher has a fresh id in every process (hqq_cpu.py does the same).
-    global prange, _add_rms_norm, _rms_scale, _prepared, _head_rope, _rope_attention, _attend, _attend_parallel
+    global prange, _add_rms_norm, _rms_norm, _prepared, _head_rope, _rope_attention, _attend, _attend_parallel
     global _attend_group, _exp_in_place, _router_logit, _router_logits, _router_logits_parallel, _route_topk
     from numba import njit, prange
 
@@ -166,24 +168,19 @@ def _compile():
 
     @jit
     def _add_rms_norm(x, delta, has_delta, w, eps, out):
+        if has_delta:
+            x += delta
+        _rms_norm(x, w, eps, out)
+
+    @jit
+    def _rms_norm(x, w, eps, out):
+        """out = rms_norm(x) * w (out may be x)."""
         total = 0.0  # float64
         for i in range(x.size):
-            if has_delta:
-                x[i] += delta[i]
             total += np.float64(x[i]) * x[i]
         r = np.float32(1.0 / np.sqrt(total / x.size + eps))
         for i in range(x.size):
             out[i] = w[i] * (x[i] * r)
-
-    @jit
-    def _rms_scale(x, w, eps):
-        """x = rms_norm(x) * w, in place."""
-        total = 0.0
-        for i in range(x.size):
-            total += np.float64(x[i]) * x[i]
-        r = np.float32(1.0 / np.sqrt(total / x.size + eps))
-        for i in range(x.size):
-            x[i] = w[i] * (x[i] * r)
 
     @jit
     def _prepared(x, b, has_bias, w, norm, eps, clip):
@@ -193,7 +190,7 @@ def _compile():
         if has_bias:
             y += b
         if norm == 2:
-            _rms_scale(y, w, eps)
+            _rms_norm(y, w, eps, y)
         if clip > 0:
             for i in range(y.size):
                 y[i] = min(max(y[i], -clip), clip)
@@ -206,7 +203,7 @@ def _compile():
         for h in range(heads):
             row = x[h * D:(h + 1) * D]
             if norm == 1:
-                _rms_scale(row, w, eps)
+                _rms_norm(row, w, eps, row)
             for d in range(half):
                 a, b = row[d], row[d + half]
                 row[d] = a * cos[d] + (-b) * sin[d]
@@ -214,8 +211,9 @@ def _compile():
 
     @jit
     def _rope_attention(q, k, v, qb, kb, vb, qn, kn, sinks, norm, q_bias, k_bias, v_bias, has_sinks, clip, eps,
-                       cos, sin, kc, vc, pos, window, scale, out, parallel, attend):
-        """rope_attention; attend False: only the cache row, and the prepared q into out."""
+                       cos, sin, kc, vc, pos, lo, scale, out, parallel, attend):
+        """rope_attention over cache rows lo..pos; attend False: only the cache row, and the
+        prepared q into out."""
         kv_heads, D = kc.shape[1], kc.shape[2]
         heads = q.size // D
         group = heads // kv_heads
@@ -228,7 +226,6 @@ def _compile():
             for d in range(D):
                 kc[pos, h, d] = kw[h * D + d]
                 vc[pos, h, d] = vw[h * D + d]
-        lo = max(0, pos - window + 1) if window > 0 else 0
         if not attend:
             out[:] = qw
         elif parallel:
