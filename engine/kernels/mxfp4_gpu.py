@@ -15,8 +15,20 @@ weights' contribution). Every product is exact in float32 and summed in float32;
 rounded once to x's dtype, as F.linear does.
 
   T == 1        GEMV: a program owns BR output rows, walks their columns NB blocks of 32 at a
-                time (16 bytes and one scale per block per row), multiplies the low and high
-                nibbles by x's even and odd columns, sums each block and scales it once.
+                time (16 bytes and one scale per block per row) and scales each block's sum once.
+                float32 x: each code decoded to float32 (a table shift, its sign), times x's
+                column, summed in float32 (about a dozen instructions a weight: on an H200 this
+                loop, not the memory, bounds the kernel).
+                bf16/fp16 x (H2): two codes at once, in the two fp16 lanes of a 32-bit word.
+                A code's bits go straight into an fp16's sign, exponent and mantissa: e2m1 is
+                an fp16 with two exponent bits, so (sign << 15) | (magnitude << 9) is the
+                code's value times 2^-14, exact (code 1 is an fp16 subnormal). One fma.rn.f16x2
+                then multiplies two weights by two of x's columns (pack_x: x times 2^14 / the
+                block's largest |x|, in fp16 pairs) and adds them to a word's fp16 partial sums;
+                the four partials of a block are summed in float32 and scaled by the weights'
+                and x's block scales. About two instructions a weight; products lie in [-6, 6]
+                and a lane sums four, so fp16 keeps 11 bits of each, below the bf16 output's
+                rounding.
   T <= 16       GEMM: the same tiles dequantized in registers into [BR, 16 NB] halves (even and
                 odd columns) that feed two tl.dot with x's even and odd columns.
   T > 16        dequantized once into the workspace, then cuBLAS.
@@ -37,7 +49,7 @@ from moeferry.engine.kernels import hqq_gpu
 from moeferry.engine.kernels.hqq_gpu import KERNEL_CHOICES, tl, triton
 
 if triton is not None:
-    from moeferry.engine.kernels.hqq_gpu import _at_slot, _position_of_rank, _routed_slot
+    from moeferry.engine.kernels.hqq_gpu import _at_slot, _pack_h2, _position_of_rank, _routed_slot, _unpack_h2_sum
 from moeferry.engine.storage.mxfp4 import BLOCK, Mxfp4Matrix, dequantize
 
 # Set when these kernels failed at run time: "auto" then dequantizes for the rest of the process.
@@ -95,18 +107,34 @@ def _fused(x: torch.Tensor, w: Mxfp4Matrix) -> torch.Tensor:
     return y.view(*x.shape[:-1], w.rows)
 
 
-def gemv_config(rows: int, cols: int) -> dict:
-    """T == 1: BR rows per program (gpt-oss-20b's 2880 rows: 720 programs), NB blocks of 32
-    columns per step (16 bytes a thread at 4 warps)."""
-    nb = min(32, triton.next_power_of_2(cols // BLOCK))
-    return dict(BR=4, NB=nb, num_warps=4)
+def gemv_config(rows: int, cols: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """T == 1: BR rows per program (gpt-oss-20b's 2880 rows: 360 programs), NB blocks of 32
+    columns per step; H2 = the fp16-pair loop (bf16/fp16 x), else float32. BR 8 / NB 16 / 4
+    warps was the fastest float32 launch of benchmarks/mxfp4_sweep.py (2026-12-05, H200)."""
+    nb = min(16, triton.next_power_of_2(cols // BLOCK))
+    return dict(BR=8, NB=nb, num_warps=4, H2=dtype != torch.float32)
+
+
+def pack_x(x: torch.Tensor, kind: str = "mxfp4_x") -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, cols] -> (pairs int32 [R, cols / 2], block maxima float32 [R, cols / 32]) for the
+    H2 loop: column pairs (32b + 8k + p, 32b + 8k + 4 + p) of block b at int32 16b + 4p + k,
+    as fp16 lanes of x * 2^14 / max |x| over the block (into hqq_gpu's per-stream scratch)."""
+    R, cols = x.shape
+    nblk = cols // BLOCK
+    pairs = hqq_gpu._scratch.get(kind + "_pairs", R * cols // 2, torch.int32, x.device)[: R * cols // 2]
+    amax = hqq_gpu._scratch.get(kind + "_amax", R * nblk, torch.float32, x.device)[: R * nblk]
+    nb = min(32, triton.next_power_of_2(nblk))
+    _pack_x_kernel[(R, triton.cdiv(nblk, nb))](x, pairs, amax, nblk, x.stride(0), NB=nb, num_warps=4)
+    return pairs.view(R, cols // 2), amax.view(R, nblk)
 
 
 def gemv(x: torch.Tensor, w: Mxfp4Matrix, out: torch.Tensor, cfg: dict | None = None) -> torch.Tensor:
     """out [1, rows] = x [1, cols] @ dequantize(w).T."""
-    cfg = cfg or gemv_config(w.rows, w.cols)
-    _gemv_kernel[(triton.cdiv(w.rows, cfg["BR"]),)](x, out, w.blocks, w.scales, w.rows, w.cols // BLOCK,
-                                                    BR=cfg["BR"], NB=cfg["NB"], num_warps=cfg["num_warps"])
+    cfg = cfg or gemv_config(w.rows, w.cols, x.dtype)
+    pairs, amax = pack_x(x) if cfg["H2"] else (x, x)
+    _gemv_kernel[(triton.cdiv(w.rows, cfg["BR"]),)](x, pairs, amax, out, w.blocks, w.scales, w.rows, w.cols // BLOCK,
+                                                    BR=cfg["BR"], NB=cfg["NB"], H2=cfg["H2"],
+                                                    num_warps=cfg["num_warps"])
     return out
 
 
@@ -139,17 +167,21 @@ def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tenso
     lies s * slot_bytes bytes further. table [E] int32 (device): each expert's slot, read with
     ids [k] (device), so one CUDA graph of this serves any routing. cfg: (up, down) launch
     parameters as gemv_config's, to override the defaults (benchmarks/mxfp4_sweep.py).
+    With H2, h and then the activations go through pack_x first (four launches, not two).
     """
     w1, w3, w2 = experts["w1"], experts["w3"], experts["w2"]
     topk = ids.numel()
-    act = hqq_gpu._scratch.get("mxfp4_act", topk * w1.rows, h.dtype, h.device)
-    up, down = cfg or (gemv_config(w1.rows, w1.cols), gemv_config(w2.rows, w2.cols))
+    act = hqq_gpu._scratch.get("mxfp4_act", topk * w1.rows, h.dtype, h.device)[: topk * w1.rows]
+    up, down = cfg or (gemv_config(w1.rows, w1.cols, h.dtype), gemv_config(w2.rows, w2.cols, h.dtype))
+    pairs, amax = pack_x(h.view(1, -1), "mxfp4_h") if up["H2"] else (h, h)
     _moe_up_kernel[(triton.cdiv(w1.rows, up["BR"]), topk)](
-        h, act, ids, table, slot_bytes, w1.blocks, w1.scales, experts["b1"], w3.blocks, w3.scales, experts["b3"],
-        w1.rows, w1.cols // BLOCK, alpha, limit, BR=up["BR"], NB=up["NB"], num_warps=up["num_warps"])
+        h, pairs, amax, act, ids, table, slot_bytes, w1.blocks, w1.scales, experts["b1"], w3.blocks, w3.scales,
+        experts["b3"], w1.rows, w1.cols // BLOCK, alpha, limit, BR=up["BR"], NB=up["NB"], H2=up["H2"],
+        num_warps=up["num_warps"])
+    pairs, amax = pack_x(act.view(topk, w2.cols), "mxfp4_act") if down["H2"] else (act, act)
     _moe_down_kernel[(triton.cdiv(w2.rows, down["BR"]),)](
-        act, out, ids, weights, table, slot_bytes, w2.blocks, w2.scales, experts["b2"], w2.rows, w2.cols // BLOCK,
-        TOPK=topk, BR=down["BR"], NB=down["NB"], num_warps=down["num_warps"])
+        act, pairs, amax, out, ids, weights, table, slot_bytes, w2.blocks, w2.scales, experts["b2"], w2.rows,
+        w2.cols // BLOCK, TOPK=topk, BR=down["BR"], NB=down["NB"], H2=down["H2"], num_warps=down["num_warps"])
     return out
 
 
@@ -208,10 +240,90 @@ if triton is not None:
             acc += tl.sum(part, axis=2) * scale
         return tl.sum(acc, axis=1)
 
+    # -- the H2 loop: two codes per fp16x2 instruction ---------------------------------------
+    _MAG2 = tl.constexpr(0x0E000E00)  # an fp16 lane's two low exponent bits and top mantissa bit
+    _SIGN2 = tl.constexpr(0x80008000 - (1 << 32))  # the lanes' sign bits, as int32
+
+    if hqq_gpu._interpreting():  # no PTX: the same arithmetic lane by lane, rounded to fp16
+        @triton.jit
+        def _h2_lane(v, i: tl.constexpr):
+            return ((v >> (16 * i)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+        @triton.jit
+        def _fma_h2(a, b, c):
+            return _pack_h2(_h2_lane(a, 0) * _h2_lane(b, 0) + _h2_lane(c, 0),
+                            _h2_lane(a, 1) * _h2_lane(b, 1) + _h2_lane(c, 1))
+    else:
+        @triton.jit
+        def _fma_h2(a, b, c):
+            """a * b + c in each fp16 lane of the int32s (one fma.rn.f16x2)."""
+            return tl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+
     @triton.jit
-    def _gemv_kernel(x_ptr, out_ptr, b_ptr, s_ptr, rows, nblk, BR: tl.constexpr, NB: tl.constexpr):
+    def _e2m1_h2(w, P: tl.constexpr):
+        """The codes of columns 8k + P and 8k + 4 + P of int32 word w (its nibbles are columns
+        8k..8k+7) as fp16 lanes holding their values times 2^-14."""
+        if P == 0:
+            t = ((w << 9) & _MAG2) | ((w << 12) & _SIGN2)
+        elif P == 1:
+            t = ((w << 5) & _MAG2) | ((w << 8) & _SIGN2)
+        elif P == 2:
+            t = ((w << 1) & _MAG2) | ((w << 4) & _SIGN2)
+        else:
+            t = ((w >> 3) & _MAG2) | (w & _SIGN2)
+        return t
+
+    @triton.jit
+    def _gemv_rows_h2(pairs_ptr, amax_ptr, b_ptr, s_ptr, r, rows, nblk, NB: tl.constexpr):
+        """float32 [BR]: x packed by pack_x (pairs, block maxima) times rows r of the matrix."""
+        k = tl.arange(0, 4)
+        words_ptr = b_ptr.to(tl.pointer_type(tl.int32))
+        acc = tl.zeros((r.shape[0], NB), tl.float32)
+        for b0 in range(0, nblk, NB):
+            b = b0 + tl.arange(0, NB)
+            bmask = b < nblk
+            mask = (r[:, None] < rows) & bmask[None, :]
+            off = r.to(tl.int64)[:, None] * nblk + b[None, :]
+            words = tl.load(words_ptr + off[:, :, None] * 4 + k[None, None, :], mask=mask[:, :, None], other=0)
+            part = tl.zeros(words.shape, tl.int32)  # [BR, NB, 4]: each word's two fp16 partial sums
+            for p in tl.static_range(4):
+                xp = tl.load(pairs_ptr + b[:, None] * 16 + p * 4 + k[None, :], mask=bmask[:, None], other=0)
+                part = _fma_h2(_e2m1_h2(words, p), xp[None], part)
+            scale = (tl.load(s_ptr + off, mask=mask, other=0).to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            amax = tl.load(amax_ptr + b, mask=bmask, other=0.0)
+            acc += tl.sum(_unpack_h2_sum(part), axis=2) * scale * amax[None, :]
+        return tl.sum(acc, axis=1)
+
+    @triton.jit
+    def _rows(x_ptr, pairs_ptr, amax_ptr, b_ptr, s_ptr, r, rows, nblk, NB: tl.constexpr, H2: tl.constexpr):
+        if H2:
+            y = _gemv_rows_h2(pairs_ptr, amax_ptr, b_ptr, s_ptr, r, rows, nblk, NB)
+        else:
+            y = _gemv_rows(x_ptr, b_ptr, s_ptr, r, rows, nblk, NB)
+        return y
+
+    @triton.jit
+    def _pack_x_kernel(x_ptr, pairs_ptr, amax_ptr, nblk, stride_x, NB: tl.constexpr):
+        """pack_x for row pid 0, blocks [pid 1 NB, +NB)."""
+        row = tl.program_id(0)
+        b = tl.program_id(1) * NB + tl.arange(0, NB)
+        p = tl.arange(0, 4)
+        bmask = (b < nblk)[:, None, None]
+        col = b[:, None, None] * _B + 8 * tl.arange(0, 4)[None, None, :] + p[None, :, None]  # [NB, p, k]
+        lo = tl.load(x_ptr + row * stride_x + col, mask=bmask, other=0.0).to(tl.float32)
+        hi = tl.load(x_ptr + row * stride_x + col + 4, mask=bmask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2), axis=1)  # [NB]
+        f = tl.where(amax > 0, 16384.0 / tl.maximum(amax, 1e-30), 0.0)[:, None, None]
+        out = row * nblk * 16 + b[:, None, None] * 16 + p[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+        tl.store(pairs_ptr + out, _pack_h2(lo * f, hi * f), mask=bmask)
+        tl.store(amax_ptr + row * nblk + b, amax, mask=b < nblk)
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, pairs_ptr, amax_ptr, out_ptr, b_ptr, s_ptr, rows, nblk, BR: tl.constexpr,
+                     NB: tl.constexpr, H2: tl.constexpr):
         r = tl.program_id(0) * BR + tl.arange(0, BR)
-        y = _gemv_rows(x_ptr, b_ptr, s_ptr, r, rows, nblk, NB)
+        y = _rows(x_ptr, pairs_ptr, amax_ptr, b_ptr, s_ptr, r, rows, nblk, NB, H2)
         tl.store(out_ptr + r, y.to(out_ptr.dtype.element_ty), mask=r < rows)
 
     @triton.jit
@@ -279,8 +391,9 @@ if triton is not None:
         return _round(_round(up + 1.0, dt) * glu, dt)
 
     @triton.jit
-    def _moe_up_kernel(x_ptr, act_ptr, ids_ptr, table_ptr, slot_bytes, b1_ptr, s1_ptr, bias1_ptr,
-                       b3_ptr, s3_ptr, bias3_ptr, rows, nblk, alpha, limit, BR: tl.constexpr, NB: tl.constexpr):
+    def _moe_up_kernel(x_ptr, pairs_ptr, amax_ptr, act_ptr, ids_ptr, table_ptr, slot_bytes, b1_ptr, s1_ptr,
+                       bias1_ptr, b3_ptr, s3_ptr, bias3_ptr, rows, nblk, alpha, limit, BR: tl.constexpr,
+                       NB: tl.constexpr, H2: tl.constexpr):
         """act[kpos] = clamped_swiglu(x W1.T + b1, x W3.T + b3) of the expert at top-k position
         kpos (grid axis 1), rows [pid BR, +BR)."""
         kpos = tl.program_id(1)
@@ -288,17 +401,18 @@ if triton is not None:
         dt: tl.constexpr = act_ptr.dtype.element_ty
         r = tl.program_id(0) * BR + tl.arange(0, BR)
         mask = r < rows
-        gate = _gemv_rows(x_ptr, _at_slot(b1_ptr, slot, slot_bytes), _at_slot(s1_ptr, slot, slot_bytes),
-                          r, rows, nblk, NB)
-        up = _gemv_rows(x_ptr, _at_slot(b3_ptr, slot, slot_bytes), _at_slot(s3_ptr, slot, slot_bytes),
-                        r, rows, nblk, NB)
+        gate = _rows(x_ptr, pairs_ptr, amax_ptr, _at_slot(b1_ptr, slot, slot_bytes),
+                     _at_slot(s1_ptr, slot, slot_bytes), r, rows, nblk, NB, H2)
+        up = _rows(x_ptr, pairs_ptr, amax_ptr, _at_slot(b3_ptr, slot, slot_bytes),
+                   _at_slot(s3_ptr, slot, slot_bytes), r, rows, nblk, NB, H2)
         gate = _biased(gate, _at_slot(bias1_ptr, slot, slot_bytes), r, mask, dt)
         up = _biased(up, _at_slot(bias3_ptr, slot, slot_bytes), r, mask, dt)
         tl.store(act_ptr + kpos * rows + r, _clamped_swiglu(gate, up, alpha, limit, dt).to(dt), mask=mask)
 
     @triton.jit
-    def _moe_down_kernel(act_ptr, out_ptr, ids_ptr, weights_ptr, table_ptr, slot_bytes, b_ptr, s_ptr, bias_ptr,
-                         rows, nblk, TOPK: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr):
+    def _moe_down_kernel(act_ptr, pairs_ptr, amax_ptr, out_ptr, ids_ptr, weights_ptr, table_ptr, slot_bytes,
+                         b_ptr, s_ptr, bias_ptr, rows, nblk, TOPK: tl.constexpr, BR: tl.constexpr,
+                         NB: tl.constexpr, H2: tl.constexpr):
         """out rows [pid BR, +BR) = the weighted sum over the top-k of act[kpos] W2.T + b2, each
         expert's output rounded to out's dtype, times its weight, rounded, added in ascending
         expert order (the eager path's order: out starts at zero)."""
@@ -309,8 +423,8 @@ if triton is not None:
         for rank in tl.static_range(TOPK):
             kr = _position_of_rank(ids_ptr, rank, TOPK)
             slot = _routed_slot(ids_ptr, table_ptr, kr)
-            y = _gemv_rows(act_ptr + kr * (nblk * _B), _at_slot(b_ptr, slot, slot_bytes),
-                           _at_slot(s_ptr, slot, slot_bytes), r, rows, nblk, NB)
+            y = _rows(act_ptr + kr * (nblk * _B), pairs_ptr + kr * (nblk * 16), amax_ptr + kr * nblk,
+                      _at_slot(b_ptr, slot, slot_bytes), _at_slot(s_ptr, slot, slot_bytes), r, rows, nblk, NB, H2)
             y = _biased(y, _at_slot(bias_ptr, slot, slot_bytes), r, mask, dt)
             total = _round(total + _round(y * tl.load(weights_ptr + kr), dt), dt)
         tl.store(out_ptr + r, total.to(dt), mask=mask)

@@ -86,6 +86,45 @@ def test_fused_equals_the_reference(rows, cols, dtype, T):
 
 
 @fused
+def test_pack_x_lays_out_fp16_pairs_of_each_block():
+    """Block b's pair (8k + p, 8k + 4 + p) at int32 16b + 4p + k, lanes x * 2^14 / max |x|."""
+    x = torch.randn(3, 96, device=DEVICE) * torch.tensor([1e-3, 1.0, 300.0], device=DEVICE)[:, None]
+    x[2, 32:64] = 0  # an all-zero block
+    pairs, amax = M.pack_x(x)
+    lanes = pairs.cpu().view(torch.float16).float().view(3, 3, 4, 4, 2)  # [row, block, p, k, lane]
+    want_amax = x.view(3, 3, 32).abs().amax(-1)
+    assert torch.equal(amax.cpu(), want_amax.cpu())
+    scaled = (x.view(3, 3, 32) * 16384 / want_amax.clamp_min(1e-30)[..., None]).cpu()
+    for b in range(3):
+        for p in range(4):
+            for k in range(4):
+                got = lanes[:, b, p, k]
+                want = torch.stack([scaled[:, b, 8 * k + p], scaled[:, b, 8 * k + 4 + p]], -1)
+                torch.testing.assert_close(got, want.half().float(), rtol=0, atol=0)
+    assert torch.equal(lanes[2, 1], torch.zeros(4, 4, 2))
+
+
+@fused
+@pytest.mark.parametrize("rows,cols", SHAPES)
+def test_the_fp16_pair_loop_stays_within_fp16_of_the_product(rows, cols):
+    """H2 (the bf16/fp16 default) forced on float32 x: every code's lane decoding, the pairs'
+    order and the block scales, to fp16's precision of x and of the partial sums."""
+    w = matrix(rows, cols, seed=rows)
+    x = torch.randn(1, cols, device=DEVICE)
+    out = torch.empty(1, rows, device=DEVICE)
+    M.gemv(x, w, out, dict(M.gemv_config(rows, cols, torch.float32), H2=True))
+    ref64 = x.double() @ mxfp4.dequantize(w, torch.float64).T
+    assert rel_err(out, ref64) < 3e-3
+
+
+def test_h2_is_the_default_for_half_precision_activations():
+    if M.triton is None:
+        pytest.skip("needs Triton")
+    assert M.gemv_config(2880, 2880, torch.bfloat16)["H2"] and M.gemv_config(2880, 2880, torch.float16)["H2"]
+    assert not M.gemv_config(2880, 2880, torch.float32)["H2"]
+
+
+@fused
 @pytest.mark.parametrize("T", [16, 17, 40])
 def test_prefill_paths(T):
     """The GEMM's last token count and the dequantize + matmul path beyond it."""
@@ -187,3 +226,8 @@ def test_moe_decode_matches_the_per_expert_path(topk, dtype):
                            lambda s: {k: v.double() if isinstance(v, torch.Tensor) else v
                                       for k, v in views(s).items()}, alpha, limit)
     assert rel_err(out, want64) < (1e-5 if dtype == torch.float32 else 3e-2)
+    if dtype == torch.float32:  # the fp16-pair loop (bf16's default) on float32, h and act packed
+        cfg = (dict(M.gemv_config(ffn, hidden, dtype), H2=True), dict(M.gemv_config(hidden, ffn, dtype), H2=True))
+        M.moe_decode(h, views(0), slots.shape[1], ids.to(DEVICE), weights.to(DEVICE),
+                     table.to(DEVICE, torch.int32), out, alpha, limit, cfg)
+        assert rel_err(out, want64) < 5e-3
