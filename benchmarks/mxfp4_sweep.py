@@ -49,7 +49,7 @@ def main(out: str | None = None, *flags: str) -> int:
     h = torch.randn(1, cfg.hidden_size, generator=gen).to(dev, torch.bfloat16)
     out_buf = torch.zeros(CALLS, cfg.hidden_size, dtype=torch.bfloat16, device=dev)
     default = (mxfp4_gpu.gemv_config(experts["w1"].rows, experts["w1"].cols),
-               mxfp4_gpu.gemv_config(experts["w2"].rows, experts["w2"].cols))
+               mxfp4_gpu.gemv_config(experts["w2"].rows, experts["w2"].cols, br=4, nb=32))
 
     def calls(c):
         for n in range(CALLS):

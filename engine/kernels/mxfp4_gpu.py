@@ -107,12 +107,13 @@ def _fused(x: torch.Tensor, w: Mxfp4Matrix) -> torch.Tensor:
     return y.view(*x.shape[:-1], w.rows)
 
 
-def gemv_config(rows: int, cols: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+def gemv_config(rows: int, cols: int, dtype: torch.dtype = torch.bfloat16, br: int = 8, nb: int = 16) -> dict:
     """T == 1: BR rows per program (gpt-oss-20b's 2880 rows: 360 programs), NB blocks of 32
-    columns per step; H2 = the fp16-pair loop (bf16/fp16 x), else float32. BR 8 / NB 16 / 4
-    warps was the fastest float32 launch of benchmarks/mxfp4_sweep.py (2026-12-05, H200)."""
-    nb = min(16, triton.next_power_of_2(cols // BLOCK))
-    return dict(BR=8, NB=nb, num_warps=4, H2=dtype != torch.float32)
+    columns per step; H2 = the fp16-pair loop (bf16/fp16 x), else float32. The fastest launches
+    of benchmarks/mxfp4_sweep.py on gpt-oss-20b's layer (2026-12-05, H100 and H200): BR 8 / NB 16
+    / 4 warps for a lone matrix and the up kernel; the down kernel, whose programs walk the top-k
+    experts one after another, takes BR 4 / NB 32 (moe_decode)."""
+    return dict(BR=br, NB=min(nb, triton.next_power_of_2(cols // BLOCK)), num_warps=4, H2=dtype != torch.float32)
 
 
 def pack_x(x: torch.Tensor, kind: str = "mxfp4_x") -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,7 +173,7 @@ def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tenso
     w1, w3, w2 = experts["w1"], experts["w3"], experts["w2"]
     topk = ids.numel()
     act = hqq_gpu._scratch.get("mxfp4_act", topk * w1.rows, h.dtype, h.device)[: topk * w1.rows]
-    up, down = cfg or (gemv_config(w1.rows, w1.cols, h.dtype), gemv_config(w2.rows, w2.cols, h.dtype))
+    up, down = cfg or (gemv_config(w1.rows, w1.cols, h.dtype), gemv_config(w2.rows, w2.cols, h.dtype, br=4, nb=32))
     pairs, amax = pack_x(h.view(1, -1), "mxfp4_h") if up["H2"] else (h, h)
     _moe_up_kernel[(triton.cdiv(w1.rows, up["BR"]), topk)](
         h, pairs, amax, act, ids, table, slot_bytes, w1.blocks, w1.scales, experts["b1"], w3.blocks, w3.scales,
