@@ -9,11 +9,15 @@ call; every variant's outputs are checked against the default's:
     (128 x 2048) with 1, 2, 4 and 8 experts per logits program (decode.LOGIT_ROWS);
   * the 4-bit attention GEMVs (hqq_gpu.gemv, groups of 64, the store's 8-bit metadata) of
     gpt-oss-20b (q 4096 x 2880, o 2880 x 4096) and Qwen3-30B-A3B (q 4096 x 2048, o 2048 x 4096)
-    over benchmarks/kernel_bench.gemv_variants' packed-fp16 (H2) ones.
+    over benchmarks/kernel_bench.gemv_variants' packed-fp16 (H2) ones;
+  * Qwen3-30B-A3B's grouped 4-bit experts (hqq_gpu.moe_decode: 8 of 128 experts, each call its
+    own routing over one layer's 128 experts): the up kernel's launch parameters with the
+    default down, then the down kernel's with the best up.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import sys
@@ -111,10 +115,58 @@ def attention(rows: list) -> None:
         print(f"best attention {name}: {best[0]:.2f} us with {best[1]} (default {default_us:.2f})", flush=True)
 
 
+def moe_calls(h, experts, stride, ids, weights, table, out, cfg) -> None:
+    for n in range(CALLS):
+        hqq_gpu.moe_decode(h, experts, stride, ids[n], weights[n], table, out[n:n + 1], cfg)
+
+
+def qwen3_experts(rows: list) -> None:
+    from moeferry.engine.measure import bench
+    s = bench.build(1, 4, 4, log=lambda m: None, model="qwen3-30b-a3b")
+    cfg, dev = s.cfg, s.device
+    E, k = cfg.num_experts, cfg.top_k
+    slots = s.host[0].to(dev)
+    experts = bench.expert_views(cfg, s.fields, s.eq)(slots[0])
+    table = torch.arange(E, dtype=torch.int32, device=dev)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(CALLS)]).to(dev)
+    weights = torch.softmax(torch.randn(CALLS, k, generator=gen), -1).to(dev)
+    h = torch.randn(1, cfg.hidden_size, generator=gen).to(dev, torch.bfloat16)
+    out = torch.zeros(CALLS, cfg.hidden_size, dtype=torch.bfloat16, device=dev)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    w1, w2 = experts["w1"], experts["w2"]
+    base = [hqq_gpu.gemv_config(w.rows, w.cols, w.bits, w.group_size, sms) for w in (w1, w2)]
+    run = partial(moe_calls, h, experts, s.host.shape[2], ids, weights, table, out)
+    default_us = graph_us(partial(run, None))
+    want = out.clone()
+    rows.append(dict(kind="qwen3-experts", part="default", up=base[0], down=base[1], us=default_us))
+    print(f"qwen3 experts default: {default_us:.2f} us per call", flush=True)
+    best = [dict(base[0]), dict(base[1])]
+    for which in (0, 1):
+        top = default_us
+        for warps, nq, progs in itertools.product((4, 8), (1, 2, 4), (2, 4, 8)):
+            c = dict(base[which], BKO=32 * warps, NQ=nq, num_warps=warps, programs=progs * sms)
+            pair = (c, best[1]) if which == 0 else (best[0], c)
+            try:
+                us = graph_us(partial(run, pair))
+            except Exception as e:  # noqa: BLE001 - a variant Triton cannot build
+                print(f"qwen3 experts {c}: failed ({type(e).__name__})", flush=True)
+                continue
+            err = rel_err(out, want)
+            part = "up" if which == 0 else "down"
+            rows.append(dict(kind="qwen3-experts", part=part, up=pair[0], down=pair[1], us=us, rel_err=err))
+            print(f"qwen3 experts {part} warps {warps} NQ {nq} programs {progs}xSM: {us:.2f} us, "
+                  f"rel err {err:.1e}", flush=True)
+            if err < 1e-2 and us < top:
+                top, best[which] = us, c
+    print(f"best qwen3 experts: up {best[0]} down {best[1]} (default {default_us:.2f} us)", flush=True)
+
+
 def main(out: str | None = None) -> int:
     rows: list = []
     routers(rows)
     attention(rows)
+    qwen3_experts(rows)
     if out:
         Path(out).write_text(json.dumps(rows, indent=1, default=str))
     return 0
