@@ -141,9 +141,8 @@ def qwen3_experts(rows: list) -> None:
     want = out.clone()
     rows.append(dict(kind="qwen3-experts", part="default", up=base[0], down=base[1], us=default_us))
     print(f"qwen3 experts default: {default_us:.2f} us per call", flush=True)
-    best = [dict(base[0]), dict(base[1])]
+    best, top = [dict(base[0]), dict(base[1])], default_us
     for which in (0, 1):
-        top = default_us
         for warps, nq, progs in itertools.product((4, 8), (1, 2, 4), (2, 4, 8)):
             c = dict(base[which], BKO=32 * warps, NQ=nq, num_warps=warps, programs=progs * sms)
             pair = (c, best[1]) if which == 0 else (best[0], c)
