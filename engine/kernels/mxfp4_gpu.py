@@ -246,14 +246,11 @@ if triton is not None:
     _SIGN2 = tl.constexpr(0x80008000 - (1 << 32))  # the lanes' sign bits, as int32
 
     if hqq_gpu._interpreting():  # no PTX: the same arithmetic lane by lane, rounded to fp16
-        @triton.jit
-        def _h2_lane(v, i: tl.constexpr):
-            return ((v >> (16 * i)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        from moeferry.engine.kernels.hqq_gpu import _lane
 
         @triton.jit
         def _fma_h2(a, b, c):
-            return _pack_h2(_h2_lane(a, 0) * _h2_lane(b, 0) + _h2_lane(c, 0),
-                            _h2_lane(a, 1) * _h2_lane(b, 1) + _h2_lane(c, 1))
+            return _pack_h2(_lane(a, 0) * _lane(b, 0) + _lane(c, 0), _lane(a, 1) * _lane(b, 1) + _lane(c, 1))
     else:
         @triton.jit
         def _fma_h2(a, b, c):
