@@ -38,8 +38,8 @@ ATTENTION = {"gpt-oss-20b q": (4096, 2880), "gpt-oss-20b o": (2880, 4096),
              "qwen3-30b-a3b q": (4096, 2048), "qwen3-30b-a3b o": (2048, 4096)}
 
 
-def graph_us(calls) -> float:
-    """Median us per call of `calls` (CALLS calls) replayed as one CUDA graph."""
+def graph_us(calls, n_calls: int = CALLS) -> float:
+    """Median us per call of `calls` (n_calls calls) replayed as one CUDA graph: no launch gaps."""
     calls()  # compiles, fills the scratch buffers
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -52,7 +52,7 @@ def graph_us(calls) -> float:
         g.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / CALLS)
+        times.append(a.elapsed_time(b) * 1e3 / n_calls)
     return statistics.median(times)
 
 
@@ -120,12 +120,15 @@ def moe_calls(h, experts, stride, ids, weights, table, out, cfg) -> None:
         hqq_gpu.moe_decode(h, experts, stride, ids[n], weights[n], table, out[n:n + 1], cfg)
 
 
-def qwen3_experts(rows: list) -> None:
+def one_layer(model: str):
+    """Layer 0 of the benchmark's synthetic `model` (4-bit where HQQ), its E experts in cache slots
+    0..E-1, and CALLS tokens' routings: (synthetic, slot 0's expert views, table, ids, weights,
+    h [1, H] bf16, out [CALLS, H] bf16)."""
     from moeferry.engine.measure import bench
-    s = bench.build(1, 4, 4, log=lambda m: None, model="qwen3-30b-a3b")
+    s = bench.build(1, 4, 4, log=lambda m: None, model=model)
     cfg, dev = s.cfg, s.device
     E, k = cfg.num_experts, cfg.top_k
-    slots = s.host[0].to(dev)
+    slots = s.host[0].to(dev)  # [E, stride]: expert e in slot e
     experts = bench.expert_views(cfg, s.fields, s.eq)(slots[0])
     table = torch.arange(E, dtype=torch.int32, device=dev)
     gen = torch.Generator().manual_seed(0)
@@ -133,6 +136,11 @@ def qwen3_experts(rows: list) -> None:
     weights = torch.softmax(torch.randn(CALLS, k, generator=gen), -1).to(dev)
     h = torch.randn(1, cfg.hidden_size, generator=gen).to(dev, torch.bfloat16)
     out = torch.zeros(CALLS, cfg.hidden_size, dtype=torch.bfloat16, device=dev)
+    return s, experts, table, ids, weights, h, out
+
+
+def qwen3_experts(rows: list) -> None:
+    s, experts, table, ids, weights, h, out = one_layer("qwen3-30b-a3b")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     w1, w2 = experts["w1"], experts["w2"]
     base = [hqq_gpu.gemv_config(w.rows, w.cols, w.bits, w.group_size, sms) for w in (w1, w2)]

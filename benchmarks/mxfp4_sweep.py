@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,26 +27,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.decode_sweep import CALLS, graph_us, one_layer  # noqa: E402
 from moeferry.engine.kernels import mxfp4_gpu  # noqa: E402
 from moeferry.engine.measure import bench  # noqa: E402
 
-CALLS = 64
 CONFIGS = [dict(BR=br, NB=nb, num_warps=w, H2=True) for br, nb, w in itertools.product((4, 8, 16), (8, 16, 32), (4, 8))]
 FLOAT32 = dict(BR=8, NB=16, num_warps=4, H2=False)
 
 
 def main(out: str | None = None, *flags: str) -> int:
-    s = bench.build(1, 4, 4, log=lambda m: None, model="gpt-oss-20b")
-    cfg, dev = s.cfg, s.device
-    E, k = cfg.num_experts, cfg.top_k
-    slots = s.host[0].to(dev)  # [E, stride]: expert e in slot e
-    experts = bench.expert_views(cfg, s.fields, s.eq)(slots[0])
-    table = torch.arange(E, dtype=torch.int32, device=dev)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(CALLS)]).to(dev)
-    weights = torch.softmax(torch.randn(CALLS, k, generator=gen), -1).to(dev)
-    h = torch.randn(1, cfg.hidden_size, generator=gen).to(dev, torch.bfloat16)
-    out_buf = torch.zeros(CALLS, cfg.hidden_size, dtype=torch.bfloat16, device=dev)
+    s, experts, table, ids, weights, h, out_buf = one_layer("gpt-oss-20b")
+    cfg = s.cfg
     default = (mxfp4_gpu.gemv_config(experts["w1"].rows, experts["w1"].cols),
                mxfp4_gpu.gemv_config(experts["w2"].rows, experts["w2"].cols, br=4, nb=32))
 
@@ -57,20 +47,7 @@ def main(out: str | None = None, *flags: str) -> int:
                                  cfg.swiglu_alpha, cfg.swiglu_limit, c)
 
     def timed(c) -> tuple[float, torch.Tensor]:
-        calls(c)  # compiles
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            calls(c)
-        times = []
-        for _ in range(5):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1e3 / CALLS)
-        return statistics.median(times), out_buf.clone()
+        return graph_us(lambda: calls(c), CALLS), out_buf.clone()
 
     f32 = (FLOAT32, FLOAT32)
     f32_us, want = timed(f32)
