@@ -40,7 +40,6 @@ for HQQ's SwiGLU experts; it rounds where the eager per-expert path rounds.
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
@@ -176,35 +175,15 @@ def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tenso
     act = hqq_gpu._scratch.get("mxfp4_act", topk * w1.rows, h.dtype, h.device)[: topk * w1.rows]
     up, down = cfg or (gemv_config(w1.rows, w1.cols, h.dtype), gemv_config(w2.rows, w2.cols, h.dtype, br=4, nb=32))
     pairs, amax = pack_x(h.view(1, -1), "mxfp4_h") if up["H2"] else (h, h)
-    # the up kernel packs the activations for the down kernel itself where it can: an 8-row
-    # word of act per program and a bound on |act| (the clamp's) for every block's maximum
-    bound = act_bound(limit)
-    pack_act = down["H2"] and up["BR"] % 8 == 0 and bound is not None
-    if pack_act:
-        act_pairs = hqq_gpu._scratch.get("mxfp4_act_pairs", topk * w2.cols // 2, torch.int32, h.device)
-        act_amax = hqq_gpu._scratch.get("mxfp4_act_amax", topk * (w2.cols // BLOCK), torch.float32, h.device)
-    else:
-        act_pairs, act_amax = act, act
     _moe_up_kernel[(triton.cdiv(w1.rows, up["BR"]), topk)](
-        h, pairs, amax, act, act_pairs, act_amax, ids, table, slot_bytes, w1.blocks, w1.scales, experts["b1"],
-        w3.blocks, w3.scales, experts["b3"], w1.rows, w1.cols // BLOCK, alpha, limit, bound or 1.0,
-        BR=up["BR"], NB=up["NB"], H2=up["H2"], PACK_ACT=pack_act, num_warps=up["num_warps"])
-    if down["H2"] and not pack_act:
-        act_pairs, act_amax = pack_x(act.view(topk, w2.cols), "mxfp4_act")
+        h, pairs, amax, act, ids, table, slot_bytes, w1.blocks, w1.scales, experts["b1"], w3.blocks, w3.scales,
+        experts["b3"], w1.rows, w1.cols // BLOCK, alpha, limit, BR=up["BR"], NB=up["NB"], H2=up["H2"],
+        num_warps=up["num_warps"])
+    pairs, amax = pack_x(act.view(topk, w2.cols), "mxfp4_act") if down["H2"] else (act, act)
     _moe_down_kernel[(triton.cdiv(w2.rows, down["BR"]),)](
-        act, act_pairs, act_amax, out, ids, weights, table, slot_bytes, w2.blocks, w2.scales, experts["b2"],
-        w2.rows, w2.cols // BLOCK, TOPK=topk, BR=down["BR"], NB=down["NB"], H2=down["H2"],
-        num_warps=down["num_warps"])
+        act, pairs, amax, out, ids, weights, table, slot_bytes, w2.blocks, w2.scales, experts["b2"], w2.rows,
+        w2.cols // BLOCK, TOPK=topk, BR=down["BR"], NB=down["NB"], H2=down["H2"], num_warps=down["num_warps"])
     return out
-
-
-def act_bound(limit: float) -> float | None:
-    """A power of two at least |clamped_swiglu| can reach: (limit + 1) * limit (up + 1 at most
-    limit + 1, the gated half at most limit, and above -0.28 / alpha), None without a finite
-    positive limit."""
-    if not (0 < limit < math.inf):
-        return None
-    return float(2 ** math.ceil(math.log2((limit + 1) * limit)))
 
 
 def dequantize_fused(w: Mxfp4Matrix, dtype: torch.dtype) -> torch.Tensor:
@@ -410,12 +389,11 @@ if triton is not None:
         return _round(_round(up + 1.0, dt) * glu, dt)
 
     @triton.jit
-    def _moe_up_kernel(x_ptr, pairs_ptr, amax_ptr, act_ptr, act_pairs_ptr, act_amax_ptr, ids_ptr, table_ptr,
-                       slot_bytes, b1_ptr, s1_ptr, bias1_ptr, b3_ptr, s3_ptr, bias3_ptr, rows, nblk, alpha, limit,
-                       bound, BR: tl.constexpr, NB: tl.constexpr, H2: tl.constexpr, PACK_ACT: tl.constexpr):
+    def _moe_up_kernel(x_ptr, pairs_ptr, amax_ptr, act_ptr, ids_ptr, table_ptr, slot_bytes, b1_ptr, s1_ptr,
+                       bias1_ptr, b3_ptr, s3_ptr, bias3_ptr, rows, nblk, alpha, limit, BR: tl.constexpr,
+                       NB: tl.constexpr, H2: tl.constexpr):
         """act[kpos] = clamped_swiglu(x W1.T + b1, x W3.T + b3) of the expert at top-k position
-        kpos (grid axis 1), rows [pid BR, +BR). PACK_ACT: also act as pack_x lays it out, with
-        `bound` (act_bound) as every block's maximum."""
+        kpos (grid axis 1), rows [pid BR, +BR)."""
         kpos = tl.program_id(1)
         slot = _routed_slot(ids_ptr, table_ptr, kpos)
         dt: tl.constexpr = act_ptr.dtype.element_ty
@@ -427,16 +405,7 @@ if triton is not None:
                    _at_slot(s3_ptr, slot, slot_bytes), r, rows, nblk, NB, H2)
         gate = _biased(gate, _at_slot(bias1_ptr, slot, slot_bytes), r, mask, dt)
         up = _biased(up, _at_slot(bias3_ptr, slot, slot_bytes), r, mask, dt)
-        act = _clamped_swiglu(gate, up, alpha, limit, dt)
-        tl.store(act_ptr + kpos * rows + r, act.to(dt), mask=mask)
-        if PACK_ACT:  # BR is a multiple of 8: whole words, lanes (8k + p, 8k + 4 + p)
-            lo, hi = tl.split(tl.permute(tl.reshape(act * (16384.0 / bound), (BR // 8, 2, 4)), (0, 2, 1)))
-            col = tl.program_id(0) * BR + 8 * tl.arange(0, BR // 8)  # each word's first column
-            off = (kpos * (rows // 2) + (col // _B)[:, None] * 16 + tl.arange(0, 4)[None, :] * 4
-                   + ((col % _B) // 8)[:, None])
-            tl.store(act_pairs_ptr + off, _pack_h2(lo, hi), mask=(col < rows)[:, None])
-            first = (col % _B == 0) & (col < rows)
-            tl.store(act_amax_ptr + kpos * (rows // _B) + col // _B, tl.full(col.shape, bound, tl.float32), mask=first)
+        tl.store(act_ptr + kpos * rows + r, _clamped_swiglu(gate, up, alpha, limit, dt).to(dt), mask=mask)
 
     @triton.jit
     def _moe_down_kernel(act_ptr, pairs_ptr, amax_ptr, out_ptr, ids_ptr, weights_ptr, table_ptr, slot_bytes,

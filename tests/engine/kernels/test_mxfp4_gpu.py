@@ -5,8 +5,6 @@ CPU (float32: the interpreter's bf16 truncates). On the GPU machine:
 `pytest -m gpu tests/engine/kernels/test_mxfp4_gpu.py`.
 """
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -119,16 +117,6 @@ def test_the_fp16_pair_loop_stays_within_fp16_of_the_product(rows, cols):
     assert rel_err(out, ref64) < 3e-3
 
 
-def test_the_act_bound_holds_the_clamped_swiglu():
-    from moeferry.engine.runtime.model import clamped_swiglu
-    grid = torch.linspace(-1000, 1000, 20001, dtype=torch.float64)
-    for alpha, limit in ((1.702, 7.0), (1.702, 1.0), (0.5, 3.0)):
-        act = clamped_swiglu(grid[:, None], grid[None, ::50], alpha, limit)
-        bound = M.act_bound(limit)
-        assert act.abs().max() <= bound < 2 * (limit + 1) * limit and bound == 2 ** round(math.log2(bound))
-    assert M.act_bound(math.inf) is None and M.act_bound(0.0) is None
-
-
 def test_h2_is_the_default_for_half_precision_activations():
     if M.triton is None:
         pytest.skip("needs Triton")
@@ -239,18 +227,7 @@ def test_moe_decode_matches_the_per_expert_path(topk, dtype):
                                       for k, v in views(s).items()}, alpha, limit)
     assert rel_err(out, want64) < (1e-5 if dtype == torch.float32 else 3e-2)
     if dtype == torch.float32:  # the fp16-pair loop (bf16's default) on float32, h and act packed
-        for up_rows in (4, 8):  # pack_x packs act / the up kernel does it itself (last: read below)
-            cfg = (dict(M.gemv_config(ffn, hidden, dtype, br=up_rows), H2=True),
-                   dict(M.gemv_config(hidden, ffn, dtype), H2=True))
-            out.fill_(float("nan"))
-            M.moe_decode(h, views(0), slots.shape[1], ids.to(DEVICE), weights.to(DEVICE),
-                         table.to(DEVICE, torch.int32), out, alpha, limit, cfg)
-            assert rel_err(out, want64) < 5e-3
-        # as the up kernel left them: act's pairs and block maxima give back act
-        act = M.hqq_gpu._scratch.get("mxfp4_act", 0, dtype, torch.device(DEVICE))[:topk * ffn].view(topk, ffn)
-        pairs = M.hqq_gpu._scratch.get("mxfp4_act_pairs", 0, torch.int32, torch.device(DEVICE))[:topk * ffn // 2]
-        amax = M.hqq_gpu._scratch.get("mxfp4_act_amax", 0, torch.float32, torch.device(DEVICE))[:topk * ffn // 32]
-        lanes = pairs.cpu().view(torch.float16).float().view(topk, ffn // 32, 4, 4, 2)  # [k, block, p, word, lane]
-        back = lanes.permute(0, 1, 3, 4, 2).reshape(topk, ffn) * amax.cpu().repeat_interleave(32).view(topk, ffn) / 16384
-        assert torch.equal(amax.cpu(), torch.full_like(amax.cpu(), M.act_bound(limit)))
-        torch.testing.assert_close(back, act.cpu(), rtol=2e-3, atol=1e-4)
+        cfg = (dict(M.gemv_config(ffn, hidden, dtype), H2=True), dict(M.gemv_config(hidden, ffn, dtype), H2=True))
+        M.moe_decode(h, views(0), slots.shape[1], ids.to(DEVICE), weights.to(DEVICE),
+                     table.to(DEVICE, torch.int32), out, alpha, limit, cfg)
+        assert rel_err(out, want64) < 5e-3
