@@ -17,8 +17,8 @@ rounded once to x's dtype, as F.linear does.
   T == 1        GEMV: a program owns BR output rows, walks their columns NB blocks of 32 at a
                 time (16 bytes and one scale per block per row) and scales each block's sum once.
                 float32 x: each code decoded to float32 (a table shift, its sign), times x's
-                column, summed in float32 (about a dozen instructions a weight: on an H200 this
-                loop, not the memory, bounds the kernel).
+                column, summed in float32 (about a dozen instructions a weight: on an H200 and
+                an H100 this loop, not the memory, bounds the kernel).
                 bf16/fp16 x (H2): two codes at once, in the two fp16 lanes of a 32-bit word.
                 A code's bits go straight into an fp16's sign, exponent and mantissa: e2m1 is
                 an fp16 with two exponent bits, so (sign << 15) | (magnitude << 9) is the
@@ -110,9 +110,10 @@ def _fused(x: torch.Tensor, w: Mxfp4Matrix) -> torch.Tensor:
 def gemv_config(rows: int, cols: int, dtype: torch.dtype = torch.bfloat16, br: int = 8, nb: int = 16) -> dict:
     """T == 1: BR rows per program (gpt-oss-20b's 2880 rows: 360 programs), NB blocks of 32
     columns per step; H2 = the fp16-pair loop (bf16/fp16 x), else float32. The fastest launches
-    of benchmarks/mxfp4_sweep.py on gpt-oss-20b's layer (2026-12-05, H100 and H200): BR 8 / NB 16
-    / 4 warps for a lone matrix and the up kernel; the down kernel, whose programs walk the top-k
-    experts one after another, takes BR 4 / NB 32 (moe_decode)."""
+    of benchmarks/mxfp4_sweep.py on gpt-oss-20b's layer (2026-12-05: the float32 loop on an H200,
+    the fp16-pair loop on an H100): BR 8 / NB 16 / 4 warps for a lone matrix and the up kernel;
+    the down kernel, whose programs walk the top-k experts one after another, takes BR 4 / NB 32
+    with the fp16-pair loop (moe_decode)."""
     return dict(BR=br, NB=min(nb, triton.next_power_of_2(cols // BLOCK)), num_warps=4, H2=dtype != torch.float32)
 
 
