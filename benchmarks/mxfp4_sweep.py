@@ -51,7 +51,7 @@ def main(out: str | None = None, *flags: str) -> int:
 
     f32 = (FLOAT32, FLOAT32)
     f32_us, want = timed(f32)
-    rows = [{"part": "float32 loop", "up": f32[0], "down": f32[1], "us": f32_us, "max_diff": 0.0}]
+    rows = [{"part": "float32 loop", "up": f32[0], "down": f32[1], "us": f32_us, "max_rel_diff": 0.0}]
     print(f"float32 loop {f32}: {f32_us:.1f} us per call", flush=True)
     best = (float("inf"), default[0])
     for part in ("default", "up", "down"):

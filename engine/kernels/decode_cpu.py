@@ -141,8 +141,7 @@ def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
         clip or 0.0, eps, _flat(cos), _flat(sin), _into(k_cache).reshape(-1, kv_heads, D),
         _into(v_cache).reshape(-1, kv_heads, D), pos, lo, D ** -0.5, _into(out), _parallel(), compiled)
     if not compiled:  # out holds the prepared q
-        heads = q.numel() // D
-        q_ready = out.reshape(1, heads, D).clone()
+        q_ready = out.reshape(1, q.numel() // D, D)  # read whole before the copy writes out
         out.view(-1).copy_(grouped_attention(q_ready, k_cache[lo:pos + 1], v_cache[lo:pos + 1], None, sinks).view(-1))
 
 
