@@ -322,7 +322,7 @@ def gemv_pair(x: torch.Tensor, a: QMatrix, b: QMatrix, out_a: torch.Tensor, out_
 
 def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tensor,
                weights: torch.Tensor, table: torch.Tensor, out: torch.Tensor,
-               cfg: tuple[dict, dict] | None = None) -> torch.Tensor:
+               cfg: tuple[dict, dict] | None = None, late: torch.Tensor | None = None) -> torch.Tensor:
     """One token through its routed experts in two launches, with no host sync:
     out [1, H] = sum_k weights[k] * w2(silu(w1 h) * w3 h) of expert ids[k].
 
@@ -331,9 +331,17 @@ def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tenso
     by the kernels with ids [k] (device), so a CUDA graph of this serves any routing. The
     result equals the eager per-expert path's rounding step for step (see _moe_down_kernel).
     cfg: (up, down) launch parameters as gemv_config's, to override the defaults (tuning).
+
+    An expert whose table entry is -1 (not in place yet) is read from slot 0 instead, and out
+    is then left as it is: the layer's "hits first" launch (engine/runtime/model.py) runs before
+    the host has read the routing. `late` [n] (device) then runs only the experts at those top-k
+    positions, now in place, and writes out from every position's result: the others' stayed in
+    the down kernel's partials since that launch, so out is summed in the same order either way.
     """
     w1, w3, w2 = experts["w1"], experts["w3"], experts["w2"]
     topk = ids.numel()
+    launched = topk if late is None else late.numel()  # programs along grid axis 2
+    at = ids if late is None else late  # not read without LATE
     sms = _sm_count(h.device)
     x = h.reshape(-1)
     act = _scratch.get("act", topk * w1.rows, h.dtype, h.device)
@@ -343,17 +351,17 @@ def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tenso
         w1.rows, w1.cols, w1.bits, w1.group_size, sms, up_cfg, 2 * topk, h.dtype == torch.float32)
     ws = _scratch.get("partials", topk * split * 2 * w1.rows, torch.float32, h.device)
     cnt = _scratch.get("counters", topk * n_j, torch.int32, h.device, zero=True)
-    _moe_up_kernel[(n_j, split, topk)](x, act, ids, table, slot_bytes, *_common_args(w1), *_common_args(w3),
-                                       ws, cnt, *_sizes(w1), k_per_split, split, SPLIT=split > 1,
-                                       **_format(w1, bk), **consts)
-    # down: the weighted sum of w2 act[k]
+    _moe_up_kernel[(n_j, split, launched)](x, act, ids, at, table, slot_bytes, *_common_args(w1),
+                                           *_common_args(w3), ws, cnt, *_sizes(w1), k_per_split, split,
+                                           SPLIT=split > 1, LATE=late is not None, **_format(w1, bk), **consts)
+    # down: the weighted sum of w2 act[k]; its partials outlive the launch (for `late`)
     n_j, split, k_per_split, bk, consts = _gemv_launch(
         w2.rows, w2.cols, w2.bits, w2.group_size, sms, down_cfg, topk, h.dtype == torch.float32)
-    ws = _scratch.get("partials", topk * split * w2.rows, torch.float32, h.device)
+    ws = _scratch.get("down_partials", topk * split * w2.rows, torch.float32, h.device)
     cnt = _scratch.get("counters", n_j, torch.int32, h.device, zero=True)
-    _moe_down_kernel[(n_j, split, topk)](act, out, ids, weights, table, slot_bytes, *_common_args(w2), ws, cnt,
-                                         *_sizes(w2), k_per_split, split, TOPK=topk, **_format(w2, bk),
-                                         **consts)
+    _moe_down_kernel[(n_j, split, launched)](act, out, ids, at, weights, table, slot_bytes, *_common_args(w2), ws,
+                                             cnt, *_sizes(w2), k_per_split, split, launched * split, TOPK=topk,
+                                             LATE=late is not None, **_format(w2, bk), **consts)
     return out
 
 
@@ -772,8 +780,24 @@ if triton is not None:
 
     @triton.jit
     def _routed_slot(ids_ptr, table_ptr, kpos):
-        """Cache slot (int64) of the expert at top-k position kpos: table[ids[kpos]]."""
-        return tl.load(table_ptr + tl.load(ids_ptr + kpos)).to(tl.int64)
+        """Cache slot (int64) of the expert at top-k position kpos: table[ids[kpos]]; slot 0
+        for an expert not in place (-1), whose result is then not used."""
+        return tl.maximum(tl.load(table_ptr + tl.load(ids_ptr + kpos)), 0).to(tl.int64)
+
+    @triton.jit
+    def _position(at_ptr, LATE: tl.constexpr):
+        """The top-k position of this program (grid axis 2): itself, or with LATE the one at[it]."""
+        if LATE:
+            return tl.load(at_ptr + tl.program_id(2))
+        return tl.program_id(2)
+
+    @triton.jit
+    def _all_in_place(ids_ptr, table_ptr, TOPK: tl.constexpr):
+        """Whether every routed expert has a slot in the table (none is -1)."""
+        ok = True
+        for m in tl.static_range(TOPK):
+            ok = ok & (tl.load(table_ptr + tl.load(ids_ptr + m)) >= 0)
+        return ok
 
     @triton.jit
     def _swiglu(a, b, dt: tl.constexpr):
@@ -783,16 +807,16 @@ if triton is not None:
         return (s * b.to(dt).to(tl.float32)).to(dt)
 
     @triton.jit
-    def _moe_up_kernel(x_ptr, act_ptr, ids_ptr, table_ptr, slot_bytes,
+    def _moe_up_kernel(x_ptr, act_ptr, ids_ptr, at_ptr, table_ptr, slot_bytes,
                        a0, a1, a_s, a_z, a_sm, a_zm, b0, b1, b_s, b_z, b_sm, b_zm, ws_ptr, cnt_ptr,
                        G, rows, cols, Ms, Mz, k_per_split, n_split,
                        W0: tl.constexpr, W1: tl.constexpr, GS: tl.constexpr, SPLIT: tl.constexpr,
-                       SMODE: tl.constexpr, ZMODE: tl.constexpr,
+                       LATE: tl.constexpr, SMODE: tl.constexpr, ZMODE: tl.constexpr,
                        BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr, NQ: tl.constexpr,
                        H2: tl.constexpr, EVEN: tl.constexpr):
         """act[kpos] = silu(x @ W1.T) * (x @ W3.T) for the expert at top-k position kpos
-        (grid axis 2); W1 and W3 are read in the same loop. Split-K as _finish, per kpos."""
-        pid_k, kpos = tl.program_id(1), tl.program_id(2)
+        (_position); W1 and W3 are read in the same loop. Split-K as _finish, per kpos."""
+        pid_k, kpos = tl.program_id(1), _position(at_ptr, LATE)
         slot = _routed_slot(ids_ptr, table_ptr, kpos)
         ya, yb, n, j = _gemv_tiles(
             x_ptr, _at_slot(a0, slot, slot_bytes), _at_slot(a1, slot, slot_bytes),
@@ -819,18 +843,19 @@ if triton is not None:
         return kr
 
     @triton.jit
-    def _moe_down_kernel(act_ptr, out_ptr, ids_ptr, weights_ptr, table_ptr, slot_bytes,
+    def _moe_down_kernel(act_ptr, out_ptr, ids_ptr, at_ptr, weights_ptr, table_ptr, slot_bytes,
                          p0, p1, s_ptr, z_ptr, sm_ptr, zm_ptr, ws_ptr, cnt_ptr,
-                         G, rows, cols, Ms, Mz, k_per_split, n_split,
+                         G, rows, cols, Ms, Mz, k_per_split, n_split, parts,
                          W0: tl.constexpr, W1: tl.constexpr, GS: tl.constexpr,
-                         SMODE: tl.constexpr, ZMODE: tl.constexpr, TOPK: tl.constexpr,
+                         SMODE: tl.constexpr, ZMODE: tl.constexpr, TOPK: tl.constexpr, LATE: tl.constexpr,
                          BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr, NQ: tl.constexpr,
                          H2: tl.constexpr, EVEN: tl.constexpr):
-        """out = sum over the top-k of weight[kpos] * (act[kpos] @ W2.T), grid axis 2 = kpos.
-        Every (split, kpos) program stores a partial; the last one of a row tile adds them up as
-        the eager path does: each expert's output rounded to out's dtype, times its weight,
-        rounded, added in ascending expert order (transformers' order)."""
-        pid_k, kpos = tl.program_id(1), tl.program_id(2)
+        """out = sum over the top-k of weight[kpos] * (act[kpos] @ W2.T), kpos from _position.
+        Every (split, kpos) program stores a partial; the last of the `parts` programs of a row
+        tile adds up all TOPK positions' partials as the eager path does: each expert's output
+        rounded to out's dtype, times its weight, rounded, added in ascending expert order
+        (transformers' order). It writes out only when every routed expert was in place."""
+        pid_k, kpos = tl.program_id(1), _position(at_ptr, LATE)
         slot = _routed_slot(ids_ptr, table_ptr, kpos)
         y, _, n, j = _gemv_tiles(
             act_ptr + kpos * cols, _at_slot(p0, slot, slot_bytes), _at_slot(p1, slot, slot_bytes),
@@ -840,22 +865,22 @@ if triton is not None:
             G, cols, Ms, Mz, k_per_split, tl.program_id(0), pid_k,
             False, W0, W1, GS, SMODE, ZMODE, BJ, BKO, KV, NQ, H2, EVEN)
         mask = (j < G)[None, :]
-        parts = TOPK * n_split
         tl.store(ws_ptr + (kpos * n_split + pid_k) * rows + n, y, mask=mask)
         tl.debug_barrier()
         cnt = cnt_ptr + tl.program_id(0)
         if tl.atomic_add(cnt, 1) == parts - 1:
-            dt: tl.constexpr = out_ptr.dtype.element_ty
-            total = tl.zeros(y.shape, tl.float32)
-            for r in tl.static_range(TOPK):
-                kr = _position_of_rank(ids_ptr, r, TOPK)
-                ye = tl.load(ws_ptr + kr * n_split * rows + n, mask=mask, other=0.0, cache_modifier=".cg")
-                for s in range(1, n_split):
-                    ye += tl.load(ws_ptr + (kr * n_split + s) * rows + n, mask=mask, other=0.0,
-                                  cache_modifier=".cg")
-                ye = ye.to(dt).to(tl.float32) * tl.load(weights_ptr + kr)
-                total = (total + ye.to(dt).to(tl.float32)).to(dt).to(tl.float32)
-            tl.store(out_ptr + n, total.to(dt), mask=mask)
+            if _all_in_place(ids_ptr, table_ptr, TOPK):
+                dt: tl.constexpr = out_ptr.dtype.element_ty
+                total = tl.zeros(y.shape, tl.float32)
+                for r in tl.static_range(TOPK):
+                    kr = _position_of_rank(ids_ptr, r, TOPK)
+                    ye = tl.load(ws_ptr + kr * n_split * rows + n, mask=mask, other=0.0, cache_modifier=".cg")
+                    for s in range(1, n_split):
+                        ye += tl.load(ws_ptr + (kr * n_split + s) * rows + n, mask=mask, other=0.0,
+                                      cache_modifier=".cg")
+                    ye = ye.to(dt).to(tl.float32) * tl.load(weights_ptr + kr)
+                    total = (total + ye.to(dt).to(tl.float32)).to(dt).to(tl.float32)
+                tl.store(out_ptr + n, total.to(dt), mask=mask)
             tl.atomic_xchg(cnt, 0)
 
     @triton.jit

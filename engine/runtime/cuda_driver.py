@@ -36,6 +36,9 @@ def library():
         lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         lib.cuStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+        lib.cuMemcpyDtoHAsync_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        lib.cuEventQuery.argtypes = [ctypes.c_void_p]
+        lib.cuEventSynchronize.argtypes = [ctypes.c_void_p]
     except (OSError, AttributeError):
         raise UserError(f"PyTorch sees a CUDA GPU, but the NVIDIA driver's {LIBRARY} cannot be loaded; "
                         f"reinstall the NVIDIA driver, or run with --device cpu.") from None
@@ -50,6 +53,27 @@ def _check(code: int, call: str) -> None:
 def copy_to_device(dst: int, src: int, nbytes: int, stream: int) -> None:
     """Queue a copy of nbytes from host address src to device address dst on stream."""
     _check(library().cuMemcpyHtoDAsync_v2(dst, src, nbytes, stream), "a host-to-device copy")
+
+
+def copy_to_host(dst: int, src: int, nbytes: int, stream: int) -> None:
+    """Queue a copy of nbytes from device address src to (page-locked) host address dst on stream."""
+    _check(library().cuMemcpyDtoHAsync_v2(dst, src, nbytes, stream), "a device-to-host copy")
+
+
+NOT_READY = 600  # CUDA_ERROR_NOT_READY
+
+
+def done(event: int) -> bool:
+    """Whether the work before event's last record has run."""
+    code = library().cuEventQuery(event)
+    if code != NOT_READY:
+        _check(code, "an event query")
+    return code == 0
+
+
+def synchronize(event: int) -> None:
+    """Wait on the host until event's last record has run."""
+    _check(library().cuEventSynchronize(event), "an event synchronize")
 
 
 def record(event: int, stream: int) -> None:

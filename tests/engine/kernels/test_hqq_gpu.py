@@ -277,6 +277,37 @@ def test_moe_decode_matches_the_per_expert_path(bits, g, meta8, topk, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not K.fused_available(), reason="needs CUDA (or the Triton interpreter)")
+@pytest.mark.parametrize("topk,absent", [(3, (1,)), (4, (0, 3)), (2, (0, 1))])
+@pytest.mark.parametrize("programs", [None, 1])  # split-K as gemv_config chooses, and no split
+def test_moe_decode_runs_experts_not_in_place_late(topk, absent, programs):
+    """Experts whose table entry is -1 leave out untouched; run late once in place, out equals
+    one launch over all of them, bit for bit (the same partials, summed in the same order)."""
+    dtype = torch.bfloat16 if FUSED_DEVICE == "cuda" else torch.float32
+    n_experts, n_slots = 8, 5
+    slots, views = packed_expert_slots(128, 256, 4, 64, True, n_slots, FUSED_DEVICE, seed=topk)
+    gen = torch.Generator().manual_seed(topk)
+    ids = torch.randperm(n_experts, generator=gen)[:topk]
+    table = torch.full((n_experts,), -1, dtype=torch.int32)
+    table[ids] = torch.randperm(n_slots, generator=gen)[:topk].to(torch.int32)
+    weights = torch.softmax(torch.randn(topk, generator=gen), 0)
+    h = torch.randn(1, 128, generator=gen).to(FUSED_DEVICE, dtype)
+    cfg = None if programs is None else ({"programs": programs}, {"programs": programs})
+    args = (h, views(0), slots.shape[1], ids.to(FUSED_DEVICE), weights.to(FUSED_DEVICE))
+    whole = torch.full_like(h, float("nan"))
+    K.moe_decode(*args, table.to(FUSED_DEVICE), whole, cfg)
+    hits_first = table.clone()
+    hits_first[ids[list(absent)]] = -1
+    out = torch.full_like(h, float("nan"))
+    K.moe_decode(*args, hits_first.to(FUSED_DEVICE), out, cfg)
+    assert torch.isnan(out).all()  # not written: an expert was missing
+    K.moe_decode(*args, table.to(FUSED_DEVICE), out, cfg, late=torch.tensor(absent, device=FUSED_DEVICE))
+    assert torch.equal(out, whole)
+    K.moe_decode(*args, table.to(FUSED_DEVICE), out, cfg)  # the counters were left at zero
+    assert torch.equal(out, whole)
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("bits,g", [(2, 16), (3, 64)])
 def test_moe_decode_mixtral_shape_is_deterministic(bits, g):
