@@ -32,6 +32,7 @@ import torch
 
 from moeferry.engine.kernels import hqq_gpu, mxfp4_gpu
 from moeferry.engine.kernels.hqq_gpu import tl, triton
+from moeferry.engine.runtime import cuda_driver
 from moeferry.engine.runtime.model import EagerOps, Step, attention_options, distinct_ids, expand_units
 from moeferry.engine.storage.mxfp4 import Mxfp4Matrix
 
@@ -60,6 +61,10 @@ class FusedOps(EagerOps):
         self.at = distinct_ids((cfg.top_k,), dev)
         self.at_ids = distinct_ids((cfg.top_k,), dev)
         self.at_weights = torch.zeros(cfg.top_k, dtype=torch.float32, device=dev)
+        self.picks_host = None  # read_later's page-locked copy of Step.picks
+        if dev.type == "cuda":
+            self.device_index = dev.index if dev.index is not None else torch.cuda.current_device()
+            self.picks_read = cuda_driver.new_event(torch.cuda.current_stream(dev))
 
     def add_norm(self, x, delta, weight, out) -> None:
         add_rms_norm(x, delta, weight, self.m.cfg.rms_norm_eps, out)
@@ -115,6 +120,36 @@ class FusedOps(EagerOps):
             torch.index_select(weights, 0, self.at[:n], out=self.at_weights[:n])
             ids, weights = self.at_ids[:n], self.at_weights[:n]
         self.moe_decode(s.h, cache.slot_weights(mi, 0), cache.slot_bytes, ids, weights, cache.device_table(mi), s.out)
+
+    def late_experts(self, mi: int, s: Step, n: int) -> None:
+        """After experts() ran with some routed experts not in place (-1 in the table): those at
+        the n positions staged, now in place, and out from every position's result."""
+        cache = self.m.cache
+        hqq_gpu.moe_decode(s.h, cache.slot_weights(mi, 0), cache.slot_bytes, s.ids[mi, 0], s.weights[0],
+                           cache.device_table(mi), s.out, late=self.at[:n])
+
+    def late_supported(self, experts: dict) -> bool:
+        """Whether experts() leaves out alone for experts not in place and late_experts() runs
+        them (hqq_gpu.moe_decode's `late`; not MXFP4's kernels)."""
+        return not isinstance(experts["w1"], Mxfp4Matrix)
+
+    def read_later(self, picks: torch.Tensor, mi: int, n: int):
+        """Queue the copy of MoE layer mi's first n rows of picks (Step.picks) to the host now,
+        and return a function that waits for that copy alone (not for the work queued after it)
+        and gives the rows as lists."""
+        if self.m.device.type != "cuda":
+            return picks[mi, :n].tolist
+        if self.picks_host is None:
+            self.picks_host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=True)
+        src, dst = picks[mi, :n], self.picks_host[mi, :n]
+        stream = torch._C._cuda_getCurrentRawStream(self.device_index)
+        cuda_driver.copy_to_host(dst.data_ptr(), src.data_ptr(), dst.nbytes, stream)
+        cuda_driver.record(self.picks_read.cuda_event, stream)
+
+        def rows() -> list:
+            cuda_driver.synchronize(self.picks_read.cuda_event)
+            return dst.tolist()
+        return rows
 
     def grouped_supported(self, experts: dict) -> bool:
         """Whether a grouped kernel runs these expert views (of one cache slot) in this family."""

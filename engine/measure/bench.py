@@ -175,6 +175,7 @@ class NaiveCache(ExpertCache):
 
     policy = "naive"
     holds_every_expert = False
+    in_place_rows = False  # its table keeps the experts of steps gone (the model reads the routing first)
 
     def _fill(self, progress) -> None:
         if self.cuda:

@@ -13,7 +13,9 @@ run, else on the eager operations. The routed experts run in one of three ways, 
     with no host sync until the logits;
   * the grouped expert kernel (FusedOps.moe_decode, where the cache's expert format allows it):
     one graph per layer runs all routed experts (reading each one's slot from the cache's
-    device table) after the host's routing sync has made sure they are in place;
+    device table). With HQQ experts it runs before the host reads the routing, on the experts
+    already in place (OffloadedMixtral.hits_first); a second graph per count runs the misses
+    once copied. Otherwise it runs after the host's routing sync has made sure they are in place;
   * otherwise one graph per (layer, cache slot, top-k position) and expert.
 A forced routing (`model.routing`, engine/measure/routing.py) is written over the router's on the
 device before dispatch reads it: the graphs copy it from `forced`, which the host fills once
@@ -41,6 +43,9 @@ import torch
 from moeferry.engine.kernels import hqq_gpu
 from moeferry.engine.kernels.decode import FusedOps, add_rms_norm, rope_attention, route_topk
 from moeferry.engine.runtime.model import EagerOps, attention_options, distinct_ids
+
+
+HITS_FIRST = True  # the developer benchmark (benchmarks/hits_first_ab.py) turns it off to compare
 
 
 def use_cuda_graphs(model, on: bool = True) -> None:
@@ -142,6 +147,8 @@ class GraphedDecode:
                 self.ops.grouped = self.fast and self.can_group()
                 self.one_graph = self.ops.grouped and m.cache.holds_every_expert
                 self.s.resident = self.one_graph
+                self.ops.hits_first = (HITS_FIRST and self.ops.grouped and not self.one_graph and m.cache.in_place_rows
+                                       and self.ops.late_supported(m.cache.slot_weights(0, 0)))
             if self.s.cos.shape[0] != m.kv.capacity:  # a new KV cache: RoPE for its positions
                 self.s.cos, self.s.sin = self.rope_tables()
             self.graphs = {}
@@ -180,6 +187,9 @@ class GraphedDecode:
                 mi = layer["moe_index"]
                 if ops.grouped:
                     jobs[("moe", i)] = lambda mi=mi: ops.experts(mi, s, s.ids[mi])
+                    if ops.hits_first:  # the experts that were not in place, n of them
+                        for n in range(1, m.cfg.top_k + 1):
+                            jobs[("late", i, n)] = lambda mi=mi, n=n: ops.late_experts(mi, s, n)
                     if m.hybrid is not None:  # the GPU part of a layer that also runs CPU experts
                         for n in range(1, m.cfg.top_k):
                             jobs[("moe", i, n)] = lambda mi=mi, n=n: ops.experts(mi, s, s.ids[mi], n)

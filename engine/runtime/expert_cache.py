@@ -50,6 +50,7 @@ SERIALS = itertools.count()
 
 class ExpertCache:
     policy = "lru"  # the benchmark's baselines (engine/measure/bench.py) are other policies
+    in_place_rows = True  # send_in_place's rows hold: its table is -1 wherever no expert is resident
 
     def __init__(self, host: torch.Tensor, slots_per_layer: int, device: torch.device, make_views,
                  progress=None, decode=None, pace_cycles: int = 0):
@@ -70,12 +71,16 @@ class ExpertCache:
         self.slots = torch.empty((L, self.K, B), dtype=torch.uint8, device=device)
         self.views = [[make_views(self.slots[l, s]) for s in range(self.K)] for l in range(L)]
         self.lru: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(L)]  # expert -> slot
-        # The slot of each expert, on the device for kernels that pick their expert there
-        # (kernels.moe_decode); a host mirror takes the updates, sync_table() sends a layer's row.
-        # Entries of experts not resident are stale and never read.
-        self.table_host = torch.zeros((L, E), dtype=torch.int32, pin_memory=self.cuda)
+        # The slot of each expert, -1 if not resident, on the device for kernels that pick their
+        # expert there (kernels.moe_decode); a host mirror takes the updates, sync_table() sends a
+        # layer's row. send_in_place() sends instead the row a launch may trust before the routing
+        # is read: experts whose copy may not have landed are -1 there (own pinned rows, so that
+        # changes to the mirror made before that send has run cannot reach it).
+        self.table_host = torch.full((L, E), -1, dtype=torch.int32, pin_memory=self.cuda)
         self.table_np = self.table_host.numpy()  # writes through numpy: 20x cheaper than a tensor's
-        self.table = torch.zeros((L, E), dtype=torch.int32, device=device)
+        self.in_place_host = torch.full((L, E), -1, dtype=torch.int32, pin_memory=self.cuda)
+        self.in_place_np = self.in_place_host.numpy()
+        self.table = torch.full((L, E), -1, dtype=torch.int32, device=device)
         self.table_dirty: set[int] = set()
         self.unused_prefetch: list[set[int]] = [set() for _ in range(L)]
         self.stats = CacheStats()
@@ -97,6 +102,7 @@ class ExpertCache:
             # the copy stream has waited for the layer's last `free` (copies after the first skip the wait)
             self.free_awaited = [True] * L
         self.awaited = [[True] * self.K for _ in range(L)]  # the compute stream waited for the slot's last copy
+        self.landing_slots: list[dict[int, int]] = [{} for _ in range(L)]  # slot -> expert: copies not awaited
         self.in_use: list[set[int]] = [set() for _ in range(L)]  # slots acquired since the layer's last release
         self._fill(progress)
         # each copy's source and destination, made once: a view costs microseconds per copy
@@ -210,6 +216,7 @@ class ExpertCache:
         if self.cuda and not self.awaited[layer][slot]:
             cuda_driver.wait(self._compute_handle(), self.ready_handles[layer][slot])
             self.awaited[layer][slot] = True
+            self.landing_slots[layer].pop(slot, None)
         self.in_use[layer].add(slot)
         return self._weights(layer, slot), slot
 
@@ -225,6 +232,32 @@ class ExpertCache:
             else:
                 self.table[layer].copy_(self.table_host[layer])
             self.table_dirty.discard(layer)
+
+    def send_in_place(self, layer: int) -> np.ndarray:
+        """Send the layer's row as a launch queued now may read it, before the routing is read
+        and anything acquired (the model's hits-first launch): an expert whose copy has not
+        landed is -1, one whose copy has is awaited from now on. The row sent (host, int32 [E]).
+
+        The row's last send has run: the host has synced on a routing since (each layer's)."""
+        row = self.in_place_np[layer]
+        row[:] = self.table_np[layer]
+        landing = self.landing_slots[layer]
+        for slot, expert in list(landing.items()):
+            if LANDING_WAITS:
+                cuda_driver.wait(self._compute_handle(), self.ready_handles[layer][slot])
+            elif not cuda_driver.done(self.ready_handles[layer][slot]):
+                row[expert] = -1
+                continue
+            self.awaited[layer][slot] = True  # landed, or waited for: later work comes after it
+            del landing[slot]
+        if self.cuda:
+            src = self.in_place_host[layer]
+            cuda_driver.copy_to_device(self.table[layer].data_ptr(), src.data_ptr(), src.nbytes,
+                                       self._compute_handle())
+            self.table_dirty.add(layer)  # sync_table sends the whole row again before a late launch
+        else:
+            self.table[layer].copy_(self.table_host[layer])
+        return row
 
     def release(self, layer: int) -> None:
         """After the layer's experts of this step are queued: its slots may be copied over once
@@ -265,8 +298,11 @@ class ExpertCache:
 
     def _load(self, layer: int, expert: int, keep, slot: int | None = None) -> int:
         lru = self.lru[layer]
-        if slot is None:  # else the caller's choice (the benchmark's naive cache)
+        if slot is None:
             slot = len(lru) if len(lru) < self.K else self._evict(layer, keep)
+        elif (held := next((e for e, at in lru.items() if at == slot), None)) is not None:
+            del lru[held]  # the caller's choice of slot (the benchmark's naive cache)
+            self.table_np[layer, held] = -1
         lru[expert] = slot
         self.table_np[layer, expert] = slot
         self.table_dirty.add(layer)
@@ -281,6 +317,7 @@ class ExpertCache:
                 self._pace()
             cuda_driver.record(self.ready_handles[layer][slot], self.copy_handle)
             self.awaited[layer][slot] = False
+            self.landing_slots[layer][slot] = expert
             if self.link_s_per_byte:
                 start = max(time.perf_counter(), self.link_free_at)
                 self.link_free_at = self.ready_at[layer][slot] = start + self.B * self.link_s_per_byte
@@ -309,6 +346,7 @@ class ExpertCache:
         lru = self.lru[layer]
         victim = next((e for e in lru if e not in keep), next(iter(lru)))
         self.unused_prefetch[layer].discard(victim)
+        self.table_np[layer, victim] = -1
         return lru.pop(victim)
 
     def _decode(self, layer: int, slot: int) -> None:
@@ -340,6 +378,10 @@ def pin(host: torch.Tensor, progress=None) -> tuple[torch.Tensor, bool]:
             progress((layer + 1) / host.shape[0], "loading experts into pinned memory")
     return pinned, True
 
+
+# send_in_place: an expert whose copy is still landing is left to the late launch (False), or
+# the hits-first launch waits for its copy (True; the developer benchmark compares the two)
+LANDING_WAITS = False
 
 HUGE_PAGE = 2 << 20
 HUGE_PAGES = True  # pinned_empty's first choice; the developer benchmarks turn it off to compare

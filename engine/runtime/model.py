@@ -430,6 +430,9 @@ class OffloadedMixtral:
         if s.resident:
             ops.experts(mi, s, ids)
             return
+        if ops.hits_first and self.hybrid is None and (self.routing is None or s.forced is not None):
+            self.hits_first(i, s, ops, run, step)
+            return
         guesses = self.prefetcher.pending(self, mi, s)
         if self.routing is not None and s.forced is None:  # else the attention segment wrote it
             self.force_routing(mi, s, ids, guesses)
@@ -507,6 +510,41 @@ class OffloadedMixtral:
                 phases[name] = phases.get(name, 0.0) + b - a
             self.timeline.append(LayerTimes(i, copied, len(on_cpu), routed, marks[-1][1],
                                             job.seconds if job is not None else 0.0, phases))
+
+    def hits_first(self, i: int, s: Step, ops, run, step: list | None) -> None:
+        """Layer i's routed experts (one token, grouped kernels) without the device waiting for
+        the host: the experts already in place run at once, on the routing the device holds
+        (the slots the cache sent, send_in_place); only then does the host read the routing and
+        guesses (waiting for the router alone), acquire the experts (copying the misses in),
+        run those that were not in place (a late launch that also writes out) and prefetch.
+        In a layer without a miss the device has all it needs before the host looks."""
+        mi, cache = self.layers[i]["moe_index"], self.cache
+        in_place = cache.send_in_place(mi)
+        guesses = self.prefetcher.pending(self, mi, s)
+        read = ops.read_later(s.picks, mi, 1 + (0 if guesses is None else guesses.shape[0]))
+        run(("moe", i), lambda: ops.experts(mi, s, s.ids[mi]))
+        rows = read()
+        routed = time.perf_counter()
+        ids, guesses_host = rows[0], rows[1:]
+        resident = set(cache.lru[mi]) if self.timeline is not None else set()
+        if step is not None:
+            step.append((tuple(ids), cache.resident(mi)))
+        for e in ids:
+            cache.acquire(mi, e, keep=ids)
+        queued = time.perf_counter()
+        late = [k for k, e in enumerate(ids) if in_place[e] < 0]
+        if late:
+            cache.sync_table(mi)
+            ops.stage(late)
+            run(("late", i, len(late)), lambda: ops.late_experts(mi, s, len(late)))
+        launched = time.perf_counter()
+        cache.release(mi)
+        self.prefetcher.issue(cache, mi, guesses_host)
+        if self.timeline is not None:
+            done = time.perf_counter()
+            self.timeline.append(LayerTimes(mi, sum(e not in resident for e in ids), 0, routed, done, 0.0,
+                                            {"queue": queued - routed, "device": launched - queued,
+                                             "release": done - launched}))
 
     def force_routing(self, i: int, s: Step, ids: torch.Tensor, guesses: torch.Tensor | None) -> None:
         """Hand MoE layer i's routing to self.routing (engine/measure/routing.py); what it chooses
@@ -667,6 +705,7 @@ class EagerOps:
     the buffers it is given (the ones CUDA graphs bake in) or returns it."""
 
     grouped = False  # True: experts(), a layer's routed experts in one launch (FusedOps only)
+    hits_first = False  # True: the grouped launch may run before the routing is read (OffloadedMixtral.hits_first)
 
     def __init__(self, model: OffloadedMixtral):
         self.m = model

@@ -118,3 +118,33 @@ def test_cuda_new_graphs_leave_no_memory_behind(tmp_path):
         torch.cuda.synchronize()
         after.append(torch.cuda.memory_allocated())
     assert after[2] == after[1], after
+
+
+@pytest.mark.parametrize("landing_waits", [False, True])
+def test_cuda_hits_first_decode_equals_routing_first(tmp_path, landing_waits, monkeypatch):
+    """The grouped launch before the routing is read (experts in place first, the misses late)
+    gives the tokens and logits of the launch after it, for caches of 2 and 4 of 8 experts and
+    prefetch depths 0-2: slots being copied over while the first launch runs are never read."""
+    from moeferry.engine.runtime import decode_graphs, expert_cache
+
+    make_checkpoint(tmp_path / "ck", seed=7, num_key_value_heads=4, hidden_size=256, intermediate_size=512,
+                    num_local_experts=8, num_hidden_layers=4)
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st", 4, 4, "cuda")
+    monkeypatch.setattr(expert_cache, "LANDING_WAITS", landing_waits)
+    sampling = SamplingSettings(temperature=0, max_new_tokens=48)
+    for k in (2, 4):
+        for depth in (0, 1, 2):
+            runs = {}
+            for hits_first in (False, True):
+                monkeypatch.setattr(decode_graphs, "HITS_FIRST", hits_first)
+                engine = load_engine(tmp_path / "st", device="cuda", dtype="bfloat16", cache_experts=k,
+                                     prefetch=depth)
+                engine.eos_ids = set()
+                g, ran = engine.model.graphs, []
+                replay = g.run
+                g.run = lambda key, fn: (ran.append(key[0]), replay(key, fn))
+                runs[hits_first] = list(engine.generate_ids(PROMPT * 3, sampling))
+                assert g.ops.hits_first == hits_first
+                assert ("late" in ran) == hits_first  # misses: late launches (and only hits first has them)
+                engine.close()
+            assert runs[True] == runs[False], f"K={k} D={depth}"

@@ -117,12 +117,13 @@ def test_mxfp4_experts_decode_on_the_grouped_kernel_as_the_eager_layer(tmp_path)
     from tests.engine.test_families import mxfp4_checkpoint
     mxfp4_checkpoint(tmp_path / "ck")
     convert_checkpoint(tmp_path / "ck", tmp_path / "st", 16, 16, "cpu")
-    check_grouped_decode(tmp_path / "st", shared=False)
+    check_grouped_decode(tmp_path / "st", shared=False, mxfp4=True)
 
 
-def check_grouped_decode(store_dir, shared: bool):
+def check_grouped_decode(store_dir, shared: bool, mxfp4: bool = False):
     """Greedy tokens of the graphed decode on the grouped expert kernel equal the eager forward's,
-    with 2 experts cached per layer (a graph per layer) and with all of them (the one-graph token)."""
+    with 2 experts cached per layer (a graph per layer; HQQ experts: hits first, the misses in a
+    late launch) and with all of them (the one-graph token)."""
     greedy = SamplingSettings(temperature=0, max_new_tokens=NEW_TOKENS)
     E = None
     for k in (2, None):
@@ -138,8 +139,10 @@ def check_grouped_decode(store_dir, shared: bool):
         engine.cached_ids = []
         assert list(engine.generate_ids(PROMPT, greedy)) == want, f"K={k or E}"
         assert g.grouped and g.one_graph == (k is None)
+        assert g.ops.hits_first == (k is not None and not mxfp4)
         keys = {key[0] for key in g.graphs}
-        assert keys == ({"token"} if k is None else {"attention", "moe", "head"} | ({"shared"} if shared else set()))
+        assert keys == ({"token"} if k is None else {"attention", "moe", "head"} | ({"shared"} if shared else set())
+                        | ({"late"} if g.ops.hits_first else set()))
 
 
 @pytest.mark.skipif(not FUSED, reason="needs TRITON_INTERPRET=1 and Triton")
