@@ -44,7 +44,6 @@ from moeferry.engine.kernels import hqq_gpu
 from moeferry.engine.kernels.decode import FusedOps, add_rms_norm, rope_attention, route_topk
 from moeferry.engine.runtime.model import EagerOps, attention_options, distinct_ids
 
-
 HITS_FIRST = True  # the developer benchmark (benchmarks/hits_first_ab.py) turns it off to compare
 
 

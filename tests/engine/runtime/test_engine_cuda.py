@@ -141,8 +141,7 @@ def test_cuda_hits_first_decode_equals_routing_first(tmp_path, landing_waits, mo
                                      prefetch=depth)
                 engine.eos_ids = set()
                 g, ran = engine.model.graphs, []
-                replay = g.run
-                g.run = lambda key, fn: (ran.append(key[0]), replay(key, fn))
+                g.run = lambda key, fn, ran=ran, replay=g.run: (ran.append(key[0]), replay(key, fn))
                 runs[hits_first] = list(engine.generate_ids(PROMPT * 3, sampling))
                 assert g.ops.hits_first == hits_first
                 assert ("late" in ran) == hits_first  # misses: late launches (and only hits first has them)
