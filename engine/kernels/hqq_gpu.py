@@ -788,7 +788,7 @@ if triton is not None:
     def _position(at_ptr, LATE: tl.constexpr):
         """The top-k position of this program (grid axis 2): itself, or with LATE the one at[it]."""
         if LATE:
-            return tl.load(at_ptr + tl.program_id(2))
+            return tl.load(at_ptr + tl.program_id(2)).to(tl.int32)
         return tl.program_id(2)
 
     @triton.jit
