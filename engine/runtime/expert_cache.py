@@ -380,7 +380,7 @@ def pin(host: torch.Tensor, progress=None) -> tuple[torch.Tensor, bool]:
 
 
 # send_in_place: the hits-first launch waits for an expert whose copy is still landing (True), or
-# leaves it to the late launch (False). Waiting decoded Qwen3-30B-A3B 4-6 % faster at 12 GiB on
+# leaves it to the late launch (False). Waiting decoded Qwen3-30B-A3B 4-9 % faster at 12 GiB on
 # an H100 (benchmarks/hits_first_ab.py; docs/BENCHMARKS.md, 2026-12-05): a prefetched expert
 # has mostly landed by then, and a late launch costs more than the rest of its copy.
 LANDING_WAITS = True
