@@ -298,11 +298,8 @@ class ExpertCache:
 
     def _load(self, layer: int, expert: int, keep, slot: int | None = None) -> int:
         lru = self.lru[layer]
-        if slot is None:
+        if slot is None:  # else the caller's choice (the benchmark's naive cache)
             slot = len(lru) if len(lru) < self.K else self._evict(layer, keep)
-        elif (held := next((e for e, at in lru.items() if at == slot), None)) is not None:
-            del lru[held]  # the caller's choice of slot (the benchmark's naive cache)
-            self.table_np[layer, held] = -1
         lru[expert] = slot
         self.table_np[layer, expert] = slot
         self.table_dirty.add(layer)

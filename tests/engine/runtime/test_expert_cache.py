@@ -85,7 +85,8 @@ def test_all_experts_resident_copies_once_and_never_misses():
 def test_the_device_slot_table_follows_every_load():
     """kernels.moe_decode finds an expert through cache.table: after any mix of demand loads,
     prefetches and evictions, and a sync of the layer, the table gives the slot that really
-    holds each resident expert's bytes."""
+    holds each resident expert's bytes; the LRU cache's is -1 for every other expert, in the
+    row send_in_place sends too (hits first: the grouped launch runs only the experts listed)."""
     gen = torch.Generator().manual_seed(1)
     for policy, k in (("lru", 2), ("lru", 4), ("naive", 2)):
         cache = make_cache(k, policy)
@@ -101,6 +102,10 @@ def test_the_device_slot_table_follows_every_load():
             for e in set(needed) | set(cache.lru[layer]):  # this step's experts and all resident
                 slot = int(cache.table[layer, e])
                 assert int(cache.slots[layer, slot, 0]) == layer * E + e
+            if policy == "lru":
+                want = [cache.lru[layer].get(e, -1) for e in range(E)]
+                assert cache.table[layer].tolist() == want
+                assert cache.send_in_place(layer).tolist() == want == cache.table[layer].tolist()
 
 
 def test_a_fully_resident_or_no_copy_cache_has_a_fixed_table():
