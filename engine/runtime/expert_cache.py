@@ -256,7 +256,7 @@ class ExpertCache:
                                        self._compute_handle())
             self.table_dirty.add(layer)  # sync_table sends the whole row again before a late launch
         else:
-            self.table[layer].copy_(self.table_host[layer])
+            self.table[layer].copy_(self.in_place_host[layer])
         return row
 
     def release(self, layer: int) -> None:
