@@ -5,12 +5,13 @@
 On the benchmark's full-size synthetic model (uniform routing, 12 GiB, fused kernels, prompt 128,
 64 new tokens), in one process, taking turns: the routing read first (the layer's grouped launch
 after the host's sync and copies), hits first with experts whose copy is still landing run late,
-hits first waiting on those copies instead (expert_cache.LANDING_WAITS), the first again. lru
+hits first waiting on those copies instead (expert_cache.LANDING_WAIT_BYTES), the first again. lru
 (no prefetch) and full (prefetch 1) each. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -25,19 +26,21 @@ WAYS = (("routing first", False, False), ("hits first", True, False), ("hits fir
 
 
 def main(*specs: str) -> int:
+    wait_bytes = expert_cache.LANDING_WAIT_BYTES
     for spec in specs or ("qwen3-30b-a3b:4", "mixtral-8x7b:2"):
         model, bits = spec.split(":")
         torch.cuda.empty_cache()
         s = bench.build(None, int(bits), 4, log=lambda m: None, model=model)
         for name, hits_first, landing in WAYS:
-            decode_graphs.HITS_FIRST, expert_cache.LANDING_WAITS = hits_first, landing
+            decode_graphs.HITS_FIRST = hits_first
+            expert_cache.LANDING_WAIT_BYTES = math.inf if landing else 0
             rows = bench.measure(s, "12GiB", 128, 64, ("lru", "full"), ("fused",), 1, log=lambda m: None,
                                  cond=bench.Conditions(routing="uniform"))["results"]
             for r in rows:
                 print(f"{model} {bits}-bit 12GiB {r['mode']:4s} {name:28s} {r['decode_tokens_per_s']:7.2f} tok/s, "
                       f"hit rate {r.get('hit_rate', float('nan')):.2f}", flush=True)
         del s
-    decode_graphs.HITS_FIRST, expert_cache.LANDING_WAITS = True, False
+    decode_graphs.HITS_FIRST, expert_cache.LANDING_WAIT_BYTES = True, wait_bytes
     return 0
 
 

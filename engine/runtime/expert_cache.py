@@ -242,8 +242,9 @@ class ExpertCache:
         row = self.in_place_np[layer]
         row[:] = self.table_np[layer]
         landing = self.landing_slots[layer]
+        wait = self.B <= LANDING_WAIT_BYTES
         for slot, expert in list(landing.items()):
-            if LANDING_WAITS:
+            if wait:
                 cuda_driver.wait(self._compute_handle(), self.ready_handles[layer][slot])
             elif not cuda_driver.done(self.ready_handles[layer][slot]):
                 row[expert] = -1
@@ -376,11 +377,13 @@ def pin(host: torch.Tensor, progress=None) -> tuple[torch.Tensor, bool]:
     return pinned, True
 
 
-# send_in_place: the hits-first launch waits for an expert whose copy is still landing (True), or
-# leaves it to the late launch (False). Waiting decoded Qwen3-30B-A3B 4-9 % faster at 12 GiB on
-# an H100 (benchmarks/hits_first_ab.py; docs/BENCHMARKS.md, 2026-12-05): a prefetched expert
-# has mostly landed by then, and a late launch costs more than the rest of its copy.
-LANDING_WAITS = True
+# send_in_place: the hits-first launch waits for an expert still landing if it is at most this
+# big, else leaves it to the late launch, which waits only for the experts the routing needs.
+# Waiting for Qwen3-30B-A3B's 2.5 MB experts decoded 4-9 % faster at 12 GiB on an H100
+# (benchmarks/hits_first_ab.py; docs/BENCHMARKS.md, 2026-12-05): a prefetched expert has mostly
+# landed by then, and a late launch costs more than the rest of its copy. A wrong guess of
+# Mixtral's 50-66 MB would hold the launch for a millisecond (not measured).
+LANDING_WAIT_BYTES = 8 << 20
 
 HUGE_PAGE = 2 << 20
 HUGE_PAGES = True  # pinned_empty's first choice; the developer benchmarks turn it off to compare

@@ -1,5 +1,7 @@
 """The correctness tests again on CUDA (run on the GPU machine; skipped without a GPU)."""
 
+import math
+
 import pytest
 import torch
 
@@ -130,7 +132,7 @@ def test_cuda_hits_first_decode_equals_routing_first(tmp_path, landing_waits, mo
     make_checkpoint(tmp_path / "ck", seed=7, num_key_value_heads=4, hidden_size=256, intermediate_size=512,
                     num_local_experts=8, num_hidden_layers=4)
     convert_checkpoint(tmp_path / "ck", tmp_path / "st", 4, 4, "cuda")
-    monkeypatch.setattr(expert_cache, "LANDING_WAITS", landing_waits)
+    monkeypatch.setattr(expert_cache, "LANDING_WAIT_BYTES", math.inf if landing_waits else 0)
     sampling = SamplingSettings(temperature=0, max_new_tokens=48)
     for k in (2, 4):
         for depth in (0, 1, 2):
