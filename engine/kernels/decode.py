@@ -235,7 +235,10 @@ def route_topk(h: torch.Tensor, router: torch.Tensor, top_k: int, weights: torch
 
 
 FUSED_ROUTER_EXPERTS = 16  # routers this small are read and picked from in one program
-LOGIT_ROWS = 4  # experts per program of _router_logits_kernel
+# experts per program of _router_logits_kernel: 2 took gpt-oss-20b's router (32 x 2880) from 5.8
+# to 4.1 us and Qwen3-30B-A3B's (128 x 2048) from 7.0 to 5.7 us against 4, the same picks
+# (benchmarks/decode_sweep.py on an H100, 2026-12-05; 1 was within 0.1 us)
+LOGIT_ROWS = 2
 ROUTE_TILE = 8192  # router weights per tile of _route_kernel (more spill out of registers)
 
 
