@@ -423,8 +423,10 @@ class OffloadedMixtral:
     def experts(self, i: int, layer: dict, s: Step, ops, run, step: list | None) -> None:
         """Layer i's routed experts into s.out. The host part: read the routing (the layer's one
         sync, in dispatch), fetch the experts through the cache, run them (a device segment each,
-        or one for all with ops.grouped) and prefetch. With every expert resident (s.resident,
-        the one-graph token) there is no host part: the grouped kernel reads the slot table."""
+        or one for all with ops.grouped) and prefetch. With ops.hits_first (and no CPU experts)
+        the grouped launch of the experts in place comes before that read (hits_first). With
+        every expert resident (s.resident, the one-graph token) there is no host part: the
+        grouped kernel reads the slot table."""
         mi = layer["moe_index"]
         ids = s.ids[mi]
         if s.resident:
