@@ -111,7 +111,7 @@ def attention(rows: list) -> None:
             if err < 1e-2 and (best is None or us < best[0]):
                 best = (us, cfg or "default")
             print(f"attention {name} {cfg or 'default'}: {us:.2f} us, rel err {err:.1e}", flush=True)
-        print(f"best attention {name}: {best[0]:.2f} us with {best[1]} (default {default_us} us)", flush=True)
+        print(f"best attention {name}: {best[0]:.2f} us with {best[1]} (default {default_us:.2f} us)", flush=True)
 
 
 def moe_calls(h, experts, stride, ids, weights, table, out, cfg) -> None:

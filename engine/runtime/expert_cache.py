@@ -101,8 +101,9 @@ class ExpertCache:
             self.free = [cuda_driver.new_event(self.copy_stream) for _ in range(L)]
             # the copy stream has waited for the layer's last `free` (copies after the first skip the wait)
             self.free_awaited = [True] * L
-        self.awaited = [[True] * self.K for _ in range(L)]  # the compute stream waited for the slot's last copy
-        self.landing_slots: list[dict[int, int]] = [{} for _ in range(L)]  # slot -> expert: copies not awaited
+        # slot -> expert of the copies the compute stream has not waited for (CUDA): a slot not
+        # here needs no wait before its next use
+        self.landing_slots: list[dict[int, int]] = [{} for _ in range(L)]
         self.in_use: list[set[int]] = [set() for _ in range(L)]  # slots acquired since the layer's last release
         self._fill(progress)
         # each copy's source and destination, made once: a view costs microseconds per copy
@@ -213,10 +214,9 @@ class ExpertCache:
         else:
             self.stats.misses += 1
             slot = self._load(layer, expert, keep)
-        if self.cuda and not self.awaited[layer][slot]:
+        if slot in self.landing_slots[layer]:
             cuda_driver.wait(self._compute_handle(), self.ready_handles[layer][slot])
-            self.awaited[layer][slot] = True
-            self.landing_slots[layer].pop(slot, None)
+            del self.landing_slots[layer][slot]
         self.in_use[layer].add(slot)
         return self._weights(layer, slot), slot
 
@@ -225,39 +225,33 @@ class ExpertCache:
         host changed it. The previous send of the row has run: the host syncs on routing in
         between (and a fully resident cache never changes)."""
         if layer in self.table_dirty:
-            if self.cuda:
-                row = self.table_host[layer]
-                cuda_driver.copy_to_device(self.table[layer].data_ptr(), row.data_ptr(), row.nbytes,
-                                           self._compute_handle())
-            else:
-                self.table[layer].copy_(self.table_host[layer])
+            self._send_row(layer, self.table_host[layer])
             self.table_dirty.discard(layer)
 
     def send_in_place(self, layer: int) -> np.ndarray:
         """Send the layer's row as a launch queued now may read it, before the routing is read
         and anything acquired (the model's hits-first launch): an expert whose copy has not
-        landed is -1, one whose copy has is awaited from now on. The row sent (host, int32 [E]).
+        landed is -1, one whose copy has is awaited from now on; a row the device holds already is
+        not sent again. The row (host, int32 [E]).
 
         The row's last send has run: the host has synced on a routing since (each layer's)."""
         row = self.in_place_np[layer]
         row[:] = self.table_np[layer]
         landing = self.landing_slots[layer]
-        wait = self.B <= LANDING_WAIT_BYTES
+        wait, absent = self.B <= LANDING_WAIT_BYTES, False
         for slot, expert in list(landing.items()):
             if wait:
                 cuda_driver.wait(self._compute_handle(), self.ready_handles[layer][slot])
             elif not cuda_driver.done(self.ready_handles[layer][slot]):
-                row[expert] = -1
+                row[expert], absent = -1, True
                 continue
-            self.awaited[layer][slot] = True  # landed, or waited for: later work comes after it
-            del landing[slot]
-        if self.cuda:
-            src = self.in_place_host[layer]
-            cuda_driver.copy_to_device(self.table[layer].data_ptr(), src.data_ptr(), src.nbytes,
-                                       self._compute_handle())
-            self.table_dirty.add(layer)  # sync_table sends the whole row again before a late launch
-        else:
-            self.table[layer].copy_(self.in_place_host[layer])
+            del landing[slot]  # landed, or waited for: later work comes after it
+        if absent or layer in self.table_dirty:  # else the device holds this row already
+            self._send_row(layer, self.in_place_host[layer])
+            if absent:  # sync_table sends the whole row before a late launch
+                self.table_dirty.add(layer)
+            else:
+                self.table_dirty.discard(layer)
         return row
 
     def release(self, layer: int) -> None:
@@ -314,7 +308,6 @@ class ExpertCache:
             if self.pace_cycles:
                 self._pace()
             cuda_driver.record(self.ready_handles[layer][slot], self.copy_handle)
-            self.awaited[layer][slot] = False
             self.landing_slots[layer][slot] = expert
             if self.link_s_per_byte:
                 start = max(time.perf_counter(), self.link_free_at)
@@ -324,6 +317,13 @@ class ExpertCache:
             self._decode(layer, slot)
         self.stats.bytes_h2d += self.B
         return slot
+
+    def _send_row(self, layer: int, row: torch.Tensor) -> None:
+        """The device table's row of the layer = row (host, int32 [E]), in the compute stream's order."""
+        if self.cuda:
+            cuda_driver.copy_to_device(self.table[layer].data_ptr(), row.data_ptr(), row.nbytes, self._compute_handle())
+        else:
+            self.table[layer].copy_(row)
 
     def _compute_handle(self) -> int:
         # the raw handle, as Triton's launches read it: torch.cuda.current_stream() builds a
