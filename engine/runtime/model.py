@@ -521,9 +521,11 @@ class OffloadedMixtral:
         run those that were not in place (a late launch that also writes out) and prefetch.
         In a layer without a miss the device has all it needs before the host looks."""
         mi, cache = self.layers[i]["moe_index"], self.cache
-        in_place = cache.send_in_place(mi)
         guesses = self.prefetcher.pending(self, mi, s)
+        # the read first: queued after send_in_place's waits for landing copies, it would hold the
+        # routing back until this layer's prefetches land, and the next layer's prefetches with it
         read = ops.read_later(s.picks, mi, 1 + (0 if guesses is None else guesses.shape[0]))
+        in_place = cache.send_in_place(mi)
         run(("moe", i), lambda: ops.experts(mi, s, s.ids[mi]))
         rows = read()
         routed = time.perf_counter()

@@ -42,6 +42,8 @@ def layer_with(cache, routed: list[int], guesses: list[int] | None = None):
                             prefetcher=Prefetcher(depth), cfg=SimpleNamespace(num_moe_layers=L))
     s = SimpleNamespace(picks=picks, ids=picks[:, :1], guesses=picks[:, 1:])
     ops = RecordingOps(cache)
+    send_in_place = cache.send_in_place
+    cache.send_in_place = lambda mi: (ops.log.append(("in place sent", mi)), send_in_place(mi))[1]
     ran = []
     OffloadedMixtral.hits_first(model, 0, s, ops, lambda key, fn: (ran.append(key), fn()), [])
     return ops.log, ran
@@ -62,8 +64,9 @@ def test_a_layer_whose_experts_are_all_in_place_has_no_late_launch():
     cache = cache_of(4, (1, 3))
     log, ran = layer_with(cache, [3, 1])
     assert ran == [("moe", 0)]
-    assert log[0] == ("read queued", 0, 1)  # queued before the launch it does not wait for
-    table = log[1][2]
+    # the read is queued before the waits for landing copies (send_in_place) and the launch
+    assert log[:2] == [("read queued", 0, 1), ("in place sent", 0)]
+    table = log[2][2]
     assert table[1] >= 0 and table[3] >= 0 and table.count(-1) == E - 2
     assert (cache.stats.hits, cache.stats.misses) == (2, 0)
 
@@ -72,7 +75,7 @@ def test_misses_run_late_at_their_positions_once_copied_and_guesses_are_prefetch
     cache = cache_of(3, (0, 2, 4))
     log, ran = layer_with(cache, [5, 2], guesses=[1, 0])  # 5 misses (top-k position 0)
     assert ran == [("moe", 0), ("late", 0, 1)]
-    first, late = log[1], log[2]
+    first, late = log[2], log[3]
     assert first[2][5] == -1 and first[2][2] >= 0  # the first launch never sees the miss
     assert late[2] == [0] and late[3][5] >= 0 and late[3][2] >= 0  # both in place for the late one
     assert int(cache.slots[0, late[3][5], 0]) == 5  # the slot the late launch reads holds expert 5
