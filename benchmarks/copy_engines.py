@@ -1,6 +1,6 @@
 """Does a small copy on the compute stream wait behind the copy stream's large host->device copies?
 
-    python3 benchmarks/copy_engines.py
+    python3 benchmarks/copy_engines.py [d2d]    # d2d: the big copy device->device (no PCIe) instead
 
 The engine's decoded layer sends small things over the link on its compute stream (the routing's
 read to the host, a slot table's row and the late positions to the device) while the cache's
@@ -22,10 +22,11 @@ import torch
 BIG, REPS = 256 << 20, 9
 
 
-def main() -> int:
+def main(source: str = "host") -> int:
     dev = torch.device("cuda")
     copy, compute, third = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
-    big_host = torch.empty(BIG, dtype=torch.uint8, pin_memory=True)
+    big_host = torch.empty(BIG, dtype=torch.uint8, pin_memory=source == "host",
+                           device=dev if source == "d2d" else "cpu")
     big_dev = torch.empty(BIG, dtype=torch.uint8, device=dev)
     x = torch.zeros(1024, device=dev)
     small_dev = torch.zeros(128, dtype=torch.int32, device=dev)
@@ -56,14 +57,16 @@ def main() -> int:
         print(f"a kernel storing into pinned host memory: not possible here ({type(e).__name__}: {e})")
     big_ms = timed_big(copy, big_dev, big_host)
     print(f"big copy alone: {BIG >> 20} MiB in {big_ms:.2f} ms ({BIG / big_ms / 1e6:.1f} GB/s)")
-    for name, op in ops:
-        alone = [wait_us(compute, x, op) for _ in range(REPS)]
+    ops.append(("kernel then D2H 512 B, the host polling", d2h, True))
+    for name, op, *poll in ops:
+        poll = bool(poll)
+        alone = [wait_us(compute, x, op, poll) for _ in range(REPS)]
         beside = []
         for _ in range(REPS):
             with torch.cuda.stream(copy):
                 big_dev.copy_(big_host, non_blocking=True)
             time.sleep(0.0002)  # the big copy is running
-            beside.append(wait_us(compute, x, op))
+            beside.append(wait_us(compute, x, op, poll))
             torch.cuda.synchronize()
         print(f"{name}: host wait alone {median(alone, 0):6.1f} us, beside the big copy {median(beside, 0):6.1f} us; "
               f"on the GPU alone {median(alone, 1):6.1f} us, beside {median(beside, 1):6.1f} us", flush=True)
@@ -97,7 +100,7 @@ def timed_big(copy, big_dev, big_host) -> float:
     return min(times)
 
 
-def wait_us(stream, x, op) -> tuple[float, float]:
+def wait_us(stream, x, op, poll: bool = False) -> tuple[float, float]:
     """Queue a small kernel and op on stream: the host's wait until op's event has completed, and
     the GPU's time from the kernel's end to op's (events), microseconds."""
     t = time.perf_counter()
@@ -107,9 +110,13 @@ def wait_us(stream, x, op) -> tuple[float, float]:
         before.record(stream)
         s = op(stream) or stream
         after.record(s)
-    after.synchronize()
+    if poll:  # the host spinning on the event's state instead of the driver's wait
+        while not after.query():
+            pass
+    else:
+        after.synchronize()
     return (time.perf_counter() - t) * 1e6, before.elapsed_time(after) * 1e3
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(*sys.argv[1:]))
