@@ -47,8 +47,8 @@ def main(out: str, *specs: str) -> int:
 def timeline(s, depth: int) -> dict:
     cfg, device = s.cfg, s.device
     context = PROMPT + WARM + TOKENS
-    k = bench.cache_size_for(parse_size("12GiB"), cfg, s.dense_bytes, s.host.shape[2], context, device)
-    model = s.model("lru", k, depth, "fused")
+    k, extra = bench.cache_size_for(parse_size("12GiB"), cfg, s.dense_bytes, s.host.shape[2], context, device)
+    model = s.model("lru", k, depth, "fused", extra_slot_layers=extra)
     model.routing = bench.Conditions(routing="uniform").routing_source(cfg, device, max(depth, 1))
     model.setup_kv(context)
     use_cuda_graphs(model, True)

@@ -207,7 +207,7 @@ class NoCopyCache(NaiveCache):
         self.table_host[:] = torch.arange(self.E, dtype=torch.int32) % self.K
         self.table_dirty.update(range(self.L))
         for layer in range(self.L):
-            self.slots[layer].copy_(self.host[layer, :self.K])
+            self.layer_slots[layer].copy_(self.host[layer, :self.K])
             for slot in range(self.K):
                 self._decode(layer, slot)
         self.host = None
@@ -258,15 +258,16 @@ def paced_copy_rate(device, nbytes: int, cycles: int) -> float:
 # Running one mode
 
 
-def cache_size_for(budget: int | None, cfg, dense_bytes, stride, context, device, kernels="fused") -> int:
+def cache_size_for(budget: int | None, cfg, dense_bytes, stride, context, device, kernels="fused") -> tuple[int, int]:
+    """(cached experts per layer, layers with one more) under the budget, as the engine sizes them."""
     if budget is None:
-        return cfg.num_experts
+        return cfg.num_experts, 0
     sizing = device_bytes(cfg, dense_bytes, stride, context, torch.bfloat16, device, kernels)
     k = sizing.slots(budget)
     if k < 1:
         raise UserError(f"A VRAM budget of {fmt_bytes(budget)} cannot hold the resident weights "
                         f"({fmt_bytes(sizing.fixed)}) and one expert per layer; raise --vram-budget.")
-    return k
+    return k, sizing.extra_slot_layers(budget, k)
 
 
 def sync(device) -> None:
@@ -305,11 +306,12 @@ class Synthetic:
         matrix_bytes = sum(f["nbytes"] for f in self.fields if f["name"].split(".")[0] in store_mod.EXPERT_MATRICES)
         return matrix_bytes * 8 / (3 * self.cfg.hidden_size * self.cfg.intermediate_size)
 
-    def model(self, policy: str, k: int, prefetch: int, kernels: str, pace: int = 0) -> OffloadedMixtral:
+    def model(self, policy: str, k: int, prefetch: int, kernels: str, pace: int = 0,
+              extra_slot_layers: int = 0) -> OffloadedMixtral:
         # the CPU (tests) dequantizes an expert once per load, as the engine does there
         decode = None if self.device.type == "cuda" else lambda w: {m: compute_ready(v, self.dtype) for m, v in w.items()}
         cache = CACHES[policy](self.host, k, self.device, expert_views(self.cfg, self.fields, self.eq),
-                               decode=decode, pace_cycles=pace)
+                               decode=decode, pace_cycles=pace, extra_slot_layers=extra_slot_layers)
         model = OffloadedMixtral(self.cfg, self.dense, cache, self.device, self.dtype, kernels)
         model.prefetch_depth = prefetch
         return model
@@ -319,7 +321,7 @@ SPLIT_TOKENS = 24  # decoded after the timed ones with the layer split's marks o
 
 
 def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, routing=None, pace: int = 0,
-             graphs=True, cpu_copies=None, link_gbps=None):
+             graphs=True, cpu_copies=None, link_gbps=None, extra_slot_layers: int = 0):
     """(first token s, decode s, cache stats of the decode, peak device bytes, guess recall by distance)."""
     device = s.device
     sync(device)
@@ -327,7 +329,7 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    model = s.model(policy, k, prefetch, kernels, pace)
+    model = s.model(policy, k, prefetch, kernels, pace, extra_slot_layers)
     model.routing = routing
     if cpu_copies is not None:  # the hybrid: misses computed on the CPU too, chosen by the cost model
         model.hybrid = cpu_experts_for(cpu_copies, s.cfg, s.host, model.cache, "auto", torch.get_num_threads())
@@ -466,14 +468,16 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
     budget = parse_size(vram_budget)
     stride = s.host.shape[2]
     # each kernel path gets the cache its workspace leaves room for under the budget
-    ks = {kern: cache_size_for(budget, cfg, s.dense_bytes, stride, prompt_len + new_tokens, device, kern)
-          for kern in kernels}
-    k = max(ks.values())
+    sizes = {kern: cache_size_for(budget, cfg, s.dense_bytes, stride, prompt_len + new_tokens, device, kern)
+             for kern in kernels}
+    ks = {kern: k for kern, (k, _) in sizes.items()}
+    k, extra = max(sizes.values())
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=gen).tolist()
     cycles, link = link_report(s, cond, log)
     probe = cond.routing_source(cfg, device, prefetch)  # read (and mapped) once, for the report
-    log(f"budget {vram_budget}: {ks} experts cached per layer, prompt {prompt_len}, {new_tokens} new tokens, "
+    log(f"budget {vram_budget}: {sizes} experts cached per layer (and layers with one more), prompt {prompt_len}, "
+        f"{new_tokens} new tokens, "
         f"routing {probe.describe()}")
     compute = {}
     for kern in kernels:  # compile (Triton) and warm caches before anything is timed
@@ -497,7 +501,8 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
             first, decode, d, peak, recall = run_mode(s, policy, kk, depth, kern, prompt, new_tokens,
                                                       cond.routing_source(cfg, device, max(depth, 1)), cycles,
                                                       cpu_copies=s.cpu_copies if mode == "hybrid" else None,
-                                                      link_gbps=cond.h2d_gbps)
+                                                      link_gbps=cond.h2d_gbps,
+                                                      extra_slot_layers=0 if mode == "naive" else sizes[kern][1])
             recall = {dd: v for dd, v in recall.items() if dd <= depth}  # the guesses prefetch used
             results.append(mode_result(mode, kern, kk, depth, first, decode, d, peak, recall, new_tokens,
                                        link_bytes_per_s(link), compute[kern], budget))
@@ -519,7 +524,8 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
                     f"{r.cpu_wait_ms_per_token:.2f} ms/token")
     routing = {"mode": cond.routing.split(":")[0], "description": probe.describe(),
                "stated_guess_recall": cond.guess_recall if cond.routing == "uniform" else None,
-               "uniform_hit_ratio": {kern: ks[kern] / cfg.num_experts for kern in kernels}}
+               "uniform_hit_ratio": {kern: (k * cfg.num_moe_layers + extra) / (cfg.num_experts * cfg.num_moe_layers)
+                                     for kern, (k, extra) in sizes.items()}}
     if isinstance(probe, routing_mod.TraceRouting):
         routing["trace"] = routing_mod.trace_stats(probe.trace.tokens(0, prompt_len + new_tokens))
     return {
@@ -531,7 +537,7 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
         "expert_bits_per_weight": s.expert_bits_per_weight(), "attn_bits": s.attn_bits, "prompt_len": prompt_len,
         "new_tokens": new_tokens, "expert_bytes": stride, "resident_bytes": s.dense_bytes,
         "host_dense_bytes": s.host_dense_bytes,
-        "pinned_gb_per_s": bw / 1e9, "cache_experts": k,
+        "pinned_gb_per_s": bw / 1e9, "cache_experts": k, "extra_slot_layers": extra,
         "routing": routing, "link": link, "cpu_threads": torch.get_num_threads(),
         "cpu_experts": cpu_experts_report(s.cpu_copies, cfg) if "hybrid" in modes else None,
         "resident_compute_ms_per_token": {kk: v * 1e3 for kk, v in compute.items()},
@@ -598,11 +604,17 @@ def layer_split(times: list, steps: int) -> list[dict]:
             for (c, n), (k, w, h, kern, ph) in sorted(rows.items())]
 
 
+def cached_words(report: dict) -> str:
+    k, extra = report["cache_experts"], report.get("extra_slot_layers", 0)
+    more = f" ({k + 1} in the first {extra})" if extra else ""
+    return f"{k} experts cached per layer{more}"
+
+
 def markdown_table(report: dict) -> str:
     lines = [f"Budget {report['vram_budget']}, {expert_words(report)} "
              f"({report['expert_bytes'] / 1e6:.1f} MB each), {report['attn_bits']}-bit attention, "
              f"{report['layers']} layers, P={report['prompt_len']}, T={report['new_tokens']}, "
-             f"{report['cache_experts']} experts cached per layer, pinned H2D {report['pinned_gb_per_s']:.1f} GB/s, "
+             f"{cached_words(report)}, pinned H2D {report['pinned_gb_per_s']:.1f} GB/s, "
              f"{report['device']}, {report['date']}.", "", conditions_line(report), "",
              "| mode | kernels | decode tok/s | first token s | hit rate | guess recall | prefetch prec/recall "
              "| GB/token | H2D GB/s | bound ms/tok | achieved ms/tok | achieved/bound | peak VRAM GiB "

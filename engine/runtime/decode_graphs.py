@@ -193,7 +193,7 @@ class GraphedDecode:
                         for n in range(1, m.cfg.top_k):
                             jobs[("moe", i, n)] = lambda mi=mi, n=n: ops.experts(mi, s, s.ids[mi], n)
                 else:
-                    for slot in range(cache.slots_per_layer):
+                    for slot in range(cache.slots_in(mi)):
                         w = cache.slot_weights(mi, slot)
                         for k in range(m.cfg.top_k):
                             jobs[("expert", i, slot, k)] = lambda w=w, k=k: m.add_expert(w, s, -1, k)

@@ -1,7 +1,8 @@
 """Per-layer LRU cache of experts on the compute device, filled from host memory.
 
-Each layer owns K slots; a slot holds one packed expert (one contiguous byte range, so one
-copy moves it). On CUDA the host copy is pinned and copies run on their own stream:
+Each layer owns K slots (the first `extra_slot_layers` layers K + 1: what the VRAM budget leaves
+after K a layer, engine/runtime/vram.py); a slot holds one packed expert (one contiguous byte
+range, so one copy moves it), and a layer's slots lie one after another. On CUDA the host copy is pinned and copies run on their own stream:
 - before a copy overwrites a slot of a layer, the copy stream waits for the compute stream's
   `free` event of that layer, recorded after the layer's experts (release: once per layer and
   step, not per slot: a few CUDA calls fewer per layer, and the copy waits at most for the
@@ -53,23 +54,29 @@ class ExpertCache:
     in_place_rows = True  # send_in_place's rows hold: its table is -1 wherever no expert is resident
 
     def __init__(self, host: torch.Tensor, slots_per_layer: int, device: torch.device, make_views,
-                 progress=None, decode=None, pace_cycles: int = 0):
-        """host: uint8 [layers, experts, stride]; make_views(byte range) -> expert weights."""
+                 progress=None, decode=None, pace_cycles: int = 0, extra_slot_layers: int = 0):
+        """host: uint8 [layers, experts, stride]; make_views(byte range) -> expert weights;
+        the first extra_slot_layers layers get slots_per_layer + 1 slots."""
         self.pace_cycles = pace_cycles  # GPU cycles spun after each copy (see pace_cycles())
         # decode(weights) -> compute-ready weights, applied once per load (the CPU dequantizes
         # an expert when it arrives instead of at every product); None = use the views as they are
         self.decode = decode
-        self.decoded: list[list] = [[None] * slots_per_layer for _ in range(host.shape[0])]
         self.serial = next(SERIALS)  # never reused, unlike id(): CUDA graphs key on it
         L, E, B = host.shape
         if not 1 <= slots_per_layer <= E:
             raise ValueError(f"slots_per_layer must be in 1..{E}")
+        if not 0 <= extra_slot_layers < (L if slots_per_layer < E else 1):
+            raise ValueError(f"extra_slot_layers must be in 0..{L - 1}, and 0 when every expert has a slot")
         self.L, self.E, self.B, self.K = L, E, B, slots_per_layer
+        self.Ks = [self.K + (layer < extra_slot_layers) for layer in range(L)]  # each layer's slots
         self.device = device
         self.cuda = device.type == "cuda"
         self.host, self.pinned = host, False
-        self.slots = torch.empty((L, self.K, B), dtype=torch.uint8, device=device)
-        self.views = [[make_views(self.slots[l, s]) for s in range(self.K)] for l in range(L)]
+        self.slots = torch.empty((sum(self.Ks), B), dtype=torch.uint8, device=device)
+        first = np.cumsum([0] + self.Ks[:-1]).tolist()
+        self.layer_slots = [self.slots[f:f + k] for f, k in zip(first, self.Ks)]  # [K of the layer, B]
+        self.decoded: list[list] = [[None] * k for k in self.Ks]
+        self.views = [[make_views(self.layer_slots[l][s]) for s in range(self.Ks[l])] for l in range(L)]
         self.lru: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(L)]  # expert -> slot
         # The slot of each expert, -1 if not resident, on the device for kernels that pick their
         # expert there (kernels.moe_decode); a host mirror takes the updates, sync_table() sends a
@@ -89,7 +96,7 @@ class ExpertCache:
         # link_s_per_byte is set (the hybrid sets it from its measured or paced link rate).
         self.link_s_per_byte: float | None = None
         self.link_free_at = 0.0
-        self.ready_at = [[0.0] * self.K for _ in range(L)]
+        self.ready_at = [[0.0] * k for k in self.Ks]
         self.prefetch_horizon_s = 0.0  # with the above: no prefetch while the link is busier than this
         if self.cuda:
             # streams looked up by index: torch.cuda.current_stream(torch.device("cuda")) resolves
@@ -97,7 +104,7 @@ class ExpertCache:
             cuda_driver.library()  # a driver that cannot be loaded is said now, not at the first copy
             self.device_index = device.index if device.index is not None else torch.cuda.current_device()
             self.copy_stream = torch.cuda.Stream(device)
-            self.ready = [[cuda_driver.new_event(self.copy_stream) for _ in range(self.K)] for _ in range(L)]
+            self.ready = [[cuda_driver.new_event(self.copy_stream) for _ in range(k)] for k in self.Ks]
             self.free = [cuda_driver.new_event(self.copy_stream) for _ in range(L)]
             # the copy stream has waited for the layer's last `free` (copies after the first skip the wait)
             self.free_awaited = [True] * L
@@ -107,7 +114,7 @@ class ExpertCache:
         self.in_use: list[set[int]] = [set() for _ in range(L)]  # slots acquired since the layer's last release
         self._fill(progress)
         # each copy's source and destination, made once: a view costs microseconds per copy
-        self.slot_views = [[self.slots[l, s] for s in range(self.K)] for l in range(L)]
+        self.slot_views = [list(self.layer_slots[l]) for l in range(L)]
         self.host_views = None if self.host is None else [[self.host[l, e] for e in range(E)] for l in range(L)]
         if self.cuda:  # the same as addresses and handles, for the driver's calls
             self.slot_at = [[v.data_ptr() for v in row] for row in self.slot_views]
@@ -120,7 +127,7 @@ class ExpertCache:
         """Everything fits: load once, never copy again. Else pin the host copy (CUDA)."""
         if self.K == self.E:
             for layer in range(self.L):
-                self.slots[layer].copy_(self.host[layer])
+                self.layer_slots[layer].copy_(self.host[layer])
                 self.lru[layer].update((e, e) for e in range(self.E))
                 self.table_host[layer] = torch.arange(self.E, dtype=torch.int32)
                 self.table_dirty.add(layer)
@@ -141,7 +148,11 @@ class ExpertCache:
 
     @property
     def slots_per_layer(self) -> int:
+        """The fewest slots a layer has (slots_in says each layer's)."""
         return self.K
+
+    def slots_in(self, layer: int) -> int:
+        return self.Ks[layer]
 
     @property
     def slot_bytes(self) -> int:
@@ -266,7 +277,7 @@ class ExpertCache:
         """Start copying predicted experts (best guess first); never more than K per layer."""
         if self.link_backed_up():
             return
-        experts = experts[:self.K]
+        experts = experts[:self.Ks[layer]]
         lru = self.lru[layer]
         for e in reversed(experts):  # best guess last = most recently used
             if e in lru:
@@ -294,7 +305,7 @@ class ExpertCache:
     def _load(self, layer: int, expert: int, keep, slot: int | None = None) -> int:
         lru = self.lru[layer]
         if slot is None:  # else the caller's choice (the benchmark's naive cache)
-            slot = len(lru) if len(lru) < self.K else self._evict(layer, keep)
+            slot = len(lru) if len(lru) < self.Ks[layer] else self._evict(layer, keep)
         lru[expert] = slot
         self.table_np[layer, expert] = slot
         self.table_dirty.add(layer)

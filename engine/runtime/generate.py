@@ -375,7 +375,7 @@ def device_bytes(cfg: ModelConfig, dense_bytes: int, expert_bytes: int, context:
         dense=dense_bytes,
         kv_cache=vram.kv_cache_bytes(cfg.num_layers, context, cfg.num_kv_heads, cfg.head_dim, dtype.itemsize),
         workspace=vram.workspace_bytes(cfg.hidden_size * cfg.intermediate_size, dtype.itemsize, kernels, on_gpu),
-        per_slot=cfg.num_moe_layers * expert_bytes, num_experts=cfg.num_experts)
+        per_slot=cfg.num_moe_layers * expert_bytes, num_experts=cfg.num_experts, moe_layers=cfg.num_moe_layers)
 
 
 def engine_device_bytes(engine: "Engine") -> vram.DeviceBytes:
@@ -400,7 +400,8 @@ def check_budget(budget: int | None, sizing: vram.DeviceBytes, k: int) -> None:
                         f"with 1); raise --vram-budget or lower --cache-experts.")
 
 
-def make_cache(store: store_mod.Store, host: torch.Tensor, k: int, device, dtype, progress=None) -> ExpertCache:
+def make_cache(store: store_mod.Store, host: torch.Tensor, k: int, device, dtype, progress=None,
+               extra_slot_layers: int = 0) -> ExpertCache:
     cfg = store.config
 
     def views(buf):  # views into the slot's bytes: no copy, no allocation per token
@@ -409,7 +410,8 @@ def make_cache(store: store_mod.Store, host: torch.Tensor, k: int, device, dtype
     def dequantized(weights):  # the CPU has no fused kernels: dequantize once per load
         return {m: compute_ready(w, dtype) for m, w in weights.items()}
 
-    return ExpertCache(host, k, device, views, progress, decode=dequantized if device.type == "cpu" else None)
+    return ExpertCache(host, k, device, views, progress, decode=dequantized if device.type == "cpu" else None,
+                       extra_slot_layers=extra_slot_layers)
 
 
 def compute_ready(w, dtype):
@@ -563,7 +565,9 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
     k = 1 if every_expert else k  # the CPU kernels run every expert: the cache is never read
     if k < 1 or (budget is not None):
         check_budget(limit, sizing, max(k, 1))
-    cache = make_cache(st, host, k, dev, dtype, lambda f, m: report(0.1 + 0.9 * f, m))
+    # what the budget leaves after k a layer: one expert more in as many layers (none when k is asked)
+    extra = 0 if every_expert or cache_experts is not None or dev.type != "cuda" else sizing.extra_slot_layers(limit, k)
+    cache = make_cache(st, host, k, dev, dtype, lambda f, m: report(0.1 + 0.9 * f, m), extra)
     model = OffloadedMixtral(cfg, dense, cache, dev, dtype, kernels)
     model.dense_bytes = dense_b
     if cpu_experts != "off" and (every_expert or k < cfg.num_experts):  # else nothing ever misses

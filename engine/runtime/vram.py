@@ -6,6 +6,7 @@ cache size the planner offers is one the engine accepts. Imports nothing heavy.
 
     fixed  = dense weights on the GPU + KV cache (every layer, full context) + workspace
     slots  = min(experts, (budget - fixed) // (MoE layers * expert stride))
+    extra  = layers given one slot more from what is left (fewer than every MoE layer)
 
 The dense weights on the GPU are all but an embedding not tied to the LM head, which stays in
 host RAM (generate.embedding_on_host). Without a budget on a GPU the engine takes what is free
@@ -60,6 +61,7 @@ class DeviceBytes:
     workspace: int
     per_slot: int  # one cached expert in every MoE layer
     num_experts: int
+    moe_layers: int
 
     @property
     def fixed(self) -> int:
@@ -72,6 +74,15 @@ class DeviceBytes:
     def slots(self, budget: int) -> int:
         """Cached experts per layer that fit `budget` (0 when not even one does)."""
         return int(max(0, min(self.num_experts, (budget - self.fixed) // max(self.per_slot, 1))))
+
+    def extra_slot_layers(self, budget: int, slots: int) -> int:
+        """MoE layers that get one cached expert more than `slots` from what `budget` leaves
+        after them: up to a slot a layer of unused memory otherwise (1.77 GB for Mixtral's
+        2-bit experts). Fewer than every layer, else `slots` + 1 would fit."""
+        if slots < 1 or slots >= self.num_experts:
+            return 0
+        one_expert = max(self.per_slot // max(self.moe_layers, 1), 1)
+        return int(max(0, min(self.moe_layers - 1, (budget - self.needed(slots)) // one_expert)))
 
 
 # Below this many weights per expert matrix (the demo), the CPU engine runs on one thread: small

@@ -186,7 +186,8 @@ class ModelSizes:
         return vram.DeviceBytes(
             dense=self.gpu_dense_bytes, kv_cache=self.kv_bytes_per_token * self.context(context_tokens),
             workspace=vram.workspace_bytes(self.ffn_matrix_params or self.expert_params // 3),
-            per_slot=self.num_moe_layers * self.expert_bytes, num_experts=self.num_experts)
+            per_slot=self.num_moe_layers * self.expert_bytes, num_experts=self.num_experts,
+            moe_layers=self.num_moe_layers)
 
     def context(self, context_tokens: int) -> int:
         """The KV cache's positions: the engine's, min(asked, the model's maximum)."""

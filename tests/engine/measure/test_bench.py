@@ -44,7 +44,7 @@ def test_gpt_oss_benches_mxfp4_experts_by_default():
     assert isinstance(w1, mxfp4.Mxfp4Matrix) and (w1.rows, w1.cols) == (96, 64)
     assert 0.005 < float(mxfp4.dequantize(w1).std()) < 0.06
     model = s.model("lru", 8, 1, "reference")
-    assert model.cache.slot_bytes == stride and model.cache.slots.shape == (2, 8, stride)
+    assert model.cache.slot_bytes == stride and model.cache.slots.shape == (2 * 8, stride)
     r = bench.measure(s, None, 8, 6, ("lru",), ("reference",), 1, log=lambda m: None)
     assert r["expert_format"] == "mxfp4" and r["expert_bits_per_weight"] == 4.25 and r["expert_bytes"] == stride
     assert r["host_dense_bytes"] == 0  # on the CPU every dense weight is on the device
@@ -125,7 +125,7 @@ def test_the_hybrid_mode_reports_its_cpu_experts(monkeypatch):
     per_slot = s.cfg.num_moe_layers * s.host.shape[2]
     for extra in range(0, 64 << 20, 1 << 14):
         if budget(s.dense_bytes + 2 * per_slot + extra, s.cfg, s.dense_bytes, s.host.shape[2], 20, s.device,
-                  "reference") == 2:
+                  "reference") == (2, 0):
             break
     r = bench.measure(s, str(s.dense_bytes + 2 * per_slot + extra), 8, 12, ("lru", "hybrid"), ("reference",), 1,
                       log=lambda m: None, cond=bench.Conditions(routing="uniform"))
@@ -150,6 +150,21 @@ def test_the_hybrid_mode_reports_its_cpu_experts(monkeypatch):
         assert sum(ms for name, ms in steps.items() if name != "cpu") == pytest.approx(row["host_ms"], abs=0.02)
         assert steps.get("cpu", 0.0) == pytest.approx(row["kernel_ms"], abs=0.02)
         assert ("up" in steps) == (row["on_cpu"] > 0)
+
+
+def test_what_the_budget_leaves_after_k_a_layer_goes_to_one_slot_more_in_the_first_layers():
+    tiny = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4,
+            "num_kv_heads": 4, "head_dim": 16, "max_position_embeddings": 256}
+    s = bench.build(3, 2, 8, device="cpu", config=tiny, log=lambda m: None)
+    stride, context = s.host.shape[2], 8 + 6
+    sizing = device_bytes(s.cfg, s.dense_bytes, stride, context, torch.bfloat16, s.device, "reference")
+    budget = sizing.needed(2) + 2 * stride  # two experts a layer, and two experts more
+    assert bench.cache_size_for(budget, s.cfg, s.dense_bytes, stride, context, s.device, "reference") == (2, 2)
+    r = bench.measure(s, str(budget), 8, 6, ("lru",), ("reference",), 1, log=lambda m: None)
+    assert (r["cache_experts"], r["extra_slot_layers"]) == (2, 2)
+    assert "2 experts cached per layer (3 in the first 2)" in bench.markdown_table(r)
+    assert r["routing"]["uniform_hit_ratio"]["reference"] == (2 * 3 + 2) / (8 * 3)
+    assert r["results"][0]["peak_vram_bytes"] == (3 + 3 + 2) * stride  # the cache's bytes on the CPU
 
 
 def test_the_layer_split_adds_each_kind_of_layer_up():
@@ -220,7 +235,7 @@ def test_the_synthetic_embedding_stays_in_host_memory_and_its_bytes_go_to_the_ca
     stride, prompt, new = s.host.shape[2], 8, 4
     on_gpu = device_bytes(s.cfg, s.dense_bytes + embed.nbytes, stride, prompt + new, torch.bfloat16, s.device, "fused")
     budget = on_gpu.needed(3)
-    k = bench.cache_size_for(budget, s.cfg, s.dense_bytes, stride, prompt + new, s.device)
+    k, _ = bench.cache_size_for(budget, s.cfg, s.dense_bytes, stride, prompt + new, s.device)
     assert k == min(s.cfg.num_experts, 3 + embed.nbytes // on_gpu.per_slot) == s.cfg.num_experts
     r = bench.measure(s, str(budget), prompt, new, ("lru",), ("fused",), log=lambda m: None)
     assert r["cache_experts"] == k and r["host_dense_bytes"] == embed.nbytes and r["resident_bytes"] == s.dense_bytes

@@ -33,10 +33,10 @@ def synthetic():
     return bench.build(3, 2, 8, device="cpu", config=TINY, log=lambda m: None)
 
 
-def decode(s: bench.Synthetic, k: int, prefetch: int, source, prompt: list[int], steps: int):
+def decode(s: bench.Synthetic, k: int, prefetch: int, source, prompt: list[int], steps: int, extra: int = 0):
     """(logits per forward, the routing tables each forward used, the model) for a prompt then
-    `steps` greedy tokens."""
-    model = s.model("lru", k, prefetch, "reference")
+    `steps` greedy tokens; the first `extra` layers cache k + 1 experts."""
+    model = s.model("lru", k, prefetch, "reference", extra_slot_layers=extra)
     model.routing = source
     model.setup_kv(len(prompt) + steps)
     model.trace = []
@@ -73,12 +73,14 @@ def reference_logits(s: bench.Synthetic, model, tokens: list[int], start: int, i
     return F.linear(rms_norm(x, model.norm, cfg.rms_norm_eps), model.lm_head).float()
 
 
-def test_forced_routing_gives_the_logits_of_the_eager_maths_with_that_choice(synthetic):
+@pytest.mark.parametrize("extra", [0, 2])
+def test_forced_routing_gives_the_logits_of_the_eager_maths_with_that_choice(synthetic, extra):
     s = synthetic
     source = routing.UniformRouting(s.cfg.num_layers, s.cfg.num_experts, s.cfg.top_k, "cpu", depth=1, seed=3)
     prompt = [5, 17, 99, 3]
-    logits, tables, model = decode(s, 3, 1, source, prompt, 6)  # 3 of 8 cached: copies and evictions
+    logits, tables, model = decode(s, 3, 1, source, prompt, 6, extra)  # 3 of 8 cached: copies and evictions
     assert model.cache.stats.misses > 0 and model.cache.stats.prefetch_issued > 0
+    assert [model.cache.slots_in(layer) for layer in range(3)] == [4] * extra + [3] * (3 - extra)
     ref = s.model("lru", s.cfg.num_experts, 0, "reference")  # for its attention and KV cache only
     ref.setup_kv(16)
     tokens, start = prompt, 0
@@ -410,7 +412,7 @@ def test_paced_copies_run_at_the_paced_rate():
     rate = 8 * nbytes / (time.perf_counter() - t)
     assert rate == pytest.approx(target, rel=0.15)
     assert cache.stats.misses == 8
-    assert torch.equal(cache.slots[0, cache.lru[0][7]].cpu(), host[0, 7])
+    assert torch.equal(cache.layer_slots[0][cache.lru[0][7]].cpu(), host[0, 7])
 
 
 def test_a_trace_replays_to_its_last_token_and_no_further(synthetic):

@@ -52,6 +52,27 @@ def test_never_more_than_k_resident_under_random_use():
         assert cache.stats.hits + cache.stats.misses == uses
 
 
+def test_the_first_layers_get_the_extra_slots_and_hold_one_expert_more():
+    host = torch.arange(3 * E, dtype=torch.uint8)[:, None].repeat(1, B).view(3, E, B)
+    cache = CACHES["lru"](host, 2, torch.device("cpu"), lambda buf: buf, extra_slot_layers=2)
+    assert [cache.slots_in(layer) for layer in range(3)] == [3, 3, 2] and cache.slots_per_layer == 2
+    assert cache.device_bytes() == (3 + 3 + 2) * B
+    for layer in range(3):
+        for e in (0, 1, 2, 3):
+            w, slot = cache.acquire(layer, e)
+            assert int(w[0]) == layer * E + e and slot < cache.slots_in(layer)
+            assert int(cache.layer_slots[layer][slot, 0]) == layer * E + e  # a layer's slots are its own bytes
+            cache.release(layer)
+        assert len(cache.lru[layer]) == cache.slots_in(layer)
+        assert sorted(cache.lru[layer]) == ([1, 2, 3] if layer < 2 else [2, 3])  # the oldest went
+    cache.prefetch(2, [4, 5, 0])  # never more guesses than the layer's slots
+    assert sorted(cache.lru[2]) == [4, 5]
+    with pytest.raises(ValueError):
+        CACHES["lru"](host, 2, torch.device("cpu"), lambda buf: buf, extra_slot_layers=3)  # every layer: k + 1
+    with pytest.raises(ValueError):
+        CACHES["lru"](host, E, torch.device("cpu"), lambda buf: buf, extra_slot_layers=1)  # no slot left to add
+
+
 def test_prefetch_loads_marks_mru_and_counts_used():
     cache = make_cache(2)
     use(cache, 1, 0)
@@ -101,7 +122,7 @@ def test_the_device_slot_table_follows_every_load():
             assert layer not in cache.table_dirty
             for e in set(needed) | set(cache.lru[layer]):  # this step's experts and all resident
                 slot = int(cache.table[layer, e])
-                assert int(cache.slots[layer, slot, 0]) == layer * E + e
+                assert int(cache.layer_slots[layer][slot, 0]) == layer * E + e
             if policy == "lru":
                 want = [cache.lru[layer].get(e, -1) for e in range(E)]
                 assert cache.table[layer].tolist() == want
@@ -239,7 +260,7 @@ def test_cuda_copies_and_the_compute_stream_wait_for_each_other(k):
         cache.sync_table(layer)
         torch.cuda._sleep(1_000_000)  # the reads run late: a copy that did not wait would overwrite first
         slots = cache.table[layer, needed].long()
-        reads.append((cache.slots[layer, slots, 0].clone(), [layer * E + e for e in needed]))
+        reads.append((cache.layer_slots[layer][slots, 0].clone(), [layer * E + e for e in needed]))
         cache.release(layer)
         if torch.randint(3, (1,), generator=gen) == 0:
             cache.prefetch((layer + 1) % L, torch.randperm(E, generator=gen)[:1].tolist())

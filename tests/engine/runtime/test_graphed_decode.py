@@ -80,10 +80,10 @@ def test_graphed_decode_gives_transformers_tokens(tmp_path, vid, ops):
             assert stats.prefetch_issued == 0
 
 
-def packed_engine(folder, k: int):
+def packed_engine(folder, k: int, extra_slot_layers: int = 0):
     """An engine whose expert cache keeps the packed experts (no dequantization per load) and
     whose attention keeps its packed matrices: what a GPU runs, so the fused GEMVs and the
-    grouped expert kernel have their formats."""
+    grouped expert kernel have their formats. The first extra_slot_layers layers cache k + 1."""
     engine = load_engine(folder, device="cpu", dtype="float32", cache_experts=k, cuda_graphs=False)
     st, cfg = engine.store, engine.config
     dense = {n: w if isinstance(w, QMatrix) else w.float() for n, w in store_mod.read_dense(st).items()}
@@ -91,7 +91,8 @@ def packed_engine(folder, k: int):
     def views(buf):
         return store_mod.view_expert(buf, st.expert_fields, st.expert_quant, cfg)
 
-    cache = ExpertCache(store_mod.experts_array(st), k, torch.device("cpu"), views)
+    cache = ExpertCache(store_mod.experts_array(st), k, torch.device("cpu"), views,
+                        extra_slot_layers=extra_slot_layers)
     engine.model = OffloadedMixtral(cfg, dense, cache, torch.device("cpu"), torch.float32, "auto")
     engine.model.setup_kv(256)
     engine.eos_ids = set()
@@ -123,11 +124,11 @@ def test_mxfp4_experts_decode_on_the_grouped_kernel_as_the_eager_layer(tmp_path)
 def check_grouped_decode(store_dir, shared: bool, mxfp4: bool = False):
     """Greedy tokens of the graphed decode on the grouped expert kernel equal the eager forward's,
     with 2 experts cached per layer (a graph per layer; HQQ experts: hits first, the misses in a
-    late launch) and with all of them (the one-graph token)."""
+    late launch), 3 in the first two layers, and with all of them (the one-graph token)."""
     greedy = SamplingSettings(temperature=0, max_new_tokens=NEW_TOKENS)
     E = None
-    for k in (2, None):
-        engine = packed_engine(store_dir, k or 2)
+    for k, extra in ((2, 0), (2, 2), (None, 0)):
+        engine = packed_engine(store_dir, k or 2, extra)
         E = engine.config.num_experts
         if k is None:  # every expert resident: the one-graph token
             engine = packed_engine(store_dir, E)
@@ -137,7 +138,7 @@ def check_grouped_decode(store_dir, shared: bool, mxfp4: bool = False):
         g = graphed(engine.model, "fused")
         g.prepare(64)
         engine.cached_ids = []
-        assert list(engine.generate_ids(PROMPT, greedy)) == want, f"K={k or E}"
+        assert list(engine.generate_ids(PROMPT, greedy)) == want, f"K={k or E}, {extra} layers with one more"
         assert g.grouped and g.one_graph == (k is None)
         assert g.ops.hits_first == (k is not None and not mxfp4)
         keys = {key[0] for key in g.graphs}

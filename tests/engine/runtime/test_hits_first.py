@@ -78,7 +78,7 @@ def test_misses_run_late_at_their_positions_once_copied_and_guesses_are_prefetch
     first, late = log[2], log[3]
     assert first[2][5] == -1 and first[2][2] >= 0  # the first launch never sees the miss
     assert late[2] == [0] and late[3][5] >= 0 and late[3][2] >= 0  # both in place for the late one
-    assert int(cache.slots[0, late[3][5], 0]) == 5  # the slot the late launch reads holds expert 5
+    assert int(cache.layer_slots[0][late[3][5], 0]) == 5  # the slot the late launch reads holds expert 5
     assert late[3][0] == -1  # 0 was evicted for it (least recently used, not routed)
     assert (cache.stats.hits, cache.stats.misses) == (1, 1)
     assert set(cache.lru[1]) == {0, 1} and cache.stats.prefetch_issued == 2  # layer 1's guesses

@@ -136,3 +136,15 @@ def test_the_engine_on_a_gpu_takes_the_cache_the_plan_offers():
             engine.close()
     with pytest.raises(generate.UserError):
         generate.load_engine(path, device="cuda", vram_budget=one - 1)
+
+
+def test_what_the_budget_leaves_after_k_a_layer_gives_as_many_layers_one_expert_more():
+    expert, layers = 55 * MiB, 32
+    sizing = vram.DeviceBytes(dense=GiB, kv_cache=0, workspace=0, per_slot=layers * expert, num_experts=8,
+                              moe_layers=layers)
+    budget = sizing.needed(6) + 11 * expert + expert // 2  # six a layer, and eleven and a half experts left
+    assert sizing.slots(budget) == 6 and sizing.extra_slot_layers(budget, 6) == 11
+    assert sizing.extra_slot_layers(sizing.needed(6), 6) == 0
+    assert sizing.extra_slot_layers(sizing.needed(7) - 1, 6) == layers - 1  # a byte short of seven everywhere
+    assert sizing.extra_slot_layers(sizing.needed(8) + 10 * expert, 8) == 0  # every expert has a slot already
+    assert sizing.extra_slot_layers(budget, 0) == 0
