@@ -202,6 +202,7 @@ class NoCopyCache(NaiveCache):
     weights never change, and nothing moves."""
 
     policy = "no-copy"
+    in_place_rows = True  # every expert has a slot for good: the decode runs hits first, as lru's does
 
     def _fill(self, progress) -> None:
         self.table_host[:] = torch.arange(self.E, dtype=torch.int32) % self.K
