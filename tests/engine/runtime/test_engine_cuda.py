@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from moeferry.engine.runtime.generate import SamplingSettings, load_engine
+from moeferry.engine.runtime.generate import SamplingSettings, engine_device_bytes, load_engine
 from moeferry.engine.storage.convert import convert_checkpoint
 from moeferry.engine.storage.store import load_dequantized_hf_model
 from tests.conftest import make_checkpoint, reference_greedy
@@ -120,6 +120,31 @@ def test_cuda_new_graphs_leave_no_memory_behind(tmp_path):
         torch.cuda.synchronize()
         after.append(torch.cuda.memory_allocated())
     assert after[2] == after[1], after
+
+
+def test_cuda_a_budget_between_k_and_k_plus_one_gives_the_first_layers_one_slot_more(tmp_path):
+    """What a VRAM budget leaves after 2 experts a layer, two experts' bytes, goes to the first
+    two layers (vram.DeviceBytes.extra_slot_layers); the copies land in each layer's own slots
+    and the greedy tokens are those of 2 a layer, with fewer misses."""
+    make_checkpoint(tmp_path / "ck", seed=7, num_key_value_heads=4, hidden_size=256, intermediate_size=512,
+                    num_local_experts=8, num_hidden_layers=4)
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st", 4, 4, "cuda")
+    sampling = SamplingSettings(temperature=0, max_new_tokens=48)
+
+    def decode(engine, extra: int) -> tuple[list[int], int]:
+        assert [engine.model.cache.slots_in(layer) for layer in range(4)] == [3] * extra + [2] * (4 - extra)
+        engine.eos_ids = set()
+        tokens = list(engine.generate_ids(PROMPT * 3, sampling))
+        misses = engine.last_stats.cache_misses
+        engine.close()
+        return tokens, misses
+
+    engine = load_engine(tmp_path / "st", device="cuda", dtype="bfloat16", cache_experts=2, prefetch=1)
+    budget = engine_device_bytes(engine).needed(2) + 2 * engine.store.expert_bytes
+    runs = [decode(engine, 0)]
+    runs.append(decode(load_engine(tmp_path / "st", device="cuda", dtype="bfloat16", vram_budget=budget, prefetch=1), 2))
+    (want, misses), (got, fewer) = runs
+    assert got == want and fewer < misses
 
 
 @pytest.mark.parametrize("landing_waits", [False, True])
