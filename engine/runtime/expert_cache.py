@@ -2,7 +2,8 @@
 
 Each layer owns K slots (the first `extra_slot_layers` layers K + 1: what the VRAM budget leaves
 after K a layer, engine/runtime/vram.py); a slot holds one packed expert (one contiguous byte
-range, so one copy moves it), and a layer's slots lie one after another. On CUDA the host copy is pinned and copies run on their own stream:
+range, so one copy moves it), and a layer's slots lie one after another. On CUDA the host copy
+is pinned and copies run on their own stream:
 - before a copy overwrites a slot of a layer, the copy stream waits for the compute stream's
   `free` event of that layer, recorded after the layer's experts (release: once per layer and
   step, not per slot: a few CUDA calls fewer per layer, and the copy waits at most for the
@@ -274,7 +275,7 @@ class ExpertCache:
             self.free_awaited[layer] = False
 
     def prefetch(self, layer: int, experts: list[int]) -> None:
-        """Start copying predicted experts (best guess first); never more than K per layer."""
+        """Start copying predicted experts (best guess first); never more than the layer's slots."""
         if self.link_backed_up():
             return
         experts = experts[:self.Ks[layer]]
