@@ -75,7 +75,9 @@ class CachePage(QWizardPage):
             self.cache.blockSignals(True)
             self.cache.setValue(plan.cache_experts_per_layer)
             self.cache.blockSignals(False)
-        self.w.cache_experts = self.cache.value()
+        # unless edited, the engine sizes the cache from the budget as the plan did, and gives what
+        # is left after that many a layer to the first layers (one expert more each)
+        self.w.cache_experts = self.cache.value() if self.user_edited else 0
         self._explain(plan)
 
     def _explain(self, plan) -> None:

@@ -35,6 +35,8 @@ class DonePage(QWizardPage):
         if w.cache_experts:
             lines.append(f"<b>Experts cached per layer:</b> {w.cache_experts} "
                          f"(VRAM budget {w.vram_budget_gb:.1f} GB)")
+        elif w.vram_budget_gb:
+            lines.append(f"<b>Expert cache:</b> as many experts as a VRAM budget of {w.vram_budget_gb:.1f} GB holds")
         else:
             lines.append("<b>Expert cache:</b> automatic")
         lines.append("")

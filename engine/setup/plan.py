@@ -290,6 +290,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     # with missed experts computed on the CPU too (`--cpu-experts auto`, predict_hybrid)
     predicted_hybrid_tokens_per_s: float | None = None
+    extra_slot_layers: int = 0  # the first layers that cache one expert more (vram.DeviceBytes)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -340,13 +341,19 @@ def default_vram_budget(hw: dict) -> int | None:
 
 def predict_gpu(hw: dict, m: ModelSizes, k: int, coeffs: Coefficients = DEFAULT,
                 prefetch_depth: int = 1, prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
-                measured_hit_rate: float | None = None, trace_hit_ratio: dict | None = None) -> dict:
-    """Decode tokens/s and first-token latency with k cached experts per layer (routing: see
-    `hit_rate`)."""
+                measured_hit_rate: float | None = None, trace_hit_ratio: dict | None = None,
+                extra_slot_layers: int = 0) -> dict:
+    """Decode tokens/s and first-token latency with k cached experts per layer, k + 1 in the
+    first extra_slot_layers (routing: see `hit_rate`)."""
     bw = h2d_bytes_per_s(hw, coeffs) or 12e9
     gpu_bw = float(hw.get("gpu_mem_bandwidth_bytes_per_s") or coeffs.default_gpu_mem_bytes_per_s)
     k = min(k, m.num_experts)
-    h = measured_hit_rate if measured_hit_rate is not None else hit_rate(k, m.num_experts, coeffs, trace_hit_ratio)
+    h = measured_hit_rate
+    if h is None:
+        h = hit_rate(k, m.num_experts, coeffs, trace_hit_ratio)
+        if extra_slot_layers and k < m.num_experts:
+            more = hit_rate(k + 1, m.num_experts, coeffs, trace_hit_ratio)
+            h += (more - h) * extra_slot_layers / m.num_moe_layers
     misses = m.num_layers * m.top_k * (1.0 - h)
     transfer = misses * m.expert_bytes / bw
     read = (m.dense_bytes - m.embed_bytes) + m.num_layers * m.top_k * m.expert_bytes
@@ -356,7 +363,7 @@ def predict_gpu(hw: dict, m: ModelSizes, k: int, coeffs: Coefficients = DEFAULT,
          + misses * coeffs.miss_overhead_s + coeffs.token_overhead_s)
     # Prefill touches nearly every expert of every layer once; all but the cached ones load.
     touched = m.num_experts * (1 - (1 - m.top_k / m.num_experts) ** max(prompt_tokens, 1))
-    loads = m.num_layers * max(touched - k, 0.0)
+    loads = max(m.num_layers * max(touched - k, 0.0) - extra_slot_layers, 0.0)
     first = (loads * (m.expert_bytes / bw + coeffs.miss_overhead_s)
              + m.num_layers * (coeffs.gpu_layer_overhead_s + prompt_tokens * coeffs.prefill_token_layer_s)
              + t)
@@ -487,14 +494,17 @@ def make_plan(hw: dict, model, vram_budget_bytes: int | None = None, *,
         return _cpu_plan(hw, m, gpu_reason, coeffs, prompt_tokens, common)
 
     k = sizing.slots(budget)
+    extra = sizing.extra_slot_layers(budget, k)  # the engine's: what the budget leaves after k a layer
     if cache_experts_per_layer is not None:
-        k = min(cache_experts_per_layer, m.num_experts)
-    p = predict_gpu(hw, m, k, coeffs, prefetch_depth, prompt_tokens, trace_hit_ratio=trace_hit_ratio)
-    vram_needed = sizing.needed(k)
+        k, extra = min(cache_experts_per_layer, m.num_experts), 0
+    p = predict_gpu(hw, m, k, coeffs, prefetch_depth, prompt_tokens, trace_hit_ratio=trace_hit_ratio,
+                    extra_slot_layers=extra)
+    vram_needed = sizing.needed(k) + extra * m.expert_bytes
     ram_ok = ram_total is None or ram_total >= host_needed
     fits = vram_needed <= budget and ram_ok
-    notes = [f"VRAM: {gib(m.gpu_dense_bytes)} dense weights + {k} x {m.num_moe_layers} cached experts "
-             f"({gib(k * sizing.per_slot)}) + headroom {gib(headroom)} (KV cache for "
+    more = f" + {extra} more in the first layers" if extra else ""
+    notes = [f"VRAM: {gib(m.gpu_dense_bytes)} dense weights + {k} x {m.num_moe_layers}{more} cached experts "
+             f"({gib(k * sizing.per_slot + extra * m.expert_bytes)}) + headroom {gib(headroom)} (KV cache for "
              f"{context_tokens} tokens {gib(kv)}, workspace {gib(sizing.workspace)})."]
     if not ram_ok:
         verdict = (f"Not enough RAM: the model needs {gib(host_needed)} of host memory with the "
@@ -505,7 +515,8 @@ def make_plan(hw: dict, model, vram_budget_bytes: int | None = None, *,
                    f"offloading needed.")
     else:
         link = "host->GPU copies (PCIe)" if p["bound"] == "pcie" else "GPU compute"
-        verdict = (f"Keep {k} expert{'s' if k != 1 else ''} per layer on the GPU and the rest in "
+        first = f" ({k + 1} in the first {extra} layers)" if extra else ""
+        verdict = (f"Keep {k} expert{'s' if k != 1 else ''} per layer{first} on the GPU and the rest in "
                    f"RAM: about {p['tokens_per_s']:.1f} tokens/s, first token after about "
                    f"{p['first_token_s']:.1f} s, limited by {link}.")
     hybrid = predict_hybrid(hw, m, k, coeffs, prefetch_depth) if k < m.num_experts and runs_on_cpu(m) else None
@@ -514,7 +525,8 @@ def make_plan(hw: dict, model, vram_budget_bytes: int | None = None, *,
                     else "from the experts already in RAM")
         notes.append(f"With missed experts computed on the CPU too (--cpu-experts auto, {ram_note}): "
                      f"about {hybrid['tokens_per_s']:.1f} tokens/s.")
-    return Plan(device="cuda", cache_experts_per_layer=k, predicted_tokens_per_s=p["tokens_per_s"],
+    return Plan(device="cuda", cache_experts_per_layer=k, extra_slot_layers=extra,
+                predicted_tokens_per_s=p["tokens_per_s"],
                 predicted_hybrid_tokens_per_s=hybrid["tokens_per_s"] if hybrid else None,
                 predicted_first_token_s=p["first_token_s"], bound=p["bound"], verdict=verdict,
                 fits=fits, hit_rate=p["hit_rate"], misses_per_token=p["misses"],

@@ -45,6 +45,7 @@ def test_whole_wizard_then_chat(launch, qtbot, data_dir, engine_backend):
     assert cache.form_widget.isVisibleTo(cache)
     cache.slider.setValue(cache.slider.maximum())
     assert cache.cache.value() == 3  # fake plan: 12 GB / 4
+    assert wizard.cache_experts == 0  # not edited: the engine sizes the cache from the budget, as the plan
     cache.cache.setValue(4)  # editable
     next_page(wizard, qtbot, Page.DONE)
     assert "4" in wizard.pages[Page.DONE].summary.text()
