@@ -443,7 +443,8 @@ def format_report(hw: dict, rows: list[dict], recommended: dict | None) -> str:
     for r in rows:
         p = r["plan"]
         mark = "*" if r["recommended"] else " "
-        where = (f"{p['cache_experts_per_layer']} experts/layer cached" if p["device"] == "cuda"
+        more = f" (+1 in {p['extra_slot_layers']} layers)" if p.get("extra_slot_layers") else ""
+        where = (f"{p['cache_experts_per_layer']} experts/layer cached{more}" if p["device"] == "cuda"
                  else "CPU")
         fits = "" if p["fits"] else "  DOES NOT FIT"
         lines.append(f" {mark} {r['name']}")
