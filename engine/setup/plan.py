@@ -429,7 +429,7 @@ def predict_cpu(hw: dict, m: ModelSizes, coeffs: Coefficients = DEFAULT,
 
 
 def predict_hybrid(hw: dict, m: ModelSizes, k: int, coeffs: Coefficients = DEFAULT,
-                   prefetch_depth: int = 1) -> dict:
+                   prefetch_depth: int = 1, extra_slot_layers: int = 0) -> dict:
     """predict_gpu's decode speed when each layer's misses are split between the link and the
     CPU by engine/runtime/placement.py's model (misses per layer binomial at the LRU hit rate). The CPU
     runs a quantized store's experts in place (it reads what the link would copy, at the HQQ
@@ -439,7 +439,7 @@ def predict_hybrid(hw: dict, m: ModelSizes, k: int, coeffs: Coefficients = DEFAU
 
     from moeferry.engine.runtime import placement
 
-    base = predict_gpu(hw, m, k, coeffs, prefetch_depth)
+    base = predict_gpu(hw, m, k, coeffs, prefetch_depth, extra_slot_layers=extra_slot_layers)
     ram = 4.0 * (hw.get("cpu_matvec_params_per_s") or 0.5e9 * (hw.get("cpu_cores_physical") or 2))
     stored = in_place(m)
     alone = (HQQ_CPU_OF_RAM if stored else CPU_INT4_OF_RAM) * ram
@@ -519,7 +519,8 @@ def make_plan(hw: dict, model, vram_budget_bytes: int | None = None, *,
         verdict = (f"Keep {k} expert{'s' if k != 1 else ''} per layer{first} on the GPU and the rest in "
                    f"RAM: about {p['tokens_per_s']:.1f} tokens/s, first token after about "
                    f"{p['first_token_s']:.1f} s, limited by {link}.")
-    hybrid = predict_hybrid(hw, m, k, coeffs, prefetch_depth) if k < m.num_experts and runs_on_cpu(m) else None
+    hybrid = (predict_hybrid(hw, m, k, coeffs, prefetch_depth, extra) if k < m.num_experts and runs_on_cpu(m)
+              else None)
     if hybrid is not None:
         ram_note = (f"int4 copies taking {gib(hybrid['extra_ram_bytes'])} more RAM" if hybrid["extra_ram_bytes"]
                     else "from the experts already in RAM")
