@@ -518,7 +518,7 @@ def make_plan(hw: dict, model, vram_budget_bytes: int | None = None, *,
         first = f" ({k + 1} in the first {extra} layers)" if extra else ""
         verdict = (f"Keep {k} expert{'s' if k != 1 else ''} per layer{first} on the GPU and the rest in "
                    f"RAM: about {p['tokens_per_s']:.1f} tokens/s, first token after about "
-                   f"{p['first_token_s']:.1f} s, limited by {link}.")
+                   f"{p['first_token_s']:.1f}\u00a0s, limited by {link}.")  # no line break inside "0.6 s"
     hybrid = (predict_hybrid(hw, m, k, coeffs, prefetch_depth, extra) if k < m.num_experts and runs_on_cpu(m)
               else None)
     if hybrid is not None:
