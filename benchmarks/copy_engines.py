@@ -64,7 +64,7 @@ def main(source: str = "host") -> int:
         beside = []
         for _ in range(REPS):
             with torch.cuda.stream(copy):
-                for _ in range(40 if source == "d2d" else 1):  # device to device: as long as one over PCIe
+                for _copy in range(40 if source == "d2d" else 1):  # device to device: as long as one over PCIe
                     big_dev.copy_(big_host, non_blocking=True)
             time.sleep(0.0002)  # the big copy is running
             beside.append(wait_us(compute, x, op, poll))

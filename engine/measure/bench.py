@@ -471,7 +471,6 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
     # each kernel path gets the cache its workspace leaves room for under the budget
     sizes = {kern: cache_size_for(budget, cfg, s.dense_bytes, stride, prompt_len + new_tokens, device, kern)
              for kern in kernels}
-    ks = {kern: k for kern, (k, _) in sizes.items()}
     k, extra = max(sizes.values())
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=gen).tolist()
@@ -482,10 +481,10 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
         f"routing {probe.describe()}")
     compute = {}
     for kern in kernels:  # compile (Triton) and warm caches before anything is timed
-        run_mode(s, "no-copy", ks[kern], 0, kern, prompt, 4, cond.routing_source(cfg, device, 0))
+        run_mode(s, "no-copy", sizes[kern][0], 0, kern, prompt, 4, cond.routing_source(cfg, device, 0))
     for kern in kernels:  # resident compute time per token: nothing moves
         steps = min(new_tokens, 16)
-        _, decode, _, _, _ = run_mode(s, "no-copy", ks[kern], 0, kern, prompt, steps,
+        _, decode, _, _, _ = run_mode(s, "no-copy", sizes[kern][0], 0, kern, prompt, steps,
                                       cond.routing_source(cfg, device, 0))
         compute[kern] = decode / (steps - 1)
         log(f"  resident compute per token ({kern}): {compute[kern] * 1e3:.2f} ms")
@@ -493,7 +492,7 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
     for mode in modes:
         for kern in kernels:
             policy = "naive" if mode == "naive" else "lru"
-            kk = cfg.top_k if mode == "naive" else ks[kern]
+            kk = cfg.top_k if mode == "naive" else sizes[kern][0]
             depth = prefetch if mode in ("full", "hybrid") else 0
             if mode == "hybrid" and s.cpu_copies is None:
                 log(f"  the CPU experts ({cond.cpu_format or 'default'} format)")
