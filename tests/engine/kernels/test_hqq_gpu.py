@@ -308,6 +308,41 @@ def test_moe_decode_runs_experts_not_in_place_late(topk, absent, programs):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not K.fused_available(), reason="needs CUDA (or the Triton interpreter)")
+@pytest.mark.parametrize("tokens,topk", [(3, 2), (5, 3), (2, 1)])
+@pytest.mark.parametrize("programs", [None, 1])  # split-K as gemv_config chooses, and no split
+def test_moe_decode_of_a_prompt_equals_its_tokens_one_at_a_time(tokens, topk, programs):
+    """T tokens in one launch pair: each row of out equals that token decoded alone, bit for bit;
+    a token routed to an expert not in place keeps its row, the others are written."""
+    dtype = torch.bfloat16 if FUSED_DEVICE == "cuda" else torch.float32
+    n_experts, n_slots = 8, 6
+    slots, views = packed_expert_slots(128, 256, 4, 64, True, n_slots, FUSED_DEVICE, seed=tokens)
+    gen = torch.Generator().manual_seed(tokens * 10 + topk)
+    table = torch.full((n_experts,), -1, dtype=torch.int32)
+    table[:n_slots] = torch.randperm(n_slots, generator=gen).to(torch.int32)
+    ids = torch.stack([torch.randperm(n_slots, generator=gen)[:topk] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, topk, generator=gen), -1)
+    h = torch.randn(tokens, 128, generator=gen).to(FUSED_DEVICE, dtype)
+    cfg = None if programs is None else ({"programs": programs}, {"programs": programs})
+    dev = lambda t: t.to(FUSED_DEVICE)  # noqa: E731
+    want = torch.full_like(h, float("nan"))
+    for t in range(tokens):
+        K.moe_decode(h[t:t + 1], views(0), slots.shape[1], dev(ids[t]), dev(weights[t]), dev(table),
+                     want[t:t + 1], cfg)
+    assert not torch.isnan(want).any()
+    for _ in range(2):  # the counters are left at zero for the next launch
+        out = torch.full_like(h, float("nan"))
+        K.moe_decode(h, views(0), slots.shape[1], dev(ids), dev(weights), dev(table), out, cfg)
+        assert torch.equal(out, want)
+    ids[1, 0] = n_experts - 1  # not in place: token 1's row is left as it was
+    out = torch.full_like(h, float("nan"))
+    K.moe_decode(h, views(0), slots.shape[1], dev(ids), dev(weights), dev(table), out, cfg)
+    assert torch.isnan(out[1]).all()
+    others = [t for t in range(tokens) if t != 1]
+    assert torch.equal(out[others], want[others])
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("bits,g", [(2, 16), (3, 64)])
 def test_moe_decode_mixtral_shape_is_deterministic(bits, g):

@@ -174,3 +174,32 @@ def test_cuda_hits_first_decode_equals_routing_first(tmp_path, landing_waits, mo
                 assert ("late" in ran) == hits_first  # misses: late launches (and only hits first has them)
                 engine.close()
             assert runs[True] == runs[False], f"K={k} D={depth}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_a_prompt_runs_its_experts_grouped_as_one_at_a_time(tmp_path, dtype):
+    """A prompt whose experts fit in the cache runs each layer's experts in one launch pair
+    (OffloadedMixtral.prompt_grouped), whole or in pieces (prompt_chunk): the logits of running
+    them one at a time, to rounding (GEMVs for GEMMs), and in float32 the same greedy tokens."""
+    make_checkpoint(tmp_path / "ck", seed=9, num_key_value_heads=4, hidden_size=256, intermediate_size=512,
+                    num_local_experts=8, num_hidden_layers=4)
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st", 4, 4, "cuda")
+    engine = load_engine(tmp_path / "st", device="cuda", dtype=dtype, cache_experts=8, prefetch=1)
+    engine.eos_ids = set()
+    m, prompt = engine.model, torch.tensor(PROMPT * 3).cuda()
+    sampling = SamplingSettings(temperature=0, max_new_tokens=16)
+    m.setup_kv(64)
+    assert m.prompt_grouped(len(prompt))
+    grouped = m.forward(prompt, 0, last_only=False).float()
+    engine.cached_ids = []
+    tokens = list(engine.generate_ids(PROMPT * 3, sampling))
+    m.prompt_chunk = lambda T: min(T, 7)
+    pieces = m.forward(prompt, 0, last_only=False).float()
+    m.grouped_prompt_kernel = False
+    one_at_a_time = m.forward(prompt, 0, last_only=False).float()
+    tol = 1e-4 if dtype == "float32" else 2e-2
+    for got in (grouped, pieces):
+        assert ((got - one_at_a_time).norm() / one_at_a_time.norm()).item() <= tol
+    if dtype == "float32":
+        engine.cached_ids = []
+        assert list(engine.generate_ids(PROMPT * 3, sampling)) == tokens
