@@ -4,8 +4,8 @@
 
 On the benchmark's full-size synthetic model (uniform routing, fused kernels, lru, 16 new
 tokens), in one process, taking turns: the prompt's experts one at a time, grouped (the
-engine's default; at 12 GiB in pieces that fit the cache, prompt_chunk), one at a time again;
-every expert resident and 12 GiB; prompts of 128 and 512 tokens. A first run of each budget
+engine's default: at 12 GiB in passes, the cached experts first, then the others as the slots
+take them), one at a time again; every expert resident and 12 GiB; prompts of 128 and 512 tokens. A first run of each budget
 compiles the kernels and is not reported. Also the largest relative difference between the two
 ways' logits of the last prompt token. Needs a CUDA GPU.
 """

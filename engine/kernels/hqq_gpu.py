@@ -323,55 +323,98 @@ def gemv_pair(x: torch.Tensor, a: QMatrix, b: QMatrix, out_a: torch.Tensor, out_
 def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tensor,
                weights: torch.Tensor, table: torch.Tensor, out: torch.Tensor,
                cfg: tuple[dict, dict] | None = None, late: torch.Tensor | None = None) -> torch.Tensor:
-    """Tokens through their routed experts in two launches, with no host sync:
-    out [T, H] = sum_k weights[t, k] * w2(silu(w1 h[t]) * w3 h[t]) of expert ids[t, k], for
-    each of the T rows of h (ids and weights [k] or [T, k]). A token decodes with T = 1; a
-    prompt runs every token's experts in the same two launches (each token reads its experts,
-    as T decoded tokens would).
+    """One token through its routed experts in two launches, with no host sync:
+    out [1, H] = sum_k weights[k] * w2(silu(w1 h) * w3 h) of expert ids[k].
 
     experts: the QMatrix views (w1, w3, w2) of cache slot 0 of a layer; the expert in slot s
     lies s * slot_bytes bytes further. table [E] int32 (device): the slot of each expert, read
-    by the kernels with ids (device), so a CUDA graph of this serves any routing. The
+    by the kernels with ids [k] (device), so a CUDA graph of this serves any routing. The
     result equals the eager per-expert path's rounding step for step (see _moe_down_kernel).
     cfg: (up, down) launch parameters as gemv_config's, to override the defaults (tuning).
 
     An expert whose table entry is -1 (not in place yet) is read from slot 0 instead, and out
     is then left as it is: the layer's "hits first" launch (engine/runtime/model.py) runs before
-    the host has read the routing. `late` [n] (device; one token only) then runs only the
-    experts at those top-k positions, now in place, and writes out from every position's
-    result: the others' stayed in the down kernel's partials since that launch, so out is
-    summed in the same order either way.
+    the host has read the routing. `late` [n] (device) then runs only the experts at those top-k
+    positions, now in place, and writes out from every position's result: the others' stayed in
+    the down kernel's partials since that launch, so out is summed in the same order either way.
     """
     w1, w3, w2 = experts["w1"], experts["w3"], experts["w2"]
-    topk = ids.shape[-1]
-    pairs = ids.numel()  # tokens x top-k
-    assert late is None or pairs == topk, "late runs one token's experts"
-    launched = pairs if late is None else late.numel()  # programs along grid axis 2
+    topk = ids.numel()
+    launched = topk if late is None else late.numel()  # programs along grid axis 2
     at = ids if late is None else late  # not read without LATE
     sms = _sm_count(h.device)
-    exact = h.dtype == torch.float32
-    act = _scratch.get("act", pairs * w1.rows, h.dtype, h.device)
-    # up: silu(w1 x) * w3 x for every routed expert of every token, into act [T * k, F]
+    x = h.reshape(-1)
+    act = _scratch.get("act", topk * w1.rows, h.dtype, h.device)
+    # up: silu(w1 x) * w3 x for every routed expert, into act [k, F]
     up_cfg, down_cfg = (tuple(sorted(c.items())) for c in cfg) if cfg else (None, None)
     n_j, split, k_per_split, bk, consts = _gemv_launch(
-        w1.rows, w1.cols, w1.bits, w1.group_size, sms, up_cfg, 2 * pairs, exact)
-    ws = _scratch.get("partials", pairs * split * 2 * w1.rows, torch.float32, h.device)
-    cnt = _scratch.get("counters", pairs * n_j, torch.int32, h.device, zero=True)
-    _moe_up_kernel[(n_j, split, launched)](h, act, ids, at, table, slot_bytes, *_common_args(w1),
+        w1.rows, w1.cols, w1.bits, w1.group_size, sms, up_cfg, 2 * topk, h.dtype == torch.float32)
+    ws = _scratch.get("partials", topk * split * 2 * w1.rows, torch.float32, h.device)
+    cnt = _scratch.get("counters", topk * n_j, torch.int32, h.device, zero=True)
+    _moe_up_kernel[(n_j, split, launched)](x, act, ids, at, table, slot_bytes, *_common_args(w1),
                                            *_common_args(w3), ws, cnt, *_sizes(w1), k_per_split, split,
-                                           TOPK=topk, SPLIT=split > 1, LATE=late is not None,
-                                           **_format(w1, bk), **consts)
-    # down: each token's weighted sum of w2 act[k]; its partials outlive the launch (for `late`)
+                                           TOPK=topk, SPLIT=split > 1, LATE=late is not None, **_format(w1, bk),
+                                           **consts)
+    # down: the weighted sum of w2 act[k]; its partials outlive the launch (for `late`)
     n_j, split, k_per_split, bk, consts = _gemv_launch(
-        w2.rows, w2.cols, w2.bits, w2.group_size, sms, down_cfg, pairs, exact)
-    ws = _scratch.get("down_partials", pairs * split * w2.rows, torch.float32, h.device)
-    cnt = _scratch.get("counters", (pairs // topk) * n_j, torch.int32, h.device, zero=True)
-    # each row tile of a token is summed by the last of its (positions launched x splits) programs
-    parts = (topk if late is None else launched) * split
+        w2.rows, w2.cols, w2.bits, w2.group_size, sms, down_cfg, topk, h.dtype == torch.float32)
+    ws = _scratch.get("down_partials", topk * split * w2.rows, torch.float32, h.device)
+    cnt = _scratch.get("counters", n_j, torch.int32, h.device, zero=True)
     _moe_down_kernel[(n_j, split, launched)](act, out, ids, at, weights, table, slot_bytes, *_common_args(w2), ws,
-                                             cnt, *_sizes(w2), k_per_split, split, parts, TOPK=topk,
-                                             LATE=late is not None, **_format(w2, bk), **consts)
+                                             cnt, *_sizes(w2), k_per_split, split, launched * split, TOPK=topk,
+                                             LATE=late is not None, PAIRS=False, SPLIT=split > 1,
+                                             **_format(w2, bk), **consts)
     return out
+
+
+def moe_prompt(h: torch.Tensor, experts: dict, slot_bytes: int, slots: torch.Tensor, at: torch.Tensor,
+               topk: int, y: torch.Tensor) -> torch.Tensor:
+    """A prompt's routed experts, the pairs `at` of them, in two launches:
+    y[p] = w2(silu(w1 h[t]) * w3 h[t]) of the expert in cache slot slots[p], t = p // topk, for
+    each position p (token t, top-k place p % topk) in at [n] (device). h [T, H]; slots
+    [T * topk] int32 (device; read at the positions in `at` only); y [T * topk, H]: its other
+    rows are left as they are. Each pair reads its expert, as decoding the token would, so a
+    layer's experts can run in a few launches, as many as are in the cache at a time."""
+    w1, w3, w2 = experts["w1"], experts["w3"], experts["w2"]
+    n, pairs = at.numel(), slots.numel()
+    sms = _sm_count(h.device)
+    exact = h.dtype == torch.float32
+    positions = _positions(pairs, h.device)  # ids = positions: the kernels' table[ids[p]] is slots[p]
+    act = _scratch.get("act", pairs * w1.rows, h.dtype, h.device)
+    n_j, split, k_per_split, bk, consts = _gemv_launch(
+        w1.rows, w1.cols, w1.bits, w1.group_size, sms, None, 2 * n, exact)
+    ws, cnt = _split_scratch("partials", split, pairs * 2 * w1.rows, pairs * n_j, h.device)
+    _moe_up_kernel[(n_j, split, n)](h, act, positions, at, slots, slot_bytes, *_common_args(w1), *_common_args(w3),
+                                    ws, cnt, *_sizes(w1), k_per_split, split, TOPK=topk, SPLIT=split > 1,
+                                    LATE=True, **_format(w1, bk), **consts)
+    n_j, split, k_per_split, bk, consts = _gemv_launch(
+        w2.rows, w2.cols, w2.bits, w2.group_size, sms, None, n, exact)
+    ws, cnt = _split_scratch("down_partials", split, pairs * w2.rows, pairs * n_j, h.device)
+    _moe_down_kernel[(n_j, split, n)](act, y, positions, at, slots, slots, slot_bytes, *_common_args(w2), ws, cnt,
+                                      *_sizes(w2), k_per_split, split, 0, TOPK=topk, LATE=True, PAIRS=True, SPLIT=split > 1,
+                                      **_format(w2, bk), **consts)
+    return y
+
+
+def _split_scratch(kind: str, split: int, partials: int, counters: int, device: torch.device):
+    """Split-K's partials (split x `partials` floats) and tile counters; none without a split
+    (the kernels do not read them then: a prompt's many pairs need no split)."""
+    if split == 1:
+        partials = counters = 1
+    return (_scratch.get(kind, split * partials, torch.float32, device),
+            _scratch.get("counters", counters, torch.int32, device, zero=True))
+
+
+_position_tables: dict = {}
+
+
+def _positions(n: int, device: torch.device) -> torch.Tensor:
+    """0..n-1 (int32) on the device: a view of one table per device, grown when too short."""
+    key = (device.type, device.index)
+    table = _position_tables.get(key)
+    if table is None or table.numel() < n:
+        table = _position_tables[key] = torch.arange(max(n, 4096), dtype=torch.int32, device=device)
+    return table[:n]
 
 
 def gemm_config(T: int, rows: int, cols: int, bits: int, group_size: int, sms: int = 132) -> dict:
@@ -823,9 +866,9 @@ if triton is not None:
                        SPLIT: tl.constexpr, LATE: tl.constexpr, SMODE: tl.constexpr, ZMODE: tl.constexpr,
                        BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr, NQ: tl.constexpr,
                        H2: tl.constexpr, EVEN: tl.constexpr):
-        """act[kpos] = silu(x @ W1.T) * (x @ W3.T) for the expert at position kpos (_position) of
-        the tokens' routing [T, TOPK], x its token's row; W1 and W3 are read in the same loop.
-        Split-K as _finish, per kpos."""
+        """act[kpos] = silu(x @ W1.T) * (x @ W3.T) for the expert at position kpos (_position)
+        of the routing [tokens, TOPK], x its token's row (a decoded token's: kpos < TOPK); W1
+        and W3 are read in the same loop. Split-K as _finish, per kpos."""
         pid_k, kpos = tl.program_id(1), _position(at_ptr, LATE)
         slot = _routed_slot(ids_ptr, table_ptr, kpos)
         ya, yb, n, j = _gemv_tiles(
@@ -858,16 +901,15 @@ if triton is not None:
                          G, rows, cols, Ms, Mz, k_per_split, n_split, parts,
                          W0: tl.constexpr, W1: tl.constexpr, GS: tl.constexpr,
                          SMODE: tl.constexpr, ZMODE: tl.constexpr, TOPK: tl.constexpr, LATE: tl.constexpr,
-                         BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr, NQ: tl.constexpr,
-                         H2: tl.constexpr, EVEN: tl.constexpr):
-        """out[t] = sum over token t's top-k of weight[kpos] * (act[kpos] @ W2.T), kpos from
-        _position, t = kpos // TOPK. Every (split, kpos) program stores a partial; the last of
-        the `parts` programs of a token's row tile adds up its TOPK positions' partials as the
-        eager path does: each expert's output rounded to out's dtype, times its weight, rounded,
-        added in ascending expert order (transformers' order). It writes out only when every
-        expert the token routes to was in place."""
+                         PAIRS: tl.constexpr, SPLIT: tl.constexpr, BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr,
+                         NQ: tl.constexpr, H2: tl.constexpr, EVEN: tl.constexpr):
+        """out = sum over the top-k of weight[kpos] * (act[kpos] @ W2.T), kpos from _position.
+        Every (split, kpos) program stores a partial; the last of the `parts` programs of a row
+        tile adds up all TOPK positions' partials as the eager path does: each expert's output
+        rounded to out's dtype, times its weight, rounded, added in ascending expert order
+        (transformers' order). It writes out only when every routed expert was in place.
+        PAIRS (moe_prompt): out[kpos] = act[kpos] @ W2.T instead, each position's own row."""
         pid_k, kpos = tl.program_id(1), _position(at_ptr, LATE)
-        t = kpos // TOPK
         slot = _routed_slot(ids_ptr, table_ptr, kpos)
         y, _, n, j = _gemv_tiles(
             act_ptr + kpos * cols, _at_slot(p0, slot, slot_bytes), _at_slot(p1, slot, slot_bytes),
@@ -877,23 +919,26 @@ if triton is not None:
             G, cols, Ms, Mz, k_per_split, tl.program_id(0), pid_k,
             False, W0, W1, GS, SMODE, ZMODE, BJ, BKO, KV, NQ, H2, EVEN)
         mask = (j < G)[None, :]
+        if PAIRS:
+            _finish(y, n, n, mask, out_ptr + kpos * rows, ws_ptr + kpos * n_split * rows, rows,
+                    cnt_ptr + kpos * tl.num_programs(0) + tl.program_id(0), pid_k, n_split, SPLIT)
+            return
         tl.store(ws_ptr + (kpos * n_split + pid_k) * rows + n, y, mask=mask)
         tl.debug_barrier()
-        cnt = cnt_ptr + t * tl.num_programs(0) + tl.program_id(0)
+        cnt = cnt_ptr + tl.program_id(0)
         if tl.atomic_add(cnt, 1) == parts - 1:
-            ids_t = ids_ptr + t * TOPK
-            if _all_in_place(ids_t, table_ptr, TOPK):
+            if _all_in_place(ids_ptr, table_ptr, TOPK):
                 dt: tl.constexpr = out_ptr.dtype.element_ty
                 total = tl.zeros(y.shape, tl.float32)
                 for r in tl.static_range(TOPK):
-                    kr = t * TOPK + _position_of_rank(ids_t, r, TOPK)
+                    kr = _position_of_rank(ids_ptr, r, TOPK)
                     ye = tl.load(ws_ptr + kr * n_split * rows + n, mask=mask, other=0.0, cache_modifier=".cg")
                     for s in range(1, n_split):
                         ye += tl.load(ws_ptr + (kr * n_split + s) * rows + n, mask=mask, other=0.0,
                                       cache_modifier=".cg")
                     ye = ye.to(dt).to(tl.float32) * tl.load(weights_ptr + kr)
                     total = (total + ye.to(dt).to(tl.float32)).to(dt).to(tl.float32)
-                tl.store(out_ptr + t * rows + n, total.to(dt), mask=mask)
+                tl.store(out_ptr + n, total.to(dt), mask=mask)
             tl.atomic_xchg(cnt, 0)
 
     @triton.jit

@@ -33,7 +33,6 @@ the store: experts() keeps both, dispatch() takes that row), "routing", "window"
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
@@ -50,13 +49,11 @@ from moeferry.engine.storage.mxfp4 import Mxfp4Matrix
 
 ATTN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # A prompt's experts run one at a time cost the host about 0.3 ms each (Qwen3-30B-A3B, every
-# expert resident on an H100: 2.06 s to the first token of a 128-token prompt, 48 x 128 expert
-# calls). The grouped launch instead reads each token's experts, as decoding them would; it
-# wins while those reads take less than the calls' host time, at a gaming card's bandwidth.
+# expert resident on an H100: 2.5-3.1 s to the first token of a 128-token prompt, 48 x 128
+# expert calls). Grouped (prompt_experts), each token reads its experts, as decoding it would;
+# that wins while those reads take less than the calls' host time, at a gaming card's bandwidth.
 PROMPT_HOST_S_PER_EXPERT = 0.3e-3
 PROMPT_DEVICE_BYTES_PER_S = 400e9
-# Shorter prompt pieces than this run their experts one at a time instead (prompt_chunk)
-MIN_PROMPT_CHUNK = 8
 
 
 @dataclass
@@ -306,7 +303,7 @@ class OffloadedMixtral:
         self.rope_long = long_rope(cfg, device)
         self.ops = EagerOps(self)
         self.decode_ops = self.ops  # a lone token's, outside CUDA graphs (decode_cpu.use_compiled_decode)
-        self.grouped_prompt_kernel: bool | None = None  # prompt_grouped's test of the cache, once
+        self.grouped_prompt_kernel: bool | None = None  # prompt_grouped's test of the cache's format, once
 
     @property
     def prefetch_depth(self) -> int:
@@ -363,10 +360,6 @@ class OffloadedMixtral:
         T = tokens.shape[0]
         if T == 1 and self.graphs is not None:
             return self.graphs.step(tokens, start)
-        chunk = self.prompt_chunk(T)
-        if chunk < T:
-            logits = [self.forward(tokens[a:a + chunk], start + a, last_only) for a in range(0, T, chunk)]
-            return logits[-1] if last_only else torch.cat(logits)
         pos = torch.arange(start, start + T, device=self.device)
         s = self.new_step(tokens, *self.rope(pos), start=start)
         if self.embed_on_host:
@@ -453,6 +446,9 @@ class OffloadedMixtral:
         if self.routing is not None and s.forced is None:  # else the attention segment wrote it
             self.force_routing(mi, s, ids, guesses)
         picks = s.picks[mi, :ids.shape[0] + (0 if guesses is None else guesses.shape[0])]
+        if self.prompt_grouped(ids.shape[0]):
+            run(("prompt", i), lambda: self.prompt_experts(mi, s, picks))
+            return
         io = (s.h, s.weights, s.out)  # for experts run on the CPU (self.hybrid)
         if ops.grouped:
             self.dispatch(mi, picks, ids.shape[0], step, add_all=lambda at: self.grouped_experts(i, s, ops, run, at),
@@ -461,11 +457,7 @@ class OffloadedMixtral:
             def add_expert(w: dict, slot: int, e: int, k) -> None:
                 run(("expert", i, slot, k if isinstance(k, int) else None), lambda: self.add_expert(w, s, e, k))
 
-            add_all = None
-            if self.prompt_grouped(ids.shape[0]):
-                def add_all(at: list[int]) -> None:
-                    run(("prompt-moe", i), lambda: self.prompt_experts(mi, s))
-            self.dispatch(mi, picks, ids.shape[0], step, add_expert, add_all, io=io)
+            self.dispatch(mi, picks, ids.shape[0], step, add_expert, io=io)
 
     def dispatch(self, i: int, picks: torch.Tensor, T: int, step: list | None,
                  add_expert=None, add_all=None, io: tuple | None = None) -> None:
@@ -476,9 +468,7 @@ class OffloadedMixtral:
         Either add_expert(w, slot, e, k) runs one expert at a time (k: its top-k position for
         one token, else token_routes' tokens and positions), or add_all(positions) runs
         the experts at those top-k positions at once once they are in place (the device reads
-        their slots from the cache's device table). Given both (a prompt, prompt_grouped),
-        add_all runs when every expert the T tokens need fits in the layer's slots at once and
-        none runs on the CPU, add_expert otherwise. With self.hybrid, io = (h, weights, out) of
+        their slots from the cache's device table). With self.hybrid, io = (h, weights, out) of
         the layer: the experts it picks run on the CPU meanwhile and are added to out before
         returning. The host computes them once it has queued everything else of the layer (the
         link's copies, the device's experts, which wait for their copies on the device, and the
@@ -505,8 +495,6 @@ class OffloadedMixtral:
             if on_cpu:  # h goes down now
                 job = self.hybrid.start(i, on_cpu, *io)
                 mark("down")
-        if add_expert is not None and (on_cpu or len(needed) > self.cache.slots_in(i)):
-            add_all = None
         routes = token_routes(ids_host, picks.device) if add_all is None and T > 1 else None
         for e in (e for e in needed if e not in on_cpu):  # copies and compute queued, waiting for neither
             w, slot = self.cache.acquire(i, e, keep=needed)
@@ -583,45 +571,49 @@ class OffloadedMixtral:
             guesses.copy_(g)
 
     def prompt_grouped(self, T: int) -> bool:
-        """Whether a prompt of T tokens runs each layer's routed experts in one launch pair
-        (prompt_experts) rather than one expert at a time: HQQ SwiGLU experts on the fused
-        kernels, none on the CPU, and reading every token's experts costs less than the host's
-        per-expert calls would (PROMPT_HOST_S_PER_EXPERT)."""
+        """Whether a prompt of T tokens runs each layer's routed experts grouped (prompt_experts)
+        rather than one at a time: HQQ SwiGLU experts on the fused kernels, none on the CPU, and
+        reading every token's experts costs less than the host's per-expert calls would
+        (PROMPT_HOST_S_PER_EXPERT)."""
         cfg, cache = self.cfg, self.cache
-        if T == 1 or self.hybrid is not None or T * cfg.top_k > 65535:  # the grid's third axis
+        if T == 1 or self.hybrid is not None or T * cfg.top_k > 65535:  # the launch grid's third axis
             return False
         if self.grouped_prompt_kernel is None:
-            self.grouped_prompt_kernel = (
-                self.kernels != "reference" and hqq_gpu.fused_available(self.device)
-                and cfg.expert_act == "silu" and hasattr(cache, "device_table")
-                and hqq_gpu.moe_supported(cache.slot_weights(0, 0)))
-        if not self.grouped_prompt_kernel:
-            return False
+            self.grouped_prompt_kernel = (self.kernels != "reference" and hqq_gpu.fused_available(self.device)
+                                          and cfg.expert_act == "silu"
+                                          and hqq_gpu.moe_supported(cache.slot_weights(0, 0)))
         B = cache.slot_bytes
-        return T * cfg.top_k * B <= cfg.num_experts * (PROMPT_HOST_S_PER_EXPERT * PROMPT_DEVICE_BYTES_PER_S + B)
+        return (self.grouped_prompt_kernel
+                and T * cfg.top_k * B <= cfg.num_experts * (PROMPT_HOST_S_PER_EXPERT * PROMPT_DEVICE_BYTES_PER_S + B))
 
-    def prompt_chunk(self, T: int) -> int:
-        """Tokens per forward of a T-token prompt: all of them, unless the cache cannot hold
-        every expert of a layer and the prompt runs its experts grouped (prompt_grouped): then
-        pieces whose experts are expected to fit in the smallest layer's cache (4/5 of its
-        slots, under uniform routing), so each layer still runs in one launch pair, or T when
-        such pieces would be shorter than MIN_PROMPT_CHUNK."""
-        cfg = self.cfg
-        slots = min((self.cache.slots_in(mi) for mi in range(cfg.num_moe_layers)), default=cfg.num_experts)
-        if slots >= cfg.num_experts or not self.prompt_grouped(T):
-            return T
-        miss = 1 - cfg.top_k / cfg.num_experts  # a token leaves a given expert out
-        # distinct experts among c tokens: E (1 - miss^c) <= 0.8 slots
-        left = 1 - 0.8 * slots / cfg.num_experts
-        chunk = int(math.log(left) / math.log(miss)) if 0 < left and 0 < miss < 1 else T
-        return T if chunk < MIN_PROMPT_CHUNK else min(chunk, T)
+    def prompt_experts(self, mi: int, s: Step, picks: torch.Tensor) -> None:
+        """A prompt's routed experts of MoE layer mi in passes (prompt_grouped): the experts the
+        cache holds, then the others as many at a time as the layer's slots take, each pass one
+        launch pair over its (token, expert) pairs (hqq_gpu.moe_prompt); out = each token's
+        weighted sum. An expert is copied in at most once, as running them one at a time would.
+        picks [T + D, k]: the routing, then the guesses to prefetch."""
+        cache, T, k = self.cache, s.h.shape[0], self.cfg.top_k
+        rows = picks.tolist()
+        flat = [e for row in rows[:T] for e in row]
+        needed = sorted(set(flat))
+        held = [e for e in needed if e in cache.lru[mi]]
+        fresh = [e for e in needed if e not in cache.lru[mi]]
+        K = cache.slots_in(mi)
+        y = torch.empty(T * k, self.cfg.hidden_size, dtype=s.h.dtype, device=self.device)
+        for group in [held] * bool(held) + [fresh[a:a + K] for a in range(0, len(fresh), K)]:
+            slot = {e: cache.acquire(mi, e, keep=group)[1] for e in group}
+            at = [p for p, e in enumerate(flat) if e in slot]
+            hqq_gpu.moe_prompt(s.h, cache.slot_weights(mi, 0), cache.slot_bytes,
+                               self.device_ints([slot.get(e, 0) for e in flat]), self.device_ints(at), k, y)
+            cache.release(mi)  # its slots may take the next pass's copies once this pass has run
+        s.out.copy_((y.view(T, k, -1).float() * s.weights[..., None]).sum(1))
+        self.prefetcher.issue(cache, mi, rows[T:])
 
-    def prompt_experts(self, mi: int, s: Step) -> None:
-        """out = every prompt token's weighted sum of its routed experts of MoE layer mi, all in
-        the cache's slots, in two launches (hqq_gpu.moe_decode over the T tokens)."""
-        cache = self.cache
-        hqq_gpu.moe_decode(s.h, cache.slot_weights(mi, 0), cache.slot_bytes, s.ids[mi], s.weights,
-                           cache.device_table(mi), s.out)
+    def device_ints(self, values: list[int]) -> torch.Tensor:
+        """int32 on the device, sent without the host waiting (from page-locked memory, which
+        torch's allocator keeps until the copy has run)."""
+        t = torch.tensor(values, dtype=torch.int32)
+        return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
     def grouped_experts(self, i: int, s: Step, ops, run, at: list[int]) -> None:
         """Layer i's routed experts at the top-k positions `at` in one go (the others run on the

@@ -309,37 +309,42 @@ def test_moe_decode_runs_experts_not_in_place_late(topk, absent, programs):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not K.fused_available(), reason="needs CUDA (or the Triton interpreter)")
-@pytest.mark.parametrize("tokens,topk", [(3, 2), (5, 3), (2, 1)])
-@pytest.mark.parametrize("programs", [None, 1])  # split-K as gemv_config chooses, and no split
-def test_moe_decode_of_a_prompt_equals_its_tokens_one_at_a_time(tokens, topk, programs):
-    """T tokens in one launch pair: each row of out equals that token decoded alone, bit for bit;
-    a token routed to an expert not in place keeps its row, the others are written."""
+@pytest.mark.parametrize("tokens,topk,bits,g", [(3, 2, 4, 64), (5, 3, 2, 16), (2, 1, 3, 64)])
+def test_moe_prompt_runs_the_pairs_asked_for(tokens, topk, bits, g):
+    """moe_prompt: row p of y is the expert in slots[p] applied to token p // topk, for the
+    positions asked for (as the per-expert path computes it), and only those; the pairs of a
+    token, weighted and summed, give what moe_decode gives for it."""
     dtype = torch.bfloat16 if FUSED_DEVICE == "cuda" else torch.float32
-    n_experts, n_slots = 8, 6
-    slots, views = packed_expert_slots(128, 256, 4, 64, True, n_slots, FUSED_DEVICE, seed=tokens)
+    n_slots, hidden = 6, 128
+    slots, views = packed_expert_slots(hidden, 256, bits, g, True, n_slots, FUSED_DEVICE, seed=tokens)
     gen = torch.Generator().manual_seed(tokens * 10 + topk)
-    table = torch.full((n_experts,), -1, dtype=torch.int32)
-    table[:n_slots] = torch.randperm(n_slots, generator=gen).to(torch.int32)
     ids = torch.stack([torch.randperm(n_slots, generator=gen)[:topk] for _ in range(tokens)])
+    slot_of = torch.randperm(n_slots, generator=gen).to(torch.int32)  # expert -> slot
+    pair_slots = slot_of[ids].flatten().to(FUSED_DEVICE)
+    h = torch.randn(tokens, hidden, generator=gen).to(FUSED_DEVICE, dtype)
+    y = torch.full((tokens * topk, hidden), float("nan"), dtype=dtype, device=FUSED_DEVICE)
+    first = [p for p in range(tokens * topk) if p % 2 == 0]
+    for at in (first, [p for p in range(tokens * topk) if p % 2]):  # two launches, as two passes of a layer
+        done = y.clone()
+        K.moe_prompt(h, views(0), slots.shape[1], pair_slots, torch.tensor(at, dtype=torch.int32).to(FUSED_DEVICE),
+                     topk, y)
+        untouched = [p for p in range(tokens * topk) if p not in at]
+        assert torch.equal(y[untouched].isnan(), done[untouched].isnan())
+        if at is first:
+            assert y[untouched].isnan().all()
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for p in range(tokens * topk):
+        t, e = p // topk, int(ids.flatten()[p])
+        want = per_expert_moe(h[t:t + 1], torch.tensor([e]), [1.0], slot_of.tolist(), views, "fused")
+        assert rel_err(y[p:p + 1], want) <= tol, p
     weights = torch.softmax(torch.randn(tokens, topk, generator=gen), -1)
-    h = torch.randn(tokens, 128, generator=gen).to(FUSED_DEVICE, dtype)
-    cfg = None if programs is None else ({"programs": programs}, {"programs": programs})
-    dev = lambda t: t.to(FUSED_DEVICE)  # noqa: E731
-    want = torch.full_like(h, float("nan"))
+    table = slot_of.to(FUSED_DEVICE)
     for t in range(tokens):
-        K.moe_decode(h[t:t + 1], views(0), slots.shape[1], dev(ids[t]), dev(weights[t]), dev(table),
-                     want[t:t + 1], cfg)
-    assert not torch.isnan(want).any()
-    for _ in range(2):  # the counters are left at zero for the next launch
-        out = torch.full_like(h, float("nan"))
-        K.moe_decode(h, views(0), slots.shape[1], dev(ids), dev(weights), dev(table), out, cfg)
-        assert torch.equal(out, want)
-    ids[1, 0] = n_experts - 1  # not in place: token 1's row is left as it was
-    out = torch.full_like(h, float("nan"))
-    K.moe_decode(h, views(0), slots.shape[1], dev(ids), dev(weights), dev(table), out, cfg)
-    assert torch.isnan(out[1]).all()
-    others = [t for t in range(tokens) if t != 1]
-    assert torch.equal(out[others], want[others])
+        decoded = torch.zeros(1, hidden, dtype=dtype, device=FUSED_DEVICE)
+        K.moe_decode(h[t:t + 1], views(0), slots.shape[1], ids[t].to(FUSED_DEVICE), weights[t].to(FUSED_DEVICE),
+                     table, decoded)
+        summed = (y[t * topk:(t + 1) * topk].float() * weights[t, :, None].to(FUSED_DEVICE)).sum(0, keepdim=True)
+        assert rel_err(summed, decoded.float()) <= tol, t
 
 
 @pytest.mark.gpu

@@ -113,34 +113,33 @@ def test_grouped_experts_decode_as_the_eager_layer(tmp_path, vid):
 @pytest.mark.slow
 @pytest.mark.skipif(not FUSED, reason="needs TRITON_INTERPRET=1 and Triton")
 @pytest.mark.parametrize("vid", ["mixtral", PLAIN_QWEN2.id])
-def test_a_prompt_runs_its_experts_in_one_launch_where_they_fit(tmp_path, vid):
-    """OffloadedMixtral.prompt_grouped: a prompt whose layers' experts all fit in the cache runs
-    each layer's experts in one launch pair, with the per-expert path's logits (to float32
-    rounding: GEMVs for GEMMs); a cache too small for them runs them one at a time."""
+def test_a_prompt_runs_its_experts_grouped_as_one_at_a_time(tmp_path, vid):
+    """OffloadedMixtral.prompt_experts: a prompt runs each layer's experts in passes of one
+    launch pair each (the cached experts, then the others as the slots take them), with the
+    logits of running them one at a time (to float32 rounding: GEMVs for GEMMs); each expert
+    is copied in at most once a layer, as one at a time would."""
     checkpoint(vid, tmp_path / "ck")
     convert_checkpoint(tmp_path / "ck", tmp_path / "st", 4, 8, "cpu")
     tokens = torch.tensor(PROMPT)
-    E = None
-    for k in (None, 2):
-        engine = packed_engine(tmp_path / "st", k or 2)
-        E = engine.config.num_experts
-        if k is None:
-            engine = packed_engine(tmp_path / "st", E)
+    E = packed_engine(tmp_path / "st", 2).config.num_experts
+    for k in (E, 2):
+        engine = packed_engine(tmp_path / "st", k)
         m = engine.model
-        launched = []
+        copies = []  # each layer's
 
-        def counted(mi, s, launched=launched, prompt_experts=m.prompt_experts):
-            launched.append(mi)
-            prompt_experts(mi, s)
+        def counted(mi, s, picks, copies=copies, prompt_experts=m.prompt_experts, stats=m.cache.stats):
+            misses = stats.misses
+            prompt_experts(mi, s, picks)
+            copies.append(stats.misses - misses)
         m.prompt_experts = counted
         assert m.prompt_grouped(len(PROMPT))
         grouped = m.forward(tokens, 0, last_only=False)
-        assert launched == ([] if k else list(range(engine.config.num_moe_layers)))
-        m.prompt_chunk = lambda T: min(T, 5)  # in pieces of 5, 5 and 2 tokens
-        pieces = m.forward(tokens, 0, last_only=False)
-        torch.testing.assert_close(pieces, grouped, rtol=1e-4, atol=1e-4)
-        m.grouped_prompt_kernel = False
-        one_at_a_time = m.forward(tokens, 0, last_only=False)
+        assert len(copies) == engine.config.num_moe_layers and sum(copies) == m.cache.stats.misses
+        assert (sum(copies) > 0) == (k < E)
+        fresh = packed_engine(tmp_path / "st", k)
+        fresh.model.grouped_prompt_kernel = False
+        one_at_a_time = fresh.model.forward(tokens, 0, last_only=False)
+        assert sum(copies) <= fresh.model.cache.stats.misses
         torch.testing.assert_close(grouped, one_at_a_time, rtol=1e-4, atol=1e-4)
         assert torch.equal(grouped.argmax(-1), one_at_a_time.argmax(-1))
 
