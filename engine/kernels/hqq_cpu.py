@@ -738,6 +738,10 @@ def _compile():
 
 def set_threads(n: int) -> None:
     """numba's threads for launches from the calling thread (1..numba's pool size), for this
-    kernel and the others numba compiles (engine/kernels/int8_cpu.py, mxfp4_cpu.py)."""
+    kernel and the others numba compiles (engine/kernels/int8_cpu.py, mxfp4_cpu.py). torch's own
+    count is kept: numba's OpenMP layer, starting its pool on first use, sets OpenMP's count to the
+    whole pool, which is the count torch reads."""
     import numba
+    torch_threads = torch.get_num_threads()
     numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
+    torch.set_num_threads(torch_threads)

@@ -163,3 +163,25 @@ def test_the_kernel_threads_spin_between_layers_only_when_asked_and_unless_the_u
         env["GOMP_SPINCOUNT"] = users
     out = subprocess.run([sys.executable, "-c", SPIN_CHECK], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == [str(users), str(users), users or hqq_cpu.SPIN_COUNT]
+
+
+THREADS_CHECK = """
+import numba, torch
+from moeferry.engine.kernels import hqq_cpu
+torch.set_num_threads(1)
+hqq_cpu.set_threads(2)  # the first call starts numba's pool
+print(torch.get_num_threads(), numba.get_num_threads())
+"""
+
+
+@pytest.mark.skipif(hqq_cpu.available() != "", reason="needs numba")
+def test_setting_the_kernels_threads_keeps_torchs_count():
+    """numba's OpenMP layer sets OpenMP's count to its whole pool when it starts (torch reads that
+    count): set_threads gives numba its count and leaves torch's as it was (the bench's hybrid
+    on 8 threads reported 16)."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", THREADS_CHECK], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", str(min(2, os.cpu_count()))]
