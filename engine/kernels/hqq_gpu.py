@@ -32,6 +32,8 @@ result is deterministic.
 Prefill (T > 1): up to 16 tokens a Triton GEMM that dequantizes each [g*BJ, BK] tile in
 registers and feeds tl.dot; from 17 tokens the matrix is dequantized once into a reusable
 per-stream workspace and multiplied by cuBLAS (which wins from about 32 tokens on an H200).
+A fine-grained MoE's prompt runs its routed experts through `moe_prompt` instead: the decode
+kernels over (token, expert) pairs, which saves the host a call per expert.
 """
 
 from __future__ import annotations

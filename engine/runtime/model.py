@@ -49,14 +49,14 @@ from moeferry.engine.storage.mxfp4 import Mxfp4Matrix
 
 ATTN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # A prompt's experts run one at a time cost the host about 0.3 ms each (Qwen3-30B-A3B, every
-# expert resident on an H100: 2.5-3.1 s to the first token of a 128-token prompt, 48 x 128
+# expert resident on an H100: 1.8-3.1 s to the first token of a 128-token prompt, 48 x 128
 # expert calls). Grouped (prompt_experts), each token reads its experts, as decoding it would;
 # that wins while those reads take less than the calls' host time, at a gaming card's bandwidth.
 PROMPT_HOST_S_PER_EXPERT = 0.3e-3
+PROMPT_DEVICE_BYTES_PER_S = 400e9
 # hits_first leaves a layer's release and prefetch until the next layer's attention is queued
 # (run_deferred), so the device is not kept waiting for them; benchmarks/hits_first_ab.py turns it off.
 DEFER_RELEASE = True
-PROMPT_DEVICE_BYTES_PER_S = 400e9
 
 
 @dataclass
