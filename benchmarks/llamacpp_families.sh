@@ -60,7 +60,7 @@ for spec in "${models[@]}"; do
              "$(( $(date +%s) - start )) s. -ncmoe $n leaves $(awk -v b="$left" 'BEGIN {printf "%.2f", b / 2^30}')" \
              "GiB of weights on the GPU (at most $FIT asked)."
         echo
-        [ -n "${ONLY_FIT:-}" ] || run_bench "$gguf" 0  # ONLY_FIT=1: the -ncmoe N run alone
+        run_bench "$gguf" 0
         if [ "$n" -gt 0 ]; then echo; run_bench "$gguf" "$n"; fi
     } > "$md" 2>&1
     rm -f "$gguf"
