@@ -1,14 +1,12 @@
-"""The hits-first layer (OffloadedMixtral.hits_first) against reading the routing first and
-against releasing its slots and prefetching at once, timed, then prefetch depth.
+"""The hits-first layer (OffloadedMixtral.hits_first) against reading the routing first, timed,
+then prefetch depth.
 
     python3 benchmarks/hits_first_ab.py [MODEL:BITS[:GROUP] ...]    # default qwen3-30b-a3b:4 mixtral-8x7b:2:32
 
 On the benchmark's full-size synthetic model (uniform routing, 12 GiB, fused kernels, prompt 128,
 64 new tokens), in one process, taking turns: the routing read first (the layer's grouped launch
 after the host's sync and copies), hits first (the engine's default, landing copies awaited up to
-expert_cache.LANDING_WAIT_BYTES; the layer's release and prefetches once the next layer's
-attention is queued, model.DEFER_RELEASE), hits first releasing and prefetching at once, hits
-first again; lru (no prefetch) and full (prefetch 1) each.
+expert_cache.LANDING_WAIT_BYTES), the first again; lru (no prefetch) and full (prefetch 1) each.
 Then hits first with prefetch 2 and 3: guesses further ahead (right with probability 0.85^d)
 give the link more time to overlap the compute. Needs a CUDA GPU.
 """
@@ -22,10 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moeferry.engine.measure import bench  # noqa: E402
-from moeferry.engine.runtime import decode_graphs, model as model_mod  # noqa: E402
+from moeferry.engine.runtime import decode_graphs  # noqa: E402
 
-WAYS = (("routing first", False, True), ("hits first", True, True), ("hits first, release at once", True, False),
-        ("hits first", True, True))
+WAYS = (("routing first", False), ("hits first", True), ("routing first", False))
 
 
 def main(*specs: str) -> int:
@@ -34,10 +31,10 @@ def main(*specs: str) -> int:
         torch.cuda.empty_cache()
         s = bench.build(None, int(bits), 4, log=lambda m: None, model=model,
                         group_size=int(group[0]) if group else None)
-        for name, hits_first, defer in WAYS:
-            decode_graphs.HITS_FIRST, model_mod.DEFER_RELEASE = hits_first, defer
+        for name, hits_first in WAYS:
+            decode_graphs.HITS_FIRST = hits_first
             report(model, bits, name, measure(s, ("lru", "full"), 1))
-        decode_graphs.HITS_FIRST = model_mod.DEFER_RELEASE = True
+        decode_graphs.HITS_FIRST = True
         for depth in (2, 3):
             report(model, bits, f"hits first, prefetch {depth}", measure(s, ("full",), depth))
         del s
