@@ -91,6 +91,12 @@ def report_sizes(report: dict) -> plan.ModelSizes:
     sizes = plan.ModelSizes.from_config(config, report["expert_bits"], report.get("attn_bits", 4),
                                         name=f"bench {shape} {report['layers']} layers")
     sizes.expert_bytes = int(report["expert_bytes"])
+    # experts cut into units (--expert-units): the cache holds units, so the plan counts units, each
+    # expert's u of them routed together (their hit rate under uniform routing is still K/E)
+    units = int(report.get("expert_units") or 1)
+    sizes.num_experts, sizes.top_k = sizes.num_experts * units, sizes.top_k * units
+    sizes.expert_params //= units
+    sizes.ffn_matrix_params //= units
     # resident_bytes: the dense weights on the GPU; host_dense_bytes (in reports since the embedding
     # stays in host memory) the rest
     sizes.dense_bytes = int(report["resident_bytes"]) + int(report.get("host_dense_bytes", 0))
@@ -127,11 +133,13 @@ def compare(bench_reports: list[dict], mode: str = "full", kernels: str = "fused
     for report in bench_reports:
         result = pick_result(report, mode, kernels)
         hw, sizes = report_hardware(report), report_sizes(report)
+        # a budget the bench sized with extra slots in the first layers: the plan sizes it too
+        sized = report.get("extra_slot_layers") and report.get("vram_budget_bytes")
         p = plan.make_plan(hw, sizes, report.get("vram_budget_bytes"), coeffs=coeffs,
                            context_tokens=report.get("prompt_len", 128) + report.get("new_tokens", 64),
                            prefetch_depth=result.get("prefetch", 0),
                            prompt_tokens=report.get("prompt_len", plan.DEFAULT_PROMPT_TOKENS),
-                           cache_experts_per_layer=result["cache_experts"],
+                           cache_experts_per_layer=None if sized else result["cache_experts"],
                            trace_hit_ratio=((report.get("routing") or {}).get("trace") or {}).get("lru_hit_ratio"))
         at_measured = plan.predict_observation(observation(report, result), coeffs)
         measured = result["decode_tokens_per_s"]

@@ -159,3 +159,30 @@ def test_the_shape_comes_from_the_report():
     assert C.compare([qwen])[0]["predicted_hit_rate"] == pytest.approx(P.hit_rate(3, 128))
     with pytest.raises(UserError, match="does not know"):
         C.report_sizes(dict(report(), model="llama"))
+
+
+def test_a_report_with_extra_slots_is_predicted_with_them():
+    """A report whose budget also gave the first layers one expert more (extra_slot_layers): the
+    plan sizes the cache from the budget as the bench did, extra slots included, so it predicts
+    the higher hit rate; without them it takes the report's K as given."""
+    hw = {"gpu_name": "H200", "torch_cuda_available": True, "h2d_bytes_per_s": 55e9,
+          "gpu_mem_bandwidth_bytes_per_s": 4.8e12}
+    sizes = replace(P.ModelSizes.from_config(P.MIXTRAL_8X7B_CONFIG, 2, 4), expert_bytes=EXPERT_2BIT,
+                    dense_bytes=1_240_604_672)
+    sized = P.make_plan(hw, sizes, 12 * GiB, context_tokens=192, prefetch_depth=1)
+    assert sized.extra_slot_layers > 0
+    r = report(k=sized.cache_experts_per_layer)
+    plain = C.compare([r])[0]
+    extra = C.compare([dict(r, extra_slot_layers=sized.extra_slot_layers)])[0]
+    assert plain["predicted_hit_rate"] == pytest.approx(P.hit_rate(sized.cache_experts_per_layer, 8))
+    assert extra["predicted_hit_rate"] == pytest.approx(sized.hit_rate)
+    assert extra["predicted_hit_rate"] > plain["predicted_hit_rate"]
+
+
+def test_a_report_of_experts_cut_into_units_is_planned_in_units():
+    """--expert-units 4: the cache's K counts units (25 of 32 a layer), each a quarter of an expert;
+    the plan counts them so, and its hit rate is K / (4 E), not K / E."""
+    r = dict(report(k=25), expert_units=4, expert_bytes=EXPERT_2BIT // 4)
+    sizes = C.report_sizes(r)
+    assert (sizes.num_experts, sizes.top_k, sizes.expert_bytes) == (32, 8, EXPERT_2BIT // 4)
+    assert C.compare([r])[0]["predicted_hit_rate"] == pytest.approx(P.hit_rate(25, 32))
