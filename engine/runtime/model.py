@@ -34,6 +34,7 @@ the store: experts() keeps both, dispatch() takes that row), "routing", "window"
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -581,10 +582,31 @@ class OffloadedMixtral:
         if self.grouped_prompt_kernel is None:
             self.grouped_prompt_kernel = (self.kernels != "reference" and hqq_gpu.fused_available(self.device)
                                           and cfg.expert_act == "silu"
-                                          and hqq_gpu.moe_supported(cache.slot_weights(0, 0)))
+                                          and hqq_gpu.moe_supported(cache.slot_weights(0, 0))
+                                          and self.prompt_kernel_works())
         B = cache.slot_bytes
         return (self.grouped_prompt_kernel
                 and T * cfg.top_k * B <= cfg.num_experts * (PROMPT_HOST_S_PER_EXPERT * PROMPT_DEVICE_BYTES_PER_S + B))
+
+    def prompt_kernel_works(self) -> bool:
+        """Run moe_prompt once on slot 0 (whatever expert it holds). Under kernels="auto" a
+        failure (Triton cannot build a kernel on this machine, say) means one expert at a time
+        and a warning; under "fused" it is raised."""
+        cache, k = self.cache, self.cfg.top_k
+        h = torch.zeros(1, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        y = torch.empty(k, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        try:
+            hqq_gpu.moe_prompt(h, cache.slot_weights(0, 0), cache.slot_bytes, self.device_ints([0] * k),
+                               self.device_ints([0]), k, y)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return True
+        except Exception as e:  # noqa: BLE001 - any failure of the optional fast path
+            if self.kernels == "fused":
+                raise
+            warnings.warn(f"the grouped prompt kernel is unavailable ({type(e).__name__}: {e}); running a "
+                          f"prompt's experts one at a time", stacklevel=2)
+            return False
 
     def prompt_experts(self, mi: int, s: Step, picks: torch.Tensor) -> None:
         """A prompt's routed experts of MoE layer mi in passes (prompt_grouped): the experts the

@@ -7,6 +7,8 @@ stand-in for the model.
 
 from types import SimpleNamespace
 
+import pytest
+
 from moeferry.engine.runtime.model import OffloadedMixtral
 
 MB = 10**6
@@ -33,3 +35,28 @@ def test_grouped_while_reading_every_tokens_experts_costs_less_than_the_hosts_ca
     off = stand_in(128, 8, MB)
     off.grouped_prompt_kernel = False
     assert not OffloadedMixtral.prompt_grouped(off, 16)
+
+
+@pytest.mark.parametrize("kernels", ["auto", "fused"])
+def test_a_grouped_kernel_that_cannot_run_means_one_at_a_time_with_a_warning(monkeypatch, kernels):
+    """prompt_kernel_works runs the kernel once: when it fails (Triton cannot build it on this
+    machine, say), "auto" warns and runs a prompt's experts one at a time; "fused" raises."""
+    import torch
+
+    from moeferry.engine.kernels import hqq_gpu
+
+    def broken(*args):
+        raise RuntimeError("no C compiler")
+
+    monkeypatch.setattr(hqq_gpu, "moe_prompt", broken)
+    m = SimpleNamespace(cfg=SimpleNamespace(top_k=2, hidden_size=8), dtype=torch.float32, device=torch.device("cpu"),
+                        kernels=kernels, cache=SimpleNamespace(slot_weights=lambda layer, slot: {}, slot_bytes=64))
+    m.device_ints = lambda values: OffloadedMixtral.device_ints(m, values)
+    if kernels == "fused":
+        with pytest.raises(RuntimeError, match="no C compiler"):
+            OffloadedMixtral.prompt_kernel_works(m)
+    else:
+        with pytest.warns(UserWarning, match="one at a time"):
+            assert not OffloadedMixtral.prompt_kernel_works(m)
+    monkeypatch.setattr(hqq_gpu, "moe_prompt", lambda *args: None)
+    assert OffloadedMixtral.prompt_kernel_works(m)
