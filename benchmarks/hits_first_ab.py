@@ -27,10 +27,7 @@ WAYS = (("routing first", False), ("hits first", True), ("routing first", False)
 
 def main(*specs: str) -> int:
     for spec in specs or ("qwen3-30b-a3b:4", "mixtral-8x7b:2:32"):
-        model, bits, *group = spec.split(":")
-        torch.cuda.empty_cache()
-        s = bench.build(None, int(bits), 4, log=lambda m: None, model=model,
-                        group_size=int(group[0]) if group else None)
+        model, bits, s = build_spec(spec)
         for name, hits_first in WAYS:
             decode_graphs.HITS_FIRST = hits_first
             report(model, bits, name, measure(s, ("lru", "full"), 1))
@@ -39,6 +36,14 @@ def main(*specs: str) -> int:
             report(model, bits, f"hits first, prefetch {depth}", measure(s, ("full",), depth))
         del s
     return 0
+
+
+def build_spec(spec: str) -> tuple[str, str, bench.Synthetic]:
+    """MODEL:BITS[:GROUP] -> (model, bits, the full-size synthetic model with 4-bit attention)."""
+    model, bits, *group = spec.split(":")
+    torch.cuda.empty_cache()
+    return model, bits, bench.build(None, int(bits), 4, log=lambda m: None, model=model,
+                                    group_size=int(group[0]) if group else None)
 
 
 def measure(s, modes: tuple, prefetch: int) -> list:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.hits_first_ab import build_spec  # noqa: E402
 from moeferry.engine.measure import bench  # noqa: E402
 from moeferry.engine.runtime.model import OffloadedMixtral  # noqa: E402
 
@@ -33,10 +34,7 @@ WAYS = (("one at a time", one_at_a_time), ("grouped", GROUPED), ("one at a time"
 
 def main(*specs: str) -> int:
     for spec in specs or ("qwen3-30b-a3b:4", "olmoe-1b-7b:4"):
-        model, bits, *group = spec.split(":")
-        torch.cuda.empty_cache()
-        s = bench.build(None, int(bits), 4, log=lambda m: None, model=model,
-                        group_size=int(group[0]) if group else None)
+        model, bits, s = build_spec(spec)
         for budget in ("none", "12GiB"):
             measure(s, budget, 32)  # compiles
             for prompt in (128, 512):

@@ -36,8 +36,6 @@ interpreter).
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from moeferry.engine.kernels import hqq_gpu
@@ -70,7 +68,7 @@ class GraphedDecode:
         # the fused operations wherever the fused GEMVs run; whether the expert cache allows the
         # grouped expert kernel is decided per cache in check_keys
         self.fast = (model.kernels != "reference" and hqq_gpu.fused_available(dev)
-                     and self.works(self.probe_decode_kernels, "fused decode kernels"))
+                     and self.m.fast_path_works(self.probe_decode_kernels, "fused decode kernels"))
         self.ops = FusedOps(model) if self.fast else EagerOps(model)
 
     def rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,22 +236,6 @@ class GraphedDecode:
 
     # -- whether the fast paths work on this machine ----------------------------------------------
 
-    def works(self, probe, what: str) -> bool:
-        """Run probe() once, on scratch buffers. Under kernels="auto" a failure (Triton cannot
-        build a kernel on this machine, say) means the slower path and a warning; under
-        kernels="fused" it is raised."""
-        if self.m.kernels == "fused":
-            probe()
-            return True
-        try:
-            probe()
-            if self.m.device.type == "cuda":
-                torch.cuda.synchronize(self.m.device)
-            return True
-        except Exception as e:  # noqa: BLE001 - any failure of the optional fast path
-            warnings.warn(f"{what} unavailable ({type(e).__name__}: {e}); using the slower path", stacklevel=2)
-            return False
-
     def probe_decode_kernels(self) -> None:
         """Each fused kernel of the attention segment once, on scratch outputs."""
         m, s, cfg, dev = self.m, self.s, self.m.cfg, self.m.device
@@ -280,7 +262,7 @@ class GraphedDecode:
             return False
         # slot 0 for every expert: a valid address whatever the slots hold
         s = self.s
-        return self.works(lambda: self.ops.moe_decode(
+        return self.m.fast_path_works(lambda: self.ops.moe_decode(
             s.h, cache.slot_weights(0, 0), cache.slot_bytes, torch.arange(m.cfg.top_k, device=m.device),
             s.weights[0], torch.zeros(m.cfg.num_experts, dtype=torch.int32, device=m.device),
             torch.empty_like(s.out)), "grouped expert kernels")

@@ -583,29 +583,34 @@ class OffloadedMixtral:
             self.grouped_prompt_kernel = (self.kernels != "reference" and hqq_gpu.fused_available(self.device)
                                           and cfg.expert_act == "silu"
                                           and hqq_gpu.moe_supported(cache.slot_weights(0, 0))
-                                          and self.prompt_kernel_works())
+                                          and self.fast_path_works(self.probe_prompt_kernel,
+                                                                   "the grouped prompt kernel"))
         B = cache.slot_bytes
         return (self.grouped_prompt_kernel
                 and T * cfg.top_k * B <= cfg.num_experts * (PROMPT_HOST_S_PER_EXPERT * PROMPT_DEVICE_BYTES_PER_S + B))
 
-    def prompt_kernel_works(self) -> bool:
-        """Run moe_prompt once on slot 0 (whatever expert it holds). Under kernels="auto" a
-        failure (Triton cannot build a kernel on this machine, say) means one expert at a time
-        and a warning; under "fused" it is raised."""
+    def probe_prompt_kernel(self) -> None:
+        """hqq_gpu.moe_prompt once, on slot 0 (whatever expert it holds) and scratch outputs."""
         cache, k = self.cache, self.cfg.top_k
         h = torch.zeros(1, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
         y = torch.empty(k, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        hqq_gpu.moe_prompt(h, cache.slot_weights(0, 0), cache.slot_bytes, self.device_ints([0] * k),
+                           self.device_ints([0]), k, y)
+
+    def fast_path_works(self, probe, what: str) -> bool:
+        """Run probe() once. Under kernels="auto" a failure (Triton cannot build a kernel on
+        this machine, say) means the slower path and a warning; under kernels="fused" it is
+        raised."""
+        if self.kernels == "fused":
+            probe()
+            return True
         try:
-            hqq_gpu.moe_prompt(h, cache.slot_weights(0, 0), cache.slot_bytes, self.device_ints([0] * k),
-                               self.device_ints([0]), k, y)
+            probe()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             return True
         except Exception as e:  # noqa: BLE001 - any failure of the optional fast path
-            if self.kernels == "fused":
-                raise
-            warnings.warn(f"the grouped prompt kernel is unavailable ({type(e).__name__}: {e}); running a "
-                          f"prompt's experts one at a time", stacklevel=2)
+            warnings.warn(f"{what} unavailable ({type(e).__name__}: {e}); using the slower path", stacklevel=2)
             return False
 
     def prompt_experts(self, mi: int, s: Step, picks: torch.Tensor) -> None:

@@ -39,8 +39,9 @@ def test_grouped_while_reading_every_tokens_experts_costs_less_than_the_hosts_ca
 
 @pytest.mark.parametrize("kernels", ["auto", "fused"])
 def test_a_grouped_kernel_that_cannot_run_means_one_at_a_time_with_a_warning(monkeypatch, kernels):
-    """prompt_kernel_works runs the kernel once: when it fails (Triton cannot build it on this
-    machine, say), "auto" warns and runs a prompt's experts one at a time; "fused" raises."""
+    """fast_path_works runs the prompt kernel's probe once: when it fails (Triton cannot build it
+    on this machine, say), "auto" warns and takes the slower path, a prompt's experts one at a
+    time; "fused" raises."""
     import torch
 
     from moeferry.engine.kernels import hqq_gpu
@@ -52,11 +53,13 @@ def test_a_grouped_kernel_that_cannot_run_means_one_at_a_time_with_a_warning(mon
     m = SimpleNamespace(cfg=SimpleNamespace(top_k=2, hidden_size=8), dtype=torch.float32, device=torch.device("cpu"),
                         kernels=kernels, cache=SimpleNamespace(slot_weights=lambda layer, slot: {}, slot_bytes=64))
     m.device_ints = lambda values: OffloadedMixtral.device_ints(m, values)
+    works = lambda: OffloadedMixtral.fast_path_works(  # noqa: E731
+        m, lambda: OffloadedMixtral.probe_prompt_kernel(m), "the grouped prompt kernel")
     if kernels == "fused":
         with pytest.raises(RuntimeError, match="no C compiler"):
-            OffloadedMixtral.prompt_kernel_works(m)
+            works()
     else:
-        with pytest.warns(UserWarning, match="one at a time"):
-            assert not OffloadedMixtral.prompt_kernel_works(m)
+        with pytest.warns(UserWarning, match="grouped prompt kernel unavailable"):
+            assert not works()
     monkeypatch.setattr(hqq_gpu, "moe_prompt", lambda *args: None)
-    assert OffloadedMixtral.prompt_kernel_works(m)
+    assert works()
