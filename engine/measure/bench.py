@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from moeferry.engine.errors import UserError
+from moeferry.engine.kernels import int8_gpu
 from moeferry.engine.measure import routing as routing_mod
 from moeferry.engine.measure.bench_shapes import MODEL_SHAPES, family_dense, native_expert_format, shape_config
 from moeferry.engine.runtime.cpu_experts import HqqExpert, Mxfp4Expert
@@ -46,6 +47,7 @@ from moeferry.engine.runtime.generate import (
     cpu_experts_for,
     device_bytes,
     embedding_on_host,
+    int8_head_on_gpu,
     parse_size,
 )
 from moeferry.engine.runtime.model import HOST_PHASES, ModelConfig, OffloadedMixtral
@@ -116,11 +118,13 @@ def random_matrix(rows: int, cols: int, eq: dict, device, gen):
 
 
 def synthetic_model(cfg: ModelConfig, expert_bits: int, attn_bits: int, device, seed: int = 0,
-                    dtype=torch.bfloat16, expert_format: str = "hqq", group_size: int | None = None):
+                    dtype=torch.bfloat16, expert_format: str = "hqq", group_size: int | None = None,
+                    int8_head: bool = True):
     """(dense weights, their bytes on the device, host experts uint8 [L, E, stride] (pinned on
     CUDA), expert fields, quantization). The dense weights are on the device but for the
     embedding, which stays in host memory on a GPU as the engine keeps an untied one
-    (generate.embedding_on_host)."""
+    (generate.embedding_on_host). The LM head is rounded to int8 where the engine would round it
+    (generate.int8_head_on_gpu), unless int8_head is False."""
     gen = torch.Generator(device=device).manual_seed(seed)
     as_ = quant.ATTN_SPECS[attn_bits]
     eq = expert_quantization(expert_format, expert_bits, group_size)
@@ -140,7 +144,9 @@ def synthetic_model(cfg: ModelConfig, expert_bits: int, attn_bits: int, device, 
     on_host = embedding_on_host(dense, device)
     if on_host:
         dense[EMBEDDING] = dense[EMBEDDING].cpu()
-    dense_bytes = sum(w.nbytes() if isinstance(w, quant.QMatrix) else w.numel() * w.element_size()
+    if int8_head and int8_head_on_gpu(dense, device):
+        dense["lm_head.weight"] = int8_gpu.quantize(dense["lm_head.weight"])
+    dense_bytes = sum(w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes()
                       for name, w in dense.items() if not (on_host and name == EMBEDDING))
     if cfg.expert_act == "clamped_swiglu":
         eq["bias_dtype"] = "BF16"
@@ -276,6 +282,12 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def head_format(dense: dict) -> str:
+    """The LM head's format, for the report: int8 (rounded per row on a GPU) or its dtype."""
+    head = dense.get("lm_head.weight", dense[EMBEDDING])
+    return "int8" if isinstance(head, int8_gpu.Int8Rows) else str(head.dtype).removeprefix("torch.")
+
+
 @dataclass
 class Synthetic:
     cfg: ModelConfig
@@ -380,11 +392,13 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
 
 def build(layers: int | None = 32, expert_bits: int = 2, attn_bits: int = 4, seed: int = 0, log=print,
           device=None, config: dict | None = None, model: str = "mixtral-8x7b",
-          expert_format: str | None = None, group_size: int | None = None, expert_units: int = 1) -> Synthetic:
+          expert_format: str | None = None, group_size: int | None = None, expert_units: int = 1,
+          int8_head: bool = True) -> Synthetic:
     """The synthetic model. device None = the CUDA GPU (the command's case); a CPU device with a
     small `config` (ModelConfig fields over the shape's) is for tests. expert_format: "hqq" (at
     expert_bits, in groups of group_size rows; None = quant.EXPERT_SPECS's) or "mxfp4"
-    (expert_bits unused); None = the model's own (native_expert_format)."""
+    (expert_bits unused); None = the model's own (native_expert_format). int8_head False keeps
+    a GPU's LM head in bfloat16 (synthetic_model)."""
     expert_format = expert_format or native_expert_format(model)
     if expert_format not in EXPERT_FORMATS:
         raise UserError(f"Unknown expert format {expert_format!r}; choose one of {', '.join(EXPERT_FORMATS)}.")
@@ -408,7 +422,7 @@ def build(layers: int | None = 32, expert_bits: int = 2, attn_bits: int = 4, see
     log(f"building a synthetic {model} ({cfg.num_layers} layers, {label} experts, {attn_bits}-bit attention)")
     t = time.perf_counter()
     dense, dense_bytes, host, fields, eq = synthetic_model(cfg, expert_bits, attn_bits, device, seed, dtype,
-                                                           expert_format, group_size)
+                                                           expert_format, group_size, int8_head)
     if device.type == "cpu":
         dense = {n: compute_ready(w, dtype) for n, w in dense.items()}
     if expert_units > 1:  # as load_engine's --expert-units: each expert cut into units
@@ -416,7 +430,7 @@ def build(layers: int | None = 32, expert_bits: int = 2, attn_bits: int = 4, see
         cfg, fields, host = split_host(cfg, host, fields, eq, expert_units, pin=device.type == "cuda")
         log(f"  each expert cut into {expert_units} units")
     log(f"  built in {time.perf_counter() - t:.1f} s; one expert = {host.shape[2] / 1e6:.1f} MB, "
-        f"resident weights {fmt_bytes(dense_bytes)}")
+        f"resident weights {fmt_bytes(dense_bytes)} (LM head {head_format(dense)})")
     bw = pinned_bandwidth(device) if device.type == "cuda" else 0.0
     log(f"  pinned host->device bandwidth: {bw / 1e9:.1f} GB/s")
     return Synthetic(cfg, dense, dense_bytes, host, fields, eq, device, bw, expert_bits, attn_bits, dtype, model)
@@ -536,6 +550,7 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
         "expert_units": s.cfg.expert_units,
         "expert_bits_per_weight": s.expert_bits_per_weight(), "attn_bits": s.attn_bits, "prompt_len": prompt_len,
         "new_tokens": new_tokens, "expert_bytes": stride, "resident_bytes": s.dense_bytes,
+        "lm_head": head_format(s.dense),
         "host_dense_bytes": s.host_dense_bytes,
         "pinned_gb_per_s": bw / 1e9, "cache_experts": k, "extra_slot_layers": extra,
         "routing": routing, "link": link, "cpu_threads": torch.get_num_threads(),
@@ -613,6 +628,7 @@ def cached_words(report: dict) -> str:
 def markdown_table(report: dict) -> str:
     lines = [f"Budget {report['vram_budget']}, {expert_words(report)} "
              f"({report['expert_bytes'] / 1e6:.1f} MB each), {report['attn_bits']}-bit attention, "
+             f"LM head {report.get('lm_head', 'bfloat16')}, "
              f"{report['layers']} layers, P={report['prompt_len']}, T={report['new_tokens']}, "
              f"{cached_words(report)}, pinned H2D {report['pinned_gb_per_s']:.1f} GB/s, "
              f"{report['device']}, {report['date']}.", "", conditions_line(report), "",

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from moeferry.engine.contract import MAX_SEED, ExpertTrace, GenerationStats, SamplingSettings, TokenPiece  # noqa: F401 - re-exported
 from moeferry.engine.errors import UserError
-from moeferry.engine.kernels import hqq_cpu, torch_cpu
+from moeferry.engine.kernels import hqq_cpu, hqq_gpu, int8_gpu, torch_cpu
 from moeferry.engine.kernels.decode_cpu import use_compiled_decode
 from moeferry.engine.runtime import vram
 from moeferry.engine.runtime.decode_graphs import use_cuda_graphs
@@ -431,9 +431,20 @@ def embedding_on_host(dense: dict, device) -> bool:
     return torch.device(device).type != "cpu" and "lm_head.weight" in dense
 
 
-def move_dense(dense: dict, device, dtype, in_place: bool = False) -> tuple[dict, int]:
+def int8_head_on_gpu(dense: dict, device, kernels: str = "auto") -> bool:
+    """Whether a GPU's LM head is rounded to int8 per row (engine/kernels/int8_gpu.py): a float
+    matrix of its own as vram.int8_head allows, with quantized attention, on the fused kernels."""
+    head = dense.get("lm_head.weight")
+    attn = [w for w in dense.values() if isinstance(w, quant.QMatrix)]
+    return (torch.device(device).type == "cuda" and kernels != "reference" and isinstance(head, torch.Tensor)
+            and hqq_gpu.fused_available(device) and bool(attn)
+            and vram.int8_head(head.numel(), min(w.bits for w in attn)))
+
+
+def move_dense(dense: dict, device, dtype, in_place: bool = False, int8_head: bool = False) -> tuple[dict, int]:
     """The dense weights on the device, and their bytes there; an embedding that stays in host
-    memory (embedding_on_host) in the compute dtype, not counted. On the CPU a quantized matrix is
+    memory (embedding_on_host) in the compute dtype, not counted; with int8_head (int8_head_on_gpu)
+    the LM head rounded to int8 per row. On the CPU a quantized matrix is
     dequantized once, unless in_place (the CPU engine that runs every expert on the HQQ kernel):
     then the matrices of a quantized model are read in low-bit forms, for a quarter of
     float32's bytes per token and of its RAM or less: 2-4 bit ones as stored, on the same
@@ -449,7 +460,9 @@ def move_dense(dense: dict, device, dtype, in_place: bool = False) -> tuple[dict
         if host_embedding and name == EMBEDDING:
             out[name] = w.to(dtype)
             continue
-        if low_bit and hqq_cpu.supported(w):
+        if int8_head and name == "lm_head.weight":
+            out[name] = int8_gpu.quantize(w, device)
+        elif low_bit and hqq_cpu.supported(w):
             out[name] = hqq_cpu.from_qmatrix(w)
         elif low_bit and (isinstance(w, quant.QMatrix) or name == "lm_head.weight") and int8_fits(w):
             out[name] = torch_cpu.quantize_int8(compute_ready(w, torch.float32))
@@ -552,7 +565,9 @@ def load_engine(store, device: str = "auto", dtype: str | torch.dtype | None = N
         # are small (vram.cpu_one_thread says why)
         torch_matrix = cfg.vocab_size * cfg.hidden_size if every_expert else cfg.hidden_size * cfg.intermediate_size
         torch.set_num_threads(1 if vram.cpu_one_thread(torch_matrix) else TORCH_THREADS)
-    dense, dense_b = move_dense(store_mod.read_dense(st), dev, dtype, every_expert and not hqq_cpu.available())
+    dense = store_mod.read_dense(st)
+    dense, dense_b = move_dense(dense, dev, dtype, every_expert and not hqq_cpu.available(),
+                                int8_head_on_gpu(dense, dev, kernels))
     sizing = device_bytes(cfg, dense_b, st.expert_bytes, context, dtype, dev, kernels)
     if budget is None and dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)

@@ -677,7 +677,8 @@ class OffloadedMixtral:
         (into out when given)."""
         ops.add_norm(s.x, s.out, self.norm, s.hn)
         x = s.hn[-1:] if last_only else s.hn
-        y = self.lm_head.matmul(x) if isinstance(self.lm_head, CpuMatrix) else F.linear(x, self.lm_head)
+        # a tensor, or rounded to int8 (a GPU's: int8_gpu.Int8Rows; the CPU engine's: CpuMatrix)
+        y = F.linear(x, self.lm_head) if isinstance(self.lm_head, torch.Tensor) else self.lm_head.matmul(x)
         return y.float() if out is None else out.copy_(y)
 
     # -- the eager operations (EagerOps calls these) ------------------------------------------------

@@ -9,7 +9,8 @@ cache size the planner offers is one the engine accepts. Imports nothing heavy.
     extra  = layers given one slot more from what is left (fewer than every MoE layer)
 
 The dense weights on the GPU are all but an embedding not tied to the LM head, which stays in
-host RAM (generate.embedding_on_host). Without a budget on a GPU the engine takes what is free
+host RAM (generate.embedding_on_host); a large LM head of a model with quantized attention is
+rounded to int8 there (int8_head, engine/kernels/int8_gpu.py). Without a budget on a GPU the engine takes what is free
 before loading, less AUTO_BUDGET_SLACK_BYTES for the CUDA context and the allocator.
 """
 
@@ -24,6 +25,20 @@ from moeferry.engine.units import GiB, MiB
 WORKSPACE_BASE_BYTES = 256 * MiB  # activations and the allocator's rounding
 AUTO_BUDGET_SLACK_BYTES = 512 * MiB
 COMPUTE_ITEMSIZE = 2  # bfloat16, the engine's default dtype on a GPU
+
+
+# A GPU's LM head is rounded to int8 per row when its 16-bit copy is at least this large (Mixtral's
+# is 262 MB, Qwen3-30B-A3B's 622 MB, gpt-oss-20b's 1.16 GB): a small head frees too little memory
+# to be worth its rounding, and a tiny test model keeps its head exact.
+INT8_HEAD_MIN_BYTES = 64 * MiB
+
+
+def int8_head(params: int, attn_bits: int | None) -> bool:
+    """Whether the engine on a GPU rounds an untied LM head of `params` weights to int8: with
+    quantized attention (a 16-bit store, which the tests compare with transformers, keeps it
+    exact) and a head of at least INT8_HEAD_MIN_BYTES. Its bytes are then a byte a weight and a
+    float32 scale a row."""
+    return attn_bits is not None and attn_bits < 16 and params * COMPUTE_ITEMSIZE >= INT8_HEAD_MIN_BYTES
 
 
 def kv_cache_bytes(num_layers: int, context: int, num_kv_heads: int, head_dim: int,

@@ -144,8 +144,14 @@ class ModelSizes:
         return self.embed_bytes if self.head_params else 0
 
     @property
+    def int8_head_saving(self) -> int:
+        """Bytes the GPU saves by rounding the LM head to int8 (vram.int8_head): a byte a weight,
+        less its row scales (a fraction of a percent, left out)."""
+        return self.head_params if vram.int8_head(self.head_params, self.attn_bits) else 0
+
+    @property
     def gpu_dense_bytes(self) -> int:
-        return self.dense_bytes - self.host_dense_bytes
+        return self.dense_bytes - self.host_dense_bytes - self.int8_head_saving
 
     @property
     def active_params(self) -> int:
@@ -356,7 +362,7 @@ def predict_gpu(hw: dict, m: ModelSizes, k: int, coeffs: Coefficients = DEFAULT,
             h += (more - h) * extra_slot_layers / m.num_moe_layers
     misses = m.num_layers * m.top_k * (1.0 - h)
     transfer = misses * m.expert_bytes / bw
-    read = (m.dense_bytes - m.embed_bytes) + m.num_layers * m.top_k * m.expert_bytes
+    read = (m.dense_bytes - m.embed_bytes - m.int8_head_saving) + m.num_layers * m.top_k * m.expert_bytes
     compute = m.num_layers * coeffs.gpu_layer_overhead_s + read / (gpu_bw * coeffs.gpu_kernel_efficiency)
     hidden = coeffs.prefetch_recall * coeffs.overlap_efficiency if prefetch_depth > 0 else 0.0
     t = (max(hidden * transfer, compute) + (1 - hidden) * transfer

@@ -5,6 +5,8 @@ import math
 import pytest
 import torch
 
+from moeferry.engine.kernels import int8_gpu
+from moeferry.engine.runtime import vram
 from moeferry.engine.runtime.generate import SamplingSettings, engine_device_bytes, load_engine
 from moeferry.engine.storage.convert import convert_checkpoint
 from moeferry.engine.storage.store import load_dequantized_hf_model
@@ -72,6 +74,35 @@ def test_cuda_host_embedding_greedy_tokens_equal_transformers(tmp_path, graphs):
         assert m.lm_head.is_cuda
         if graphs:
             assert m.graphs.grouped and m.graphs.one_graph == (k == 6)
+        engine.eos_ids = set()
+        got = list(engine.generate_ids(PROMPT, SamplingSettings(temperature=0, max_new_tokens=24)))
+        assert got == want, f"K={k}"
+        engine.close()
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_cuda_an_int8_head_gives_the_greedy_tokens_of_its_dequantized_reference(tmp_path, graphs, monkeypatch):
+    """With quantized attention a large LM head is rounded to int8 on the GPU (here any head:
+    the threshold lowered). Greedy tokens equal transformers' on the store's dequantized weights
+    with the head's int8 rows dequantized, eager and through CUDA graphs (which capture its kernel),
+    with 2 of 6 experts cached and all 6; the engine's sizing counts a byte a weight."""
+    monkeypatch.setattr(vram, "INT8_HEAD_MIN_BYTES", 0)
+    make_checkpoint(tmp_path / "ck", seed=6, num_key_value_heads=4, hidden_size=128, intermediate_size=256,
+                    num_local_experts=6, num_hidden_layers=3)
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st", 4, 8, "cuda")
+    ref = load_dequantized_hf_model(tmp_path / "st")
+    for k in (2, 6):
+        engine = load_engine(tmp_path / "st", device="cuda", dtype="float32", cache_experts=k, prefetch=1,
+                             cuda_graphs=graphs)
+        head = engine.model.lm_head
+        assert isinstance(head, int8_gpu.Int8Rows) and head.q.is_cuda and head.q.dtype == torch.int8
+        exact = load_engine(tmp_path / "st", device="cuda", dtype="float32", cache_experts=k, kernels="reference")
+        assert isinstance(exact.model.lm_head, torch.Tensor)  # the reference kernels keep it float
+        assert exact.model.dense_bytes - engine.model.dense_bytes == head.rows * head.cols * 3 - 4 * head.rows
+        exact.close()
+        with torch.no_grad():
+            ref.lm_head.weight.copy_(head.dequantize().cpu())
+        want = reference_greedy(ref, PROMPT, 24)
         engine.eos_ids = set()
         got = list(engine.generate_ids(PROMPT, SamplingSettings(temperature=0, max_new_tokens=24)))
         assert got == want, f"K={k}"

@@ -82,11 +82,27 @@ def test_an_untied_embedding_takes_no_gpu_bytes_and_a_tied_one_does():
     assert tied_b == untied_b - head + embed
     assert not generate.embedding_on_host(dense, torch.device("cpu"))  # the CPU engine's dense weights are all in RAM
     for model in sorted(MODEL_SHAPES):
-        untied = plan.ModelSizes.from_config(MODEL_SHAPES[model], 4, 4)
-        tied = plan.ModelSizes.from_config(dict(MODEL_SHAPES[model], tie_word_embeddings=True), 4, 4)
+        untied = plan.ModelSizes.from_config(MODEL_SHAPES[model], 4, 16)
+        tied = plan.ModelSizes.from_config(dict(MODEL_SHAPES[model], tie_word_embeddings=True), 4, 16)
         assert untied.gpu_dense_bytes == untied.dense_bytes - untied.embed_bytes
         assert tied.gpu_dense_bytes == tied.dense_bytes == untied.dense_bytes - untied.embed_bytes  # no head
         assert untied.device_bytes(4096).dense == untied.gpu_dense_bytes
+
+
+def test_a_large_head_of_a_model_with_quantized_attention_takes_a_byte_a_weight_on_the_gpu():
+    """The engine rounds such a head to int8 on a GPU (generate.int8_head_on_gpu); the planner
+    counts it so (all four full-size heads are 196-1105 MiB). A 16-bit store and a small head
+    keep theirs, the tied one has none of its own."""
+    for model in sorted(MODEL_SHAPES):
+        sizes = plan.ModelSizes.from_config(MODEL_SHAPES[model], 4, 4)
+        head = MODEL_SHAPES[model]["vocab_size"] * MODEL_SHAPES[model]["hidden_size"]
+        assert sizes.int8_head_saving == head
+        assert sizes.gpu_dense_bytes == sizes.dense_bytes - sizes.embed_bytes - head
+        assert plan.ModelSizes.from_config(MODEL_SHAPES[model], 4, 16).int8_head_saving == 0
+        tied = plan.ModelSizes.from_config(dict(MODEL_SHAPES[model], tie_word_embeddings=True), 4, 4)
+        assert tied.int8_head_saving == 0
+    assert not vram.int8_head(vram.INT8_HEAD_MIN_BYTES // 2 - 1, 4)
+    assert vram.int8_head(vram.INT8_HEAD_MIN_BYTES // 2, 4) and vram.int8_head(vram.INT8_HEAD_MIN_BYTES // 2, 8)
 
 
 def test_a_12_gib_budget_caches_every_gpt_oss_expert_with_its_embedding_in_ram():
@@ -148,3 +164,32 @@ def test_what_the_budget_leaves_after_k_a_layer_gives_as_many_layers_one_expert_
     assert sizing.extra_slot_layers(sizing.needed(7) - 1, 6) == layers - 1  # a byte short of seven everywhere
     assert sizing.extra_slot_layers(sizing.needed(8) + 10 * expert, 8) == 0  # every expert has a slot already
     assert sizing.extra_slot_layers(budget, 0) == 0
+
+
+def test_the_engine_rounds_the_head_to_int8_where_the_planner_counts_it(monkeypatch):
+    """generate.int8_head_on_gpu (the engine's rule) and plan.ModelSizes (the wizard's sizes)
+    agree, and move_dense counts the int8 head's bytes: the demo's 8192 x 256 head with the
+    threshold lowered to it, on the meta device (no GPU needed to size it)."""
+    from moeferry.engine.kernels import hqq_gpu, int8_gpu
+    monkeypatch.setattr(hqq_gpu, "fused_available", lambda device=None: True)
+    st = store.open_store(demo_store_path())
+    dense = store.read_dense(st)
+    rows, cols = dense["lm_head.weight"].shape
+    cuda = torch.device("cuda")
+    assert not generate.int8_head_on_gpu(dense, cuda)  # 4 MiB: below vram.INT8_HEAD_MIN_BYTES
+    assert plan.ModelSizes.from_store(st.path).int8_head_saving == 0
+    monkeypatch.setattr(vram, "INT8_HEAD_MIN_BYTES", rows * cols * 2)
+    assert generate.int8_head_on_gpu(dense, cuda)
+    assert not generate.int8_head_on_gpu(dense, cuda, "reference")
+    assert not generate.int8_head_on_gpu(dense, torch.device("cpu"))
+    assert not generate.int8_head_on_gpu({n: w for n, w in dense.items() if n != "lm_head.weight"}, cuda)
+    sixteen_bit = {n: (store.as_float(w, torch.bfloat16) if hasattr(w, "planes") else w) for n, w in dense.items()}
+    assert not generate.int8_head_on_gpu(sixteen_bit, cuda)
+    sizes = plan.ModelSizes.from_store(st.path)
+    moved, rounded_b = generate.move_dense(dense, torch.device("meta"), torch.bfloat16, int8_head=True)
+    _, float_b = generate.move_dense(dense, torch.device("meta"), torch.bfloat16)
+    head = moved["lm_head.weight"]
+    assert isinstance(head, int8_gpu.Int8Rows) and head.q.dtype == torch.int8 and head.q.shape == (rows, cols)
+    assert float_b - rounded_b == rows * cols * 2 - (rows * cols + 4 * rows)
+    assert sizes.int8_head_saving == rows * cols
+    assert 0 <= rounded_b - sizes.gpu_dense_bytes <= 4 * rows  # the planner leaves out the row scales
