@@ -38,12 +38,13 @@ def main(*specs: str) -> int:
     return 0
 
 
-def build_spec(spec: str) -> tuple[str, str, bench.Synthetic]:
-    """MODEL:BITS[:GROUP] -> (model, bits, the full-size synthetic model with 4-bit attention)."""
+def build_spec(spec: str, **build_args) -> tuple[str, str, bench.Synthetic]:
+    """MODEL:BITS[:GROUP] -> (model, bits, the full-size synthetic model with 4-bit attention);
+    build_args: bench.build's others."""
     model, bits, *group = spec.split(":")
     torch.cuda.empty_cache()
     return model, bits, bench.build(None, int(bits), 4, log=lambda m: None, model=model,
-                                    group_size=int(group[0]) if group else None)
+                                    group_size=int(group[0]) if group else None, **build_args)
 
 
 def measure(s, modes: tuple, prefetch: int) -> list:
