@@ -1,13 +1,16 @@
-"""The int8 LM head and the deferred release, each against the engine without it, timed.
+"""The int8 LM head against a bfloat16 one, timed.
 
     python3 benchmarks/decode_ab.py [MODEL:BITS[:GROUP] ...]    # default qwen3-30b-a3b:4
 
 First the head alone (CUDA events over 200 products of one token): bfloat16 F.linear against
 int8_gpu's kernel at each model's head shape, and the kernel's block sizes swept. Then, on the benchmark's full-size synthetic model
 (uniform routing, 12 GiB, fused kernels, prompt 128, 64 new tokens, lru and full = prefetch 1),
-in one process taking turns: with a bfloat16 head (its cache sized for it), the release at once,
-deferred (model.DEFER_RELEASE), at once again; then with the int8 head (the engine's default,
-a larger cache), deferred, at once, deferred again. Needs a CUDA GPU.
+in one process taking turns: a bfloat16 head (its cache sized for it), the int8 head (the
+engine's default: a larger cache), bfloat16 again. Needs a CUDA GPU.
+
+(At 28bbbdc it also timed a deferred release of each layer's slots, hits_first's release and
+prefetches after the next layer's attention was queued: no faster, so not kept;
+docs/bench/2026-12-07-head/.)
 """
 
 from __future__ import annotations
@@ -22,25 +25,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.hits_first_ab import build_spec, measure  # noqa: E402
 from moeferry.engine.kernels import int8_gpu  # noqa: E402
 from moeferry.engine.measure.bench_shapes import MODEL_SHAPES  # noqa: E402
-from moeferry.engine.runtime import model as model_mod  # noqa: E402
-
-WAYS = {False: (("at once", False), ("deferred", True), ("at once", False)),
-        True: (("deferred", True), ("at once", False), ("deferred", True))}
 
 
 def main(*specs: str) -> int:
     for name, shape in MODEL_SHAPES.items():
         head_alone(name, shape["vocab_size"], shape["hidden_size"])
     for spec in specs or ("qwen3-30b-a3b:4",):
-        for int8 in (False, True):
+        for int8 in (False, True, False):
             model, bits, s = build_spec(spec, int8_head=int8)
             head = "int8" if int8 else "bfloat16"
-            for name, defer in WAYS[int8]:
-                model_mod.DEFER_RELEASE = defer
-                for r in measure(s, ("lru", "full"), 1):
-                    print(f"{model} {bits}-bit 12GiB head {head:8s} {r['mode']:4s} release {name:8s} "
-                          f"{r['decode_tokens_per_s']:7.2f} tok/s, hit rate {r['hit_rate']:.2f}, "
-                          f"{r['gb_per_token']:.3f} GB/token, peak {r['peak_vram_bytes'] / 2**30:.2f} GiB", flush=True)
+            for r in measure(s, ("lru", "full"), 1):
+                print(f"{model} {bits}-bit 12GiB head {head:8s} {r['mode']:4s} {r['decode_tokens_per_s']:7.2f} tok/s, "
+                      f"hit rate {r['hit_rate']:.2f}, {r['gb_per_token']:.3f} GB/token, "
+                      f"peak {r['peak_vram_bytes'] / 2**30:.2f} GiB", flush=True)
             del s
     return 0
 

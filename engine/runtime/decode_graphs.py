@@ -114,7 +114,6 @@ class GraphedDecode:
         step = [] if m.trace is not None else None
         for i in range(m.cfg.num_layers):
             m.layer(i, s, self.ops, self.run, step)
-        m.run_deferred()
         if step is not None:
             m.trace.append(step)
         self.run(("head",), self.head_segment)

@@ -55,9 +55,6 @@ ATTN_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # that wins while those reads take less than the calls' host time, at a gaming card's bandwidth.
 PROMPT_HOST_S_PER_EXPERT = 0.3e-3
 PROMPT_DEVICE_BYTES_PER_S = 400e9
-# hits_first leaves a layer's release and prefetch until the next layer's attention is queued
-# (run_deferred), so the device is not kept waiting for them; benchmarks/decode_ab.py turns it off.
-DEFER_RELEASE = True
 
 
 @dataclass
@@ -308,7 +305,6 @@ class OffloadedMixtral:
         self.ops = EagerOps(self)
         self.decode_ops = self.ops  # a lone token's, outside CUDA graphs (decode_cpu.use_compiled_decode)
         self.grouped_prompt_kernel: bool | None = None  # prompt_grouped's test of the cache's format, once
-        self.deferred = None  # hits_first's release and prefetch of the last layer, until run_deferred
 
     @property
     def prefetch_depth(self) -> int:
@@ -375,7 +371,6 @@ class OffloadedMixtral:
         ops = self.decode_ops if T == 1 else self.ops
         for i in range(self.cfg.num_layers):
             self.layer(i, s, ops, run_now, step)
-        self.run_deferred()
         if step is not None:
             self.trace.append(step)
         return self.head(s, ops, last_only)
@@ -393,7 +388,6 @@ class OffloadedMixtral:
         layer = self.layers[i]
         key = ("attention", i, ops.span(layer, s), s.forced is not None)
         run(key, lambda: self.attention_block(i, layer, s, ops))
-        self.run_deferred()
         if "mlp" in layer:  # a dense layer: no experts
             run(("mlp", i), lambda: s.out.copy_(self.expert(layer["mlp"], s.h)))
         else:
@@ -559,27 +553,13 @@ class OffloadedMixtral:
             ops.stage(late)
             run(("late", i, len(late)), lambda: ops.late_experts(mi, s, len(late)))
         launched = time.perf_counter()
-
-        def release() -> None:
-            cache.release(mi)
-            self.prefetcher.issue(cache, mi, guesses_host)
-        self.deferred = release
-        if not DEFER_RELEASE:
-            self.run_deferred()
+        cache.release(mi)
+        self.prefetcher.issue(cache, mi, guesses_host)
         if self.timeline is not None:
             done = time.perf_counter()
             self.timeline.append(LayerTimes(mi, sum(e not in resident for e in ids), 0, routed, done, 0.0,
                                             {"queue": queued - routed, "device": launched - queued,
                                              "release": done - launched}))
-
-    def run_deferred(self) -> None:
-        """hits_first's release of the last MoE layer's slots and its prefetches, once the next
-        layer's attention is queued (or the token's layers are): the host's work the device
-        would otherwise wait for. The prefetches still go out before the next layer's routing
-        is read, and the slots are copied over only after the device has run them."""
-        if self.deferred is not None:
-            self.deferred, deferred = None, self.deferred
-            deferred()
 
     def force_routing(self, i: int, s: Step, ids: torch.Tensor, guesses: torch.Tensor | None) -> None:
         """Hand MoE layer i's routing to self.routing (engine/measure/routing.py); what it chooses
