@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from moeferry.engine.kernels import hqq_gpu
+from moeferry.engine.storage.quant import round_rows_int8
 
 triton, tl = hqq_gpu.triton, hqq_gpu.tl
 
@@ -63,14 +64,8 @@ class Int8Rows:
 
 def quantize(w: torch.Tensor, device=None) -> Int8Rows:
     """w [N, K] float -> symmetric int8 per row on `device` (default w's), rounded there in blocks
-    of rows: the float matrix is never whole on the device."""
-    qs, ss = [], []
-    for r in range(0, w.shape[0], ROUND_ROWS):
-        wf = w[r:r + ROUND_ROWS].to(device).float()
-        s = (wf.abs().amax(dim=1) / 127).clamp(min=1e-10)
-        qs.append((wf / s[:, None]).round().clamp(-127, 127).to(torch.int8))
-        ss.append(s)
-    return Int8Rows(torch.cat(qs), torch.cat(ss))
+    of ROUND_ROWS rows: the float matrix is never whole on the device."""
+    return Int8Rows(*round_rows_int8(w, device, ROUND_ROWS))
 
 
 BLOCK_N, BLOCK_K = 32, 256

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from moeferry.engine.kernels import hqq_cpu, int8_cpu
+from moeferry.engine.storage.quant import round_rows_int8
 
 FORMATS = ("int4", "int8", "dense")
 GROUPS = (128, 64, 32)  # int4 groups used, largest (fewest bytes) first; the kernel also takes 256
@@ -143,10 +144,8 @@ def quantize_int8(w: torch.Tensor) -> CpuMatrix:
     if w.shape[1] % INPUT_MULTIPLE["int8"]:
         raise ValueError(f"an int8 CPU copy needs the input size {w.shape[1]} to be a multiple of "
                          f"{INPUT_MULTIPLE['int8']}")
-    wf = w.detach().float()
-    s = (wf.abs().amax(dim=1) / 127).clamp(min=1e-10)
-    q = (wf / s[:, None]).round().clamp(-127, 127).to(torch.int8)
-    return CpuMatrix("int8", *w.shape, q.cpu().contiguous(), s.bfloat16().cpu())
+    q, s = round_rows_int8(w.detach(), "cpu")
+    return CpuMatrix("int8", *w.shape, q.contiguous(), s.bfloat16())
 
 
 def make_matrix(w: torch.Tensor, fmt: str) -> CpuMatrix:

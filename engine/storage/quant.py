@@ -227,6 +227,20 @@ def quantize_matrix(weight: torch.Tensor, spec: QuantSpec, optimize: bool = True
 # The reference dequantizer (CPU path and the ground truth for every fused kernel)
 
 
+def round_rows_int8(w: torch.Tensor, device=None, block_rows: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (q int8 [N, K], s float32 [N]) with w ~ q * s[:, None]: symmetric, one
+    scale a row (the int8 LM heads: engine/kernels/int8_gpu.py on a GPU, torch_cpu's on the CPU).
+    Rounded on `device` (default w's) block_rows rows at a time, so that no float32 copy of the
+    whole matrix is made."""
+    qs, ss = [], []
+    for r in range(0, w.shape[0], block_rows):
+        wf = w[r:r + block_rows].to(device).float()
+        s = (wf.abs().amax(dim=1) / 127).clamp(min=1e-10)
+        qs.append((wf / s[:, None]).round().clamp(-127, 127).to(torch.int8))
+        ss.append(s)
+    return torch.cat(qs), torch.cat(ss)
+
+
 def decode_meta(q: torch.Tensor, meta: torch.Tensor | None) -> torch.Tensor:
     """Scale or zero as float32 [G, cols]."""
     if meta is None:
