@@ -32,6 +32,7 @@ ROUND_ROWS = 8192  # rows rounded at once by quantize (its float32 temporaries)
 class Int8Rows:
     q: torch.Tensor  # int8 [N, K]
     s: torch.Tensor  # float32 [N]
+    kernel: bool = True  # False: always cuBLAS on dequantized blocks (the kernel failed its probe)
 
     @property
     def rows(self) -> int:
@@ -51,15 +52,20 @@ class Int8Rows:
         """x [T, K] -> float32 [T, N]."""
         T = x.shape[0]
         y = torch.empty(T, self.rows, device=x.device, dtype=torch.float32)
-        if T <= KERNEL_TOKENS and hqq_gpu.fused_available(x.device):
+        if T <= KERNEL_TOKENS and self.kernel and kernel_available(x.device):
             grid = (triton.cdiv(self.rows, BLOCK_N), T)
             _int8_rows_kernel[grid](x, self.q, self.s, y, self.rows, self.cols, x.stride(0), BLOCK_N=BLOCK_N,
                                     BLOCK_K=BLOCK_K, num_warps=4)
             return y
         for r in range(0, self.rows, BLOCK_ROWS_DEQUANT):
-            block = Int8Rows(self.q[r:r + BLOCK_ROWS_DEQUANT], self.s[r:r + BLOCK_ROWS_DEQUANT])
+            block = Int8Rows(self.q[r:r + BLOCK_ROWS_DEQUANT], self.s[r:r + BLOCK_ROWS_DEQUANT], False)
             y[:, r:r + BLOCK_ROWS_DEQUANT] = F.linear(x, block.dequantize(x.dtype)).float()
         return y
+
+
+def kernel_available(device) -> bool:
+    """Whether the Triton GEMV can run on `device` (CUDA, or the CPU under the interpreter)."""
+    return hqq_gpu.fused_available(device)
 
 
 def quantize(w: torch.Tensor, device=None) -> Int8Rows:

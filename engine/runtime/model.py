@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from moeferry.engine.kernels import hqq_cpu, hqq_gpu
 from moeferry.engine.kernels.hqq_gpu import qlinear
+from moeferry.engine.kernels.int8_gpu import Int8Rows
 from moeferry.engine.kernels.mxfp4_gpu import mxfp4_linear
 from moeferry.engine.kernels.torch_cpu import CpuMatrix
 from moeferry.engine.runtime.expert_cache import SERIALS
@@ -305,6 +306,9 @@ class OffloadedMixtral:
         self.ops = EagerOps(self)
         self.decode_ops = self.ops  # a lone token's, outside CUDA graphs (decode_cpu.use_compiled_decode)
         self.grouped_prompt_kernel: bool | None = None  # prompt_grouped's test of the cache's format, once
+        if isinstance(self.lm_head, Int8Rows):  # its kernel tried once; on failure cuBLAS on dequantized blocks
+            x = torch.zeros(1, self.lm_head.cols, device=device, dtype=dtype)
+            self.lm_head.kernel = self.fast_path_works(lambda: self.lm_head.matmul(x), "the int8 LM head's kernel")
 
     @property
     def prefetch_depth(self) -> int:

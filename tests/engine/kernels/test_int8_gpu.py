@@ -55,3 +55,29 @@ def test_the_kernel_equals_the_dequantized_product(rows, cols, tokens, dtype):
     want = x.float() @ m.dequantize().T
     assert y.dtype == torch.float32 and y.shape == (tokens, rows)
     torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-3)
+
+
+def test_a_head_kernel_that_fails_its_probe_leaves_the_engine_on_dequantized_blocks(tmp_path, monkeypatch):
+    """The engine tries the head's kernel once when it loads (model.fast_path_works): under
+    kernels=auto a failure is a warning and cuBLAS on dequantized blocks, with the same tokens.
+    Here on the CPU, with the int8 head forced and a kernel that cannot build."""
+    from moeferry.engine.paths import demo_store_path
+    from moeferry.engine.runtime import generate
+    from moeferry.engine.runtime.generate import SamplingSettings, load_engine
+
+    monkeypatch.setattr(generate, "int8_head_on_gpu", lambda dense, device, kernels="auto": True)
+    settings = SamplingSettings(temperature=0, max_new_tokens=8)
+    engine = load_engine(demo_store_path(), device="cpu", cache_experts=2, kernels="reference")
+    assert isinstance(engine.model.lm_head, int8_gpu.Int8Rows) and engine.model.lm_head.kernel
+    want = list(engine.generate_ids([1, 5, 9, 13], settings))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cannot build this kernel here")
+    monkeypatch.setattr(int8_gpu, "kernel_available", lambda device: True)
+    monkeypatch.setattr(int8_gpu, "triton", type("Triton", (), {"cdiv": staticmethod(lambda a, b: -(-a // b))}))
+    monkeypatch.setattr(int8_gpu, "_int8_rows_kernel", type("Launcher", (), {"__getitem__": lambda self, grid: broken})(),
+                        raising=False)  # CI has no Triton: no kernel defined
+    with pytest.warns(UserWarning, match="int8 LM head"):
+        engine = load_engine(demo_store_path(), device="cpu", cache_experts=2, kernels="reference")
+    assert engine.model.lm_head.kernel is False
+    assert list(engine.generate_ids([1, 5, 9, 13], settings)) == want
