@@ -45,8 +45,8 @@ class Int8Rows:
     def nbytes(self) -> int:
         return self.q.numel() + self.s.numel() * 4
 
-    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        return (self.q.float() * self.s[:, None]).to(dtype)
+    def dequantize(self, dtype=torch.float32, rows: slice = slice(None)) -> torch.Tensor:
+        return (self.q[rows].float() * self.s[rows, None]).to(dtype)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] -> float32 [T, N]."""
@@ -58,8 +58,8 @@ class Int8Rows:
                                     BLOCK_K=BLOCK_K, num_warps=4)
             return y
         for r in range(0, self.rows, BLOCK_ROWS_DEQUANT):
-            block = Int8Rows(self.q[r:r + BLOCK_ROWS_DEQUANT], self.s[r:r + BLOCK_ROWS_DEQUANT], False)
-            y[:, r:r + BLOCK_ROWS_DEQUANT] = F.linear(x, block.dequantize(x.dtype)).float()
+            rows = slice(r, r + BLOCK_ROWS_DEQUANT)
+            y[:, rows] = F.linear(x, self.dequantize(x.dtype, rows)).float()
         return y
 
 
