@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from moeferry.engine.kernels import hqq_gpu, mxfp4_gpu
-from moeferry.engine.kernels.hqq_gpu import after_previous, launch_options, tl, triton
+from moeferry.engine.kernels.hqq_gpu import tl, triton
 from moeferry.engine.runtime import cuda_driver
 from moeferry.engine.runtime.model import EagerOps, Step, attention_options, distinct_ids, expand_units
 from moeferry.engine.storage.mxfp4 import Mxfp4Matrix
@@ -173,7 +173,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     H = x.shape[-1]
     _add_rms_norm_kernel[(1,)](x, x if delta is None else delta, weight, out, H, eps,
                                HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(H),
-                               num_warps=8, **launch_options(x.device))
+                               num_warps=8)
 
 
 def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
@@ -204,7 +204,7 @@ def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
         window or 0, D ** -0.5, eps, clip or 0.0, D=D, BLOCK_D=triton.next_power_of_2(D),
         BLOCK_FULL=min(1024, triton.next_power_of_2(heads * D)) if full else 1, BLOCK_S=64,
         Q_BIAS=q_bias is not None, K_BIAS=k_bias is not None, V_BIAS=v_bias is not None, NORM=norm,
-        CLIP=clip is not None, SINKS=sinks is not None, num_warps=4, **launch_options(q.device))
+        CLIP=clip is not None, SINKS=sinks is not None, num_warps=4)
 
 
 def _given(t: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
@@ -222,18 +222,16 @@ def route_topk(h: torch.Tensor, router: torch.Tensor, top_k: int, weights: torch
     if E <= FUSED_ROUTER_EXPERTS:  # one program reads the router and picks
         block_h = min(1024, triton.next_power_of_2(H), max(16, ROUTE_TILE // block_e))
         _route_kernel[(1,)](h, router, b, weights, ids, H, router, E=E, BLOCK_E=block_e, TOPK=top_k, BLOCK_H=block_h,
-                            HAS_BIAS=bias is not None, NORM=renormalize, LOGITS=False, num_warps=4,
-                            **launch_options(h.device))
+                            HAS_BIAS=bias is not None, NORM=renormalize, LOGITS=False, num_warps=4)
         return
     # many experts (Qwen3's 128): one program read the whole router in 51 us on the H200, its
     # loads one tile after another; the logits by LOGIT_ROWS experts per program, then the pick
     logits = torch.empty(E, dtype=torch.float32, device=h.device)
     _router_logits_kernel[(triton.cdiv(E, LOGIT_ROWS),)](h, router, b, logits, H, E, HAS_BIAS=bias is not None,
                                                           ROWS=LOGIT_ROWS, BLOCK_H=min(1024, triton.next_power_of_2(H)),
-                                                          num_warps=4, **launch_options(h.device))
+                                                          num_warps=4)
     _route_kernel[(1,)](h, router, b, weights, ids, H, logits, E=E, BLOCK_E=block_e, TOPK=top_k, BLOCK_H=16,
-                        HAS_BIAS=bias is not None, NORM=renormalize, LOGITS=True, num_warps=4,
-                        **launch_options(h.device))
+                        HAS_BIAS=bias is not None, NORM=renormalize, LOGITS=True, num_warps=4)
 
 
 FUSED_ROUTER_EXPERTS = 16  # routers this small are read and picked from in one program
@@ -251,8 +249,7 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, H, eps, HAS_DELTA: tl.constexpr,
-                             BLOCK: tl.constexpr, GDC: tl.constexpr = False):
-        after_previous(GDC)
+                             BLOCK: tl.constexpr):
         dt: tl.constexpr = x_ptr.dtype.element_ty
         i = tl.arange(0, BLOCK)
         m = i < H
@@ -314,14 +311,13 @@ if triton is not None:
                                window, scale, eps, clip, D: tl.constexpr, BLOCK_D: tl.constexpr,
                                BLOCK_FULL: tl.constexpr, BLOCK_S: tl.constexpr, Q_BIAS: tl.constexpr,
                                K_BIAS: tl.constexpr, V_BIAS: tl.constexpr, NORM: tl.constexpr,
-                               CLIP: tl.constexpr, SINKS: tl.constexpr, GDC: tl.constexpr = False):
+                               CLIP: tl.constexpr, SINKS: tl.constexpr):
         """One query head h. Every program of a key/value group prepares and rotates that group's
         new key itself (D values; the "full" norm's factors over the whole q and k, each
         program for itself) and uses it for position pos from registers; the group's first
         program also writes it (and the value) into the cache, which the others therefore
         never read at row pos. Online softmax over the positions, BLOCK_S at a time, started
         from the sink (a logit whose value is zero) where there is one."""
-        after_previous(GDC)
         dt: tl.constexpr = kc_ptr.dtype.element_ty
         h = tl.program_id(0)
         kh = h // group
@@ -392,17 +388,15 @@ if triton is not None:
 
     @triton.jit
     def _router_logits_kernel(h_ptr, r_ptr, b_ptr, out_ptr, H, E, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
-                              BLOCK_H: tl.constexpr, GDC: tl.constexpr = False):
-        after_previous(GDC)
+                              BLOCK_H: tl.constexpr):
         e = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         tl.store(out_ptr + e, _router_dot(h_ptr, r_ptr, b_ptr, e, H, E, HAS_BIAS, BLOCK_H), mask=e < E)
 
     @triton.jit
     def _route_kernel(h_ptr, r_ptr, b_ptr, w_ptr, ids_ptr, H, l_ptr, E: tl.constexpr, BLOCK_E: tl.constexpr,
                       TOPK: tl.constexpr, BLOCK_H: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-                      LOGITS: tl.constexpr, GDC: tl.constexpr = False):
+                      LOGITS: tl.constexpr):
         """The softmax's top-k of the router's logits: computed here, or (LOGITS) read from l_ptr."""
-        after_previous(GDC)
         e = tl.arange(0, BLOCK_E)
         if LOGITS:
             logits = tl.load(l_ptr + e, mask=e < E, other=-float("inf"))

@@ -61,26 +61,6 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-# Programmatic dependent launch (Hopper and later): each decode kernel is launched while the one
-# before it in the stream is still running, and waits (after_previous) for it to finish before it
-# reads anything, so a launch's latency overlaps the previous kernel instead of following it.
-# benchmarks/decode_ab.py turns it off to compare.
-PDL = True
-
-
-def launch_options(device: torch.device) -> dict:
-    """The decode kernels' launch options on `device`: GDC (the kernel waits for the one before
-    it) with launch_pdl, or GDC off (no PDL, the interpreter, before Hopper, an old Triton)."""
-    return _pdl_options(torch.device(device)) if PDL else {"GDC": False}
-
-
-@functools.lru_cache(maxsize=None)
-def _pdl_options(device: torch.device) -> dict:
-    works = (device.type == "cuda" and tl is not None and not _interpreting()
-             and hasattr(tl.extra.cuda, "gdc_wait") and torch.cuda.get_device_capability(device)[0] >= 9)
-    return {"GDC": True, "launch_pdl": True} if works else {"GDC": False}
-
-
 # Set when the fused kernels failed at run time (for example Triton finds no C compiler to
 # build its launcher): "auto" then uses the reference path for the rest of the process.
 FUSED_FAILURE: str | None = None
@@ -297,7 +277,7 @@ def gemv(x: torch.Tensor, w: QMatrix, out: torch.Tensor, cfg: dict | None = None
     else:
         ws, cnt = out, out  # not read
     _gemv_kernel[(n_j, split)](x, out, *_common_args(w), ws, cnt, *_sizes(w), k_per_split, split,
-                               SPLIT=split > 1, **_format(w, bk), **consts, **launch_options(x.device))
+                               SPLIT=split > 1, **_format(w, bk), **consts)
     return out
 
 
@@ -339,7 +319,7 @@ def gemv_pair(x: torch.Tensor, a: QMatrix, b: QMatrix, out_a: torch.Tensor, out_
     cnt = _scratch.get("counters", n_j, torch.int32, x.device, zero=True)
     _gemv_pair_kernel[(n_j, split)](x, out_a, out_b, *_common_args(a), *_common_args(b), ws, cnt,
                                     *_sizes(a), k_per_split, split, SPLIT=split > 1, **_format(a, bk),
-                                    **consts, **launch_options(x.device))
+                                    **consts)
 
 
 def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tensor,
@@ -376,7 +356,7 @@ def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tenso
     _moe_up_kernel[(n_j, split, launched)](x, act, ids, at, table, slot_bytes, *_common_args(w1),
                                            *_common_args(w3), ws, cnt, *_sizes(w1), k_per_split, split,
                                            TOPK=topk, SPLIT=split > 1, LATE=late is not None, **_format(w1, bk),
-                                           **consts, **launch_options(h.device))
+                                           **consts)
     # down: the weighted sum of w2 act[k]; its partials outlive the launch (for `late`)
     n_j, split, k_per_split, bk, consts = _gemv_launch(
         w2.rows, w2.cols, w2.bits, w2.group_size, sms, down_cfg, topk, h.dtype == torch.float32)
@@ -385,7 +365,7 @@ def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tenso
     _moe_down_kernel[(n_j, split, launched)](act, out, ids, at, weights, table, slot_bytes, *_common_args(w2), ws,
                                              cnt, *_sizes(w2), k_per_split, split, launched * split, TOPK=topk,
                                              LATE=late is not None, PAIRS=False, SPLIT=split > 1,
-                                             **_format(w2, bk), **consts, **launch_options(h.device))
+                                             **_format(w2, bk), **consts)
     return out
 
 
@@ -408,13 +388,13 @@ def moe_prompt(h: torch.Tensor, experts: dict, slot_bytes: int, slots: torch.Ten
     ws, cnt = _split_scratch("partials", split, pairs * 2 * w1.rows, pairs * n_j, h.device)
     _moe_up_kernel[(n_j, split, n)](h, act, positions, at, slots, slot_bytes, *_common_args(w1), *_common_args(w3),
                                     ws, cnt, *_sizes(w1), k_per_split, split, TOPK=topk, SPLIT=split > 1,
-                                    LATE=True, **_format(w1, bk), **consts, **launch_options(h.device))
+                                    LATE=True, **_format(w1, bk), **consts)
     n_j, split, k_per_split, bk, consts = _gemv_launch(
         w2.rows, w2.cols, w2.bits, w2.group_size, sms, None, n, exact)
     ws, cnt = _split_scratch("down_partials", split, pairs * w2.rows, pairs * n_j, h.device)
     _moe_down_kernel[(n_j, split, n)](act, y, positions, at, slots, slots, slot_bytes, *_common_args(w2), ws, cnt,
                                       *_sizes(w2), k_per_split, split, 0, TOPK=topk, LATE=True, PAIRS=True, SPLIT=split > 1,
-                                      **_format(w2, bk), **consts, **launch_options(h.device))
+                                      **_format(w2, bk), **consts)
     return y
 
 
@@ -507,14 +487,6 @@ def dequantize_fused(w: QMatrix, dtype: torch.dtype, out: torch.Tensor | None = 
 # Triton kernels
 
 if triton is not None:
-    @triton.jit
-    def after_previous(GDC: tl.constexpr):
-        """A kernel's first step under launch_options: wait until the kernel before it in the
-        stream has finished (its writes visible), then let the next one launch."""
-        if GDC:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-
     @triton.jit
     def _as_float(v):
         """int32 v in [0, 2**23) -> float32 v, without a conversion instruction."""
@@ -799,9 +771,8 @@ if triton is not None:
                      W0: tl.constexpr, W1: tl.constexpr, GS: tl.constexpr, SPLIT: tl.constexpr,
                      SMODE: tl.constexpr, ZMODE: tl.constexpr,
                      BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr, NQ: tl.constexpr,
-                     H2: tl.constexpr, EVEN: tl.constexpr, GDC: tl.constexpr = False):
+                     H2: tl.constexpr, EVEN: tl.constexpr):
         """out = x @ W.T for one matrix; grid (groups/BJ * NQ, column splits)."""
-        after_previous(GDC)
         pid_k = tl.program_id(1)
         y, _, n, j = _gemv_tiles(x_ptr, p0_ptr, p1_ptr, s_ptr, z_ptr, sm_ptr, zm_ptr,
                                  p0_ptr, p1_ptr, s_ptr, z_ptr, sm_ptr, zm_ptr,
@@ -845,9 +816,8 @@ if triton is not None:
                           W0: tl.constexpr, W1: tl.constexpr, GS: tl.constexpr, SPLIT: tl.constexpr,
                           SMODE: tl.constexpr, ZMODE: tl.constexpr,
                           BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr, NQ: tl.constexpr,
-                          H2: tl.constexpr, EVEN: tl.constexpr, GDC: tl.constexpr = False):
+                          H2: tl.constexpr, EVEN: tl.constexpr):
         """out_a = x @ A.T and out_b = x @ B.T for two matrices of one format, in one loop."""
-        after_previous(GDC)
         pid_k = tl.program_id(1)
         ya, yb, n, j = _gemv_tiles(x_ptr, a0, a1, a_s, a_z, a_sm, a_zm, b0, b1, b_s, b_z, b_sm, b_zm,
                                    G, cols, Ms, Mz, k_per_split, tl.program_id(0), pid_k,
@@ -897,11 +867,10 @@ if triton is not None:
                        W0: tl.constexpr, W1: tl.constexpr, GS: tl.constexpr, TOPK: tl.constexpr,
                        SPLIT: tl.constexpr, LATE: tl.constexpr, SMODE: tl.constexpr, ZMODE: tl.constexpr,
                        BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr, NQ: tl.constexpr,
-                       H2: tl.constexpr, EVEN: tl.constexpr, GDC: tl.constexpr = False):
+                       H2: tl.constexpr, EVEN: tl.constexpr):
         """act[kpos] = silu(x @ W1.T) * (x @ W3.T) for the expert at position kpos (_position)
         of the routing [tokens, TOPK], x its token's row (a decoded token's: kpos < TOPK); W1
         and W3 are read in the same loop. Split-K as _finish, per kpos."""
-        after_previous(GDC)
         pid_k, kpos = tl.program_id(1), _position(at_ptr, LATE)
         slot = _routed_slot(ids_ptr, table_ptr, kpos)
         ya, yb, n, j = _gemv_tiles(
@@ -935,14 +904,13 @@ if triton is not None:
                          W0: tl.constexpr, W1: tl.constexpr, GS: tl.constexpr,
                          SMODE: tl.constexpr, ZMODE: tl.constexpr, TOPK: tl.constexpr, LATE: tl.constexpr,
                          PAIRS: tl.constexpr, SPLIT: tl.constexpr, BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr,
-                         NQ: tl.constexpr, H2: tl.constexpr, EVEN: tl.constexpr, GDC: tl.constexpr = False):
+                         NQ: tl.constexpr, H2: tl.constexpr, EVEN: tl.constexpr):
         """out = sum over the top-k of weight[kpos] * (act[kpos] @ W2.T), kpos from _position.
         Every (split, kpos) program stores a partial; the last of the `parts` programs of a row
         tile adds up all TOPK positions' partials as the eager path does: each expert's output
         rounded to out's dtype, times its weight, rounded, added in ascending expert order
         (transformers' order). It writes out only when every routed expert was in place.
         PAIRS (moe_prompt): out[kpos] = act[kpos] @ W2.T instead, each position's own row."""
-        after_previous(GDC)
         pid_k, kpos = tl.program_id(1), _position(at_ptr, LATE)
         slot = _routed_slot(ids_ptr, table_ptr, kpos)
         y, _, n, j = _gemv_tiles(

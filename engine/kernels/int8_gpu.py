@@ -55,7 +55,7 @@ class Int8Rows:
         if T <= KERNEL_TOKENS and self.kernel and kernel_available(x.device):
             grid = (triton.cdiv(self.rows, BLOCK_N), T)
             _int8_rows_kernel[grid](x, self.q, self.s, y, self.rows, self.cols, x.stride(0), BLOCK_N=BLOCK_N,
-                                    BLOCK_K=BLOCK_K, num_warps=4, **hqq_gpu.launch_options(x.device))
+                                    BLOCK_K=BLOCK_K, num_warps=4)
             return y
         for r in range(0, self.rows, BLOCK_ROWS_DEQUANT):
             rows = slice(r, r + BLOCK_ROWS_DEQUANT)
@@ -79,9 +79,8 @@ BLOCK_N, BLOCK_K = 32, 256
 if triton is not None:
     @triton.jit
     def _int8_rows_kernel(x_ptr, q_ptr, s_ptr, y_ptr, N, K, x_stride, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, GDC: tl.constexpr = False):
+                          BLOCK_K: tl.constexpr):
         """y[t, n] = s[n] * sum_k q[n, k] x[t, k] for BLOCK_N rows n of token t = program_id(1)."""
-        hqq_gpu.after_previous(GDC)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         t = tl.program_id(1)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)

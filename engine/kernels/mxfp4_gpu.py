@@ -126,8 +126,7 @@ def pack_x(x: torch.Tensor, kind: str = "mxfp4_x") -> tuple[torch.Tensor, torch.
     pairs = hqq_gpu._scratch.get(kind + "_pairs", R * cols // 2, torch.int32, x.device)[: R * cols // 2]
     amax = hqq_gpu._scratch.get(kind + "_amax", R * nblk, torch.float32, x.device)[: R * nblk]
     nb = min(32, triton.next_power_of_2(nblk))
-    _pack_x_kernel[(R, triton.cdiv(nblk, nb))](x, pairs, amax, nblk, x.stride(0), NB=nb, num_warps=4,
-                                               **hqq_gpu.launch_options(x.device))
+    _pack_x_kernel[(R, triton.cdiv(nblk, nb))](x, pairs, amax, nblk, x.stride(0), NB=nb, num_warps=4)
     return pairs.view(R, cols // 2), amax.view(R, nblk)
 
 
@@ -137,7 +136,7 @@ def gemv(x: torch.Tensor, w: Mxfp4Matrix, out: torch.Tensor, cfg: dict | None = 
     pairs, amax = pack_x(x) if cfg["H2"] else (x, x)
     _gemv_kernel[(triton.cdiv(w.rows, cfg["BR"]),)](x, pairs, amax, out, w.blocks, w.scales, w.rows, w.cols // BLOCK,
                                                     BR=cfg["BR"], NB=cfg["NB"], H2=cfg["H2"],
-                                                    num_warps=cfg["num_warps"], **hqq_gpu.launch_options(x.device))
+                                                    num_warps=cfg["num_warps"])
     return out
 
 
@@ -180,12 +179,11 @@ def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tenso
     _moe_up_kernel[(triton.cdiv(w1.rows, up["BR"]), topk)](
         h, pairs, amax, act, ids, table, slot_bytes, w1.blocks, w1.scales, experts["b1"], w3.blocks, w3.scales,
         experts["b3"], w1.rows, w1.cols // BLOCK, alpha, limit, BR=up["BR"], NB=up["NB"], H2=up["H2"],
-        num_warps=up["num_warps"], **hqq_gpu.launch_options(h.device))
+        num_warps=up["num_warps"])
     pairs, amax = pack_x(act.view(topk, w2.cols), "mxfp4_act") if down["H2"] else (act, act)
     _moe_down_kernel[(triton.cdiv(w2.rows, down["BR"]),)](
         act, pairs, amax, out, ids, weights, table, slot_bytes, w2.blocks, w2.scales, experts["b2"], w2.rows,
-        w2.cols // BLOCK, TOPK=topk, BR=down["BR"], NB=down["NB"], H2=down["H2"], num_warps=down["num_warps"],
-        **hqq_gpu.launch_options(h.device))
+        w2.cols // BLOCK, TOPK=topk, BR=down["BR"], NB=down["NB"], H2=down["H2"], num_warps=down["num_warps"])
     return out
 
 
@@ -305,9 +303,8 @@ if triton is not None:
         return y
 
     @triton.jit
-    def _pack_x_kernel(x_ptr, pairs_ptr, amax_ptr, nblk, stride_x, NB: tl.constexpr, GDC: tl.constexpr = False):
+    def _pack_x_kernel(x_ptr, pairs_ptr, amax_ptr, nblk, stride_x, NB: tl.constexpr):
         """pack_x for row pid 0, blocks [pid 1 NB, +NB)."""
-        hqq_gpu.after_previous(GDC)
         row = tl.program_id(0)
         b = tl.program_id(1) * NB + tl.arange(0, NB)
         p = tl.arange(0, 4)
@@ -323,8 +320,7 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, pairs_ptr, amax_ptr, out_ptr, b_ptr, s_ptr, rows, nblk, BR: tl.constexpr,
-                     NB: tl.constexpr, H2: tl.constexpr, GDC: tl.constexpr = False):
-        hqq_gpu.after_previous(GDC)
+                     NB: tl.constexpr, H2: tl.constexpr):
         r = tl.program_id(0) * BR + tl.arange(0, BR)
         y = _rows(x_ptr, pairs_ptr, amax_ptr, b_ptr, s_ptr, r, rows, nblk, NB, H2)
         tl.store(out_ptr + r, y.to(out_ptr.dtype.element_ty), mask=r < rows)
@@ -396,10 +392,9 @@ if triton is not None:
     @triton.jit
     def _moe_up_kernel(x_ptr, pairs_ptr, amax_ptr, act_ptr, ids_ptr, table_ptr, slot_bytes, b1_ptr, s1_ptr,
                        bias1_ptr, b3_ptr, s3_ptr, bias3_ptr, rows, nblk, alpha, limit, BR: tl.constexpr,
-                       NB: tl.constexpr, H2: tl.constexpr, GDC: tl.constexpr = False):
+                       NB: tl.constexpr, H2: tl.constexpr):
         """act[kpos] = clamped_swiglu(x W1.T + b1, x W3.T + b3) of the expert at top-k position
         kpos (grid axis 1), rows [pid BR, +BR)."""
-        hqq_gpu.after_previous(GDC)
         kpos = tl.program_id(1)
         slot = _routed_slot(ids_ptr, table_ptr, kpos)
         dt: tl.constexpr = act_ptr.dtype.element_ty
@@ -416,11 +411,10 @@ if triton is not None:
     @triton.jit
     def _moe_down_kernel(act_ptr, pairs_ptr, amax_ptr, out_ptr, ids_ptr, weights_ptr, table_ptr, slot_bytes,
                          b_ptr, s_ptr, bias_ptr, rows, nblk, TOPK: tl.constexpr, BR: tl.constexpr,
-                         NB: tl.constexpr, H2: tl.constexpr, GDC: tl.constexpr = False):
+                         NB: tl.constexpr, H2: tl.constexpr):
         """out rows [pid BR, +BR) = the weighted sum over the top-k of act[kpos] W2.T + b2, each
         expert's output rounded to out's dtype, times its weight, rounded, added in ascending
         expert order (the eager path's order: out starts at zero)."""
-        hqq_gpu.after_previous(GDC)
         dt: tl.constexpr = out_ptr.dtype.element_ty
         r = tl.program_id(0) * BR + tl.arange(0, BR)
         mask = r < rows
