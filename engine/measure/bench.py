@@ -7,6 +7,9 @@ HQQ at `--expert-bits` for the others; every report states the format and its bi
 it measures the paper's Table 2 ladder: naive (every expert copied on demand, synchronously,
 no cache), lru (cache, no prefetch), full (cache + prefetch), each with the reference kernels
 (dequantize then matmul) and the fused ones, under a VRAM budget that emulates a gaming GPU.
+The budget bounds what the engine allocates (peak VRAM); each run also reports the GPU's memory
+in use as the driver counts it (CUDA context and the allocator's reserve too), the measure
+llama.cpp's figures are compared at.
 
 The bound for each mode: max(bytes moved per token / the link's rate in this run (the pinned
 bandwidth measured, or under --h2d-gbps the rate the paced copies reached), resident compute
@@ -84,6 +87,10 @@ class ModeResult:
     cpu_wait_ms_per_token: float = 0.0  # the CPU's share of the critical path
     cpu_decode_experts: int = 0  # experts the CPU ran while decoding
     layer_split: list = field(default_factory=list)  # where a decoded MoE layer's time goes (layer_split)
+    # the GPU's memory in use right after the decode as the driver counts it (nvidia-smi's
+    # memory.used, what llama.cpp's figures are measured by): peak_vram_bytes plus this process's
+    # CUDA context, the allocator's reserve and anything else on the GPU; 0 on the CPU
+    device_used_bytes: int = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,8 +373,10 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
         tok = int(logits[-1].argmax())
     sync(device)
     decode = time.perf_counter() - t1
+    d_used = gpu_memory_used(device)
     after = asdict(model.cache.stats)
     d = {key: after[key] - before[key] for key in after}
+    d["device_used_bytes"] = d_used
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else model.cache.device_bytes()
     recall = routing.recall() if routing is not None else {}
     if model.hybrid is not None:  # the decode's CPU work alone (a prefill job reads its expert once for many tokens)
@@ -522,7 +531,8 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
                                        link_bytes_per_s(link), compute[kern], budget))
             r = results[-1]
             log(f"  {mode:6s} {kern:9s} {r.decode_tokens_per_s:7.2f} tok/s  first token {first:.2f} s  "
-                f"hits {r.hit_rate:.2f}  {r.gb_per_token:.2f} GB/token  peak {fmt_bytes(peak)}")
+                f"hits {r.hit_rate:.2f}  {r.gb_per_token:.2f} GB/token  peak {fmt_bytes(peak)}"
+                + (f" (GPU memory used {fmt_bytes(r.device_used_bytes)})" if r.device_used_bytes else ""))
             for row in r.layer_split:
                 log(f"         {row['per_token']:5.2f} layers/token with {row['copied']} copied, {row['on_cpu']} on the CPU: "
                     f"{row['ms']:.3f} ms = host {row['host_ms']:.3f} + CPU kernel {row['kernel_ms']:.3f} "
@@ -591,7 +601,16 @@ def mode_result(mode, kern, kk, depth, first, decode, d, peak, recall, new_token
         under_budget=budget is None or peak <= budget, guess_recall=recall,
         misses_cpu=d.get("misses_cpu", 0), misses_both=d.get("misses_both", 0),
         cpu_gb_per_s=d.get("cpu_gb_per_s", 0.0), cpu_wait_ms_per_token=d.get("cpu_wait_s", 0.0) / steps * 1e3,
-        cpu_decode_experts=d.get("cpu_decode_experts", 0), layer_split=d.get("layer_split", []))
+        cpu_decode_experts=d.get("cpu_decode_experts", 0), layer_split=d.get("layer_split", []),
+        device_used_bytes=d.get("device_used_bytes", 0))
+
+
+def gpu_memory_used(device) -> int:
+    """The whole GPU's memory in use (total - free, the driver's count), 0 off a GPU."""
+    if device.type != "cuda":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
 
 
 def layer_split(times: list, steps: int) -> list[dict]:
@@ -634,8 +653,8 @@ def markdown_table(report: dict) -> str:
              f"{report['device']}, {report['date']}.", "", conditions_line(report), "",
              "| mode | kernels | decode tok/s | first token s | hit rate | guess recall | prefetch prec/recall "
              "| GB/token | H2D GB/s | bound ms/tok | achieved ms/tok | achieved/bound | peak VRAM GiB "
-             "| misses on CPU (+copied) | CPU GB/s | CPU wait ms/tok |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| GPU memory used GiB | misses on CPU (+copied) | CPU GB/s | CPU wait ms/tok |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
         lines.append(
             f"| {r['mode']} | {r['kernels']} | {r['decode_tokens_per_s']:.2f} | {r['first_token_s']:.2f} | "
@@ -644,6 +663,7 @@ def markdown_table(report: dict) -> str:
             f"{r['gb_per_token']:.2f} | {r['h2d_gb_per_s']:.1f} | {r['bound_ms_per_token']:.1f} | "
             f"{r['achieved_ms_per_token']:.1f} | {r['achieved_over_bound']:.2f} | "
             f"{r['peak_vram_bytes'] / GiB:.2f}{'' if r['under_budget'] else ' (over!)'} | "
+            f"{r.get('device_used_bytes', 0) / GiB:.2f} | "
             f"{r['misses_cpu']} (+{r['misses_both']}) | {r['cpu_gb_per_s']:.1f} | {r['cpu_wait_ms_per_token']:.2f} |")
     return "\n".join(lines)
 

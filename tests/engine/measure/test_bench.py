@@ -165,6 +165,15 @@ def test_what_the_budget_leaves_after_k_a_layer_goes_to_one_slot_more_in_the_fir
     assert "2 experts cached per layer (3 in the first 2)" in bench.markdown_table(r)
     assert r["routing"]["uniform_hit_ratio"]["reference"] == (2 * 3 + 2) / (8 * 3)
     assert r["results"][0]["peak_vram_bytes"] == (3 + 3 + 2) * stride  # the cache's bytes on the CPU
+    assert r["results"][0]["device_used_bytes"] == 0  # no driver's count off a GPU
+    header, rule, row = bench.markdown_table(r).splitlines()[-3:]
+    assert header.count("|") == rule.count("|") == row.count("|") and "GPU memory used GiB" in header
+
+
+def test_the_gpu_memory_in_use_is_the_drivers_total_less_free(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 * 2**30, 80 * 2**30))
+    assert bench.gpu_memory_used(torch.device("cuda", 0)) == 77 * 2**30
+    assert bench.gpu_memory_used(torch.device("cpu")) == 0
 
 
 def test_the_layer_split_adds_each_kind_of_layer_up():
