@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import sys
 
+from moeferry.engine.runtime import vram
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    vram.use_expandable_segments()
     if not argv:
         from moeferry.app.main import run_gui
         return run_gui()

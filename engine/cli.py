@@ -15,6 +15,7 @@ import sys
 
 from moeferry.engine.errors import UserError
 from moeferry.engine.progress import ProgressLine
+from moeferry.engine.runtime import vram
 
 
 def package_version() -> str:
@@ -159,6 +160,7 @@ def glue_text_options(argv: list[str], parser: argparse.ArgumentParser) -> list[
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    vram.use_expandable_segments()
     if argv and argv[0] in PASS_THROUGH:
         args = argparse.Namespace(command=argv[0], rest=argv[1:])
     else:

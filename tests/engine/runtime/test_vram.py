@@ -193,3 +193,15 @@ def test_the_engine_rounds_the_head_to_int8_where_the_planner_counts_it(monkeypa
     assert float_b - rounded_b == rows * cols * 2 - (rows * cols + 4 * rows)
     assert sizes.int8_head_saving == rows * cols
     assert 0 <= rounded_b - sizes.gpu_dense_bytes <= 4 * rows  # the planner leaves out the row scales
+
+
+def test_the_allocator_grows_its_segments_on_linux_unless_the_user_chose():
+    env = {}
+    vram.use_expandable_segments(env, "linux")
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    mine = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}
+    vram.use_expandable_segments(mine, "linux")
+    assert mine == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}
+    windows = {}
+    vram.use_expandable_segments(windows, "win32")  # torch warns there and ignores it
+    assert windows == {}
