@@ -7,7 +7,9 @@ This prints the GPU's memory in use (total - free) after CUDA starts, after a cu
 and a Triton kernel (the int8 head's), then for each model `moeferry bench`'s lru decode at 11 GiB (uniform
 routing, fused kernels, P=128, T=64) right after its decode: the driver's count, torch's reserve
 and what is allocated, and the driver's count again after torch's unused reserve is returned
-(the model still loaded). Needs a CUDA GPU.
+(the model still loaded). The allocator's segments grow in place as the engine asks
+(vram.use_expandable_segments); `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False` measures
+fixed ones. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moeferry.engine.kernels import int8_gpu  # noqa: E402
 from moeferry.engine.measure import bench  # noqa: E402
+from moeferry.engine.runtime import vram  # noqa: E402
 
 GiB = 2**30
 
@@ -30,6 +33,7 @@ def used() -> int:
 
 
 def main(*specs: str) -> int:
+    vram.use_expandable_segments()
     torch.zeros(1, device="cuda")
     print(f"CUDA context: {used() / GiB:.3f} GiB", flush=True)
     a = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)

@@ -40,6 +40,7 @@ from moeferry.engine.errors import UserError
 from moeferry.engine.kernels import int8_gpu
 from moeferry.engine.measure import routing as routing_mod
 from moeferry.engine.measure.bench_shapes import MODEL_SHAPES, family_dense, native_expert_format, shape_config
+from moeferry.engine.runtime import vram
 from moeferry.engine.runtime.cpu_experts import HqqExpert, Mxfp4Expert
 from moeferry.engine.runtime.decode_graphs import use_cuda_graphs
 from moeferry.engine.runtime.expert_cache import ExpertCache, pace_cycles, pin, pinned_empty, sleep_cycles_per_s
@@ -407,7 +408,9 @@ def build(layers: int | None = 32, expert_bits: int = 2, attn_bits: int = 4, see
     small `config` (ModelConfig fields over the shape's) is for tests. expert_format: "hqq" (at
     expert_bits, in groups of group_size rows; None = quant.EXPERT_SPECS's) or "mxfp4"
     (expert_bits unused); None = the model's own (native_expert_format). int8_head False keeps
-    a GPU's LM head in bfloat16 (synthetic_model)."""
+    a GPU's LM head in bfloat16 (synthetic_model). The developer benchmarks that build it get
+    the engine's allocator settings (vram.use_expandable_segments) as the command line does."""
+    vram.use_expandable_segments()
     expert_format = expert_format or native_expert_format(model)
     if expert_format not in EXPERT_FORMATS:
         raise UserError(f"Unknown expert format {expert_format!r}; choose one of {', '.join(EXPERT_FORMATS)}.")

@@ -71,7 +71,7 @@ def use_expandable_segments(environ=os.environ, platform: str = sys.platform) ->
     the model loads and warms up stayed reserved and split: on an H100 at an 11 GiB budget the
     GPU held 0.47 GiB (Qwen3-30B-A3B) to 1.42 GiB (gpt-oss-20b) more than was allocated, past the
     budget's slack; with them 0.04-0.13 GiB (docs/BENCHMARKS.md). Read at the first CUDA
-    allocation, so the entry points call it first."""
+    allocation, so the command lines call it first, and bench.build for the developer scripts."""
     if platform == "linux":
         environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
