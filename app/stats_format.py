@@ -56,6 +56,9 @@ def stats_items(stats: GenerationStats | None, on_gpu: bool = True, hit_rate: fl
         hits, misses = stats.cache_hits, stats.cache_misses
         issued, used = stats.prefetch_issued, stats.prefetch_used
         peak, budget = stats.peak_vram_bytes, stats.vram_budget_bytes
+    card = (f"; the whole card: {stats.gpu_memory_used_bytes / GiB:.1f} of {stats.gpu_memory_total_bytes / GiB:.1f} GB "
+            "in use, as nvidia-smi or Task Manager count it (with the CUDA runtime and other programs)"
+            if stats is not None and not streaming and stats.gpu_memory_total_bytes else "")
     if hit_rate is None:
         hit_rate = _ratio(hits, hits + misses)
     pf_rate = _ratio(used, issued)
@@ -75,7 +78,8 @@ def stats_items(stats: GenerationStats | None, on_gpu: bool = True, hit_rate: fl
                  "Experts already on the GPU when a token needed them (the expert map's number)"),
         StatItem("prefetch", f"prefetch {pf_rate:.0%}" if pf_rate is not None else f"prefetch {dash}",
                  f"Experts copied early that were then used ({used} of {issued})"),
-        StatItem("vram", f"GPU memory {vram}", "Most GPU memory used during the reply / the limit set for it"),
+        StatItem("vram", f"GPU memory {vram}",
+                 "Most GPU memory the engine used during the reply / the limit set for it" + card),
         StatItem("h2d", f"copies to GPU {h2d:.1f} GB/s" if h2d else f"copies to GPU {dash}",
                  "How fast experts were copied from RAM to the GPU"),
     ]

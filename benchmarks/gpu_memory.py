@@ -45,14 +45,14 @@ def main(*specs: str) -> int:
           flush=True)
     at_end = []
 
-    def recorded(device) -> int:
-        n = used()
+    def recorded(device) -> tuple[int, int]:
+        n, total = used(), torch.cuda.mem_get_info(device)[1]
         reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
         torch.cuda.empty_cache()
         at_end.append((n, reserved, allocated, torch.cuda.max_memory_allocated(device), used()))
-        return n
+        return n, total
 
-    bench.gpu_memory_used = recorded
+    bench.gpu_memory = recorded
     for spec in specs or ("qwen3-30b-a3b:4", "gpt-oss-20b"):
         model, *bits = spec.split(":")
         torch.cuda.empty_cache()

@@ -56,6 +56,10 @@ class GenerationStats:
     prefetch_used: int = 0
     bytes_h2d: int = 0
     peak_vram_bytes: int = 0
+    # the whole GPU after the reply as the driver counts it (nvidia-smi's memory.used): the engine's
+    # allocations, this process's CUDA context and allocator reserve, and other programs; 0 on the CPU
+    gpu_memory_used_bytes: int = 0
+    gpu_memory_total_bytes: int = 0
     new_tokens: int = 0
     prompt_tokens: int = 0
     reused_prompt_tokens: int = 0

@@ -51,6 +51,7 @@ from moeferry.engine.runtime.generate import (
     cpu_experts_for,
     device_bytes,
     embedding_on_host,
+    gpu_memory,
     int8_head_on_gpu,
     parse_size,
 )
@@ -374,7 +375,7 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
         tok = int(logits[-1].argmax())
     sync(device)
     decode = time.perf_counter() - t1
-    d_used = gpu_memory_used(device)
+    d_used = gpu_memory(device)[0]
     after = asdict(model.cache.stats)
     d = {key: after[key] - before[key] for key in after}
     d["device_used_bytes"] = d_used
@@ -606,14 +607,6 @@ def mode_result(mode, kern, kk, depth, first, decode, d, peak, recall, new_token
         cpu_gb_per_s=d.get("cpu_gb_per_s", 0.0), cpu_wait_ms_per_token=d.get("cpu_wait_s", 0.0) / steps * 1e3,
         cpu_decode_experts=d.get("cpu_decode_experts", 0), layer_split=d.get("layer_split", []),
         device_used_bytes=d.get("device_used_bytes", 0))
-
-
-def gpu_memory_used(device) -> int:
-    """The whole GPU's memory in use (total - free, the driver's count), 0 off a GPU."""
-    if device.type != "cuda":
-        return 0
-    free, total = torch.cuda.mem_get_info(device)
-    return total - free
 
 
 def layer_split(times: list, steps: int) -> list[dict]:

@@ -313,6 +313,7 @@ class Engine:
             total = stats.prefill_s + stats.decode_s
             stats.h2d_gb_per_s = stats.bytes_h2d / total / 1e9 if total > 0 else 0.0
             stats.peak_vram_bytes = peak_device_bytes(self)
+            stats.gpu_memory_used_bytes, stats.gpu_memory_total_bytes = gpu_memory(self.device)
             for step in model.trace or []:
                 trace.selected.append([sel for sel, _ in step])
                 trace.resident_before.append([res for _, res in step])
@@ -341,6 +342,14 @@ def eos_ids(gen: dict, tokenizer) -> set[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
+
+
+def gpu_memory(device) -> tuple[int, int]:
+    """(in use, total) bytes of the whole GPU as the driver counts them; (0, 0) off a GPU."""
+    if device.type != "cuda":
+        return 0, 0
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free, total
 
 
 def peak_device_bytes(engine: Engine) -> int:

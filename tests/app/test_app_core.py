@@ -40,6 +40,10 @@ def test_stats_items_words():
     assert words == ["2.3 tok/s", "first token 0.80 s", "cache hits 60%", "prefetch 70%",
                      "GPU memory 9.1 / 11.0 GB", "copies to GPU 21.4 GB/s"]
     assert all("–" in t for t in (i.text for i in stats_items(None)))
+    vram = {i.key: i for i in stats_items(stats)}["vram"]
+    assert "whole card" not in vram.tooltip  # no driver's count given
+    stats.gpu_memory_used_bytes, stats.gpu_memory_total_bytes = int(11.7 * 1024**3), 12 * 1024**3
+    assert "the whole card: 11.7 of 12.0 GB in use" in {i.key: i for i in stats_items(stats)}["vram"].tooltip
     assert fmt_duration(3725) == "1 h 02 min" and fmt_duration(75) == "1 min 15 s"
 
 

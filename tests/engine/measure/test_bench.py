@@ -172,8 +172,8 @@ def test_what_the_budget_leaves_after_k_a_layer_goes_to_one_slot_more_in_the_fir
 
 def test_the_gpu_memory_in_use_is_the_drivers_total_less_free(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 * 2**30, 80 * 2**30))
-    assert bench.gpu_memory_used(torch.device("cuda", 0)) == 77 * 2**30
-    assert bench.gpu_memory_used(torch.device("cpu")) == 0
+    assert bench.gpu_memory(torch.device("cuda", 0)) == (77 * 2**30, 80 * 2**30)
+    assert bench.gpu_memory(torch.device("cpu")) == (0, 0)
 
 
 def test_the_layer_split_adds_each_kind_of_layer_up():
