@@ -117,7 +117,8 @@ def add_generate_parser(sub) -> None:
     s.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="compute dtype (default: bfloat16 on the GPU, float32 on the CPU)")
     s.add_argument("--cache-experts", type=int, help="experts kept on the GPU per layer (default: from the budget)")
-    s.add_argument("--vram-budget", help="GPU memory to use, e.g. 12GiB (default: what is free)")
+    s.add_argument("--vram-budget", help="GPU memory the engine may allocate, e.g. 12GiB; the CUDA runtime holds "
+                                         "about 0.7 GiB more (default: what is free, less 512 MiB)")
     s.add_argument("--prefetch", type=int, default=1, help="layers ahead to guess and copy experts (0 = off)")
     s.add_argument("--kernels", default="auto", choices=("auto", "reference", "fused"),
                    help="fused = the Triton GPU kernels; reference = dequantize then matmul")

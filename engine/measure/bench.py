@@ -705,7 +705,8 @@ def cli_bench(argv: list[str]) -> int:
                    help="the shape of the synthetic model (default mixtral-8x7b)")
     p.add_argument("--layers", type=int, default=None, help="the model's first N layers (default: all)")
     p.add_argument("--vram-budget", default="12GiB",
-                   help="e.g. 12GiB (RTX 3060), 16GiB, none; several, comma-separated, share one build")
+                   help="what the engine may allocate, e.g. 12GiB, 16GiB, none (the report's GPU memory used adds "
+                        "the CUDA runtime's); several, comma-separated, share one build")
     p.add_argument("--expert-format", choices=EXPERT_FORMATS,
                    help="the experts' format: mxfp4 (gpt-oss's own, 4.25 bits/weight) or hqq (at --expert-bits); "
                         "default: the model's own (mxfp4 for gpt-oss-20b, hqq for the others)")
