@@ -9,6 +9,7 @@ from moeferry.app.stats_format import speed_words
 from moeferry.engine.units import GiB
 
 STEP_GB = 0.5
+RUNTIME_GB = 1.0  # kept off the slider: the CUDA runtime's share and a little room
 
 
 class CachePage(QWizardPage):
@@ -56,11 +57,14 @@ class CachePage(QWizardPage):
             self.w.cache_experts, self.w.vram_budget_gb = 0, 0.0
             return
         total_gb = vram / GiB
-        self.intro.setText(f"Your GPU has {total_gb:.0f} GB. Leave some for the desktop and other programs; "
-                           "the default keeps about 1 GB free.")
-        steps = max(1, int(total_gb / STEP_GB))
-        self.slider.setRange(max(1, int(4 / STEP_GB)), steps)
-        self.slider.setValue(max(self.slider.minimum(), steps - int(1 / STEP_GB)))
+        self.intro.setText(f"Your GPU has {total_gb:.0f} GB. The budget is what MoE Ferry's model takes; the GPU's "
+                           "runtime needs about 0.7 GB more, and the desktop and other programs some too. The "
+                           "default keeps about 1.5 GB free.")
+        # the budget counts the engine's allocations; the CUDA runtime (context, cuBLAS, kernels) took
+        # 0.7-0.8 GB more on the GPU machine (docs/BENCHMARKS.md), so a budget near the whole card runs out
+        steps = max(1, int((total_gb - RUNTIME_GB) / STEP_GB))
+        self.slider.setRange(min(steps, max(1, int(4 / STEP_GB))), steps)
+        self.slider.setValue(max(self.slider.minimum(), steps - int(0.5 / STEP_GB)))
         self._budget_changed(self.slider.value())
 
     def _budget_changed(self, value: int) -> None:

@@ -43,8 +43,10 @@ def test_whole_wizard_then_chat(launch, qtbot, data_dir, engine_backend):
     next_page(wizard, qtbot, Page.CACHE)
     cache = wizard.pages[Page.CACHE]
     assert cache.form_widget.isVisibleTo(cache)
+    assert cache.budget_label.text() == "10.5 GB"  # the default keeps 1.5 GB of the 12 GB card free
     cache.slider.setValue(cache.slider.maximum())
-    assert cache.cache.value() == 3  # fake plan: 12 GB / 4
+    assert cache.budget_label.text() == "11.0 GB"  # at most, room for the GPU's runtime
+    assert cache.cache.value() == 2  # fake plan: 11 GB / 4
     assert wizard.cache_experts == 0  # not edited: the engine sizes the cache from the budget, as the plan
     cache.cache.setValue(4)  # editable
     next_page(wizard, qtbot, Page.DONE)
