@@ -10,8 +10,8 @@ from moeferry.engine.runtime import vram
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    vram.use_expandable_segments()
     if not argv:
+        vram.use_expandable_segments()  # the engine's command line asks for it itself
         from moeferry.app.main import run_gui
         return run_gui()
     from moeferry.engine.cli import main as engine_main

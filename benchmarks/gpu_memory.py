@@ -23,13 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moeferry.engine.kernels import int8_gpu  # noqa: E402
 from moeferry.engine.measure import bench  # noqa: E402
 from moeferry.engine.runtime import vram  # noqa: E402
+from moeferry.engine.runtime.generate import gpu_memory  # noqa: E402
 
 GiB = 2**30
 
 
 def used() -> int:
-    free, total = torch.cuda.mem_get_info()
-    return total - free
+    return gpu_memory(torch.device("cuda"))[0]
 
 
 def main(*specs: str) -> int:
@@ -46,7 +46,7 @@ def main(*specs: str) -> int:
     at_end = []
 
     def recorded(device) -> tuple[int, int]:
-        n, total = used(), torch.cuda.mem_get_info(device)[1]
+        n, total = gpu_memory(device)
         reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
         torch.cuda.empty_cache()
         at_end.append((n, reserved, allocated, torch.cuda.max_memory_allocated(device), used()))

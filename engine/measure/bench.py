@@ -375,10 +375,9 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
         tok = int(logits[-1].argmax())
     sync(device)
     decode = time.perf_counter() - t1
-    d_used = gpu_memory(device)[0]
     after = asdict(model.cache.stats)
     d = {key: after[key] - before[key] for key in after}
-    d["device_used_bytes"] = d_used
+    d["device_used_bytes"] = gpu_memory(device)[0]
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else model.cache.device_bytes()
     recall = routing.recall() if routing is not None else {}
     if model.hybrid is not None:  # the decode's CPU work alone (a prefill job reads its expert once for many tokens)
