@@ -8,8 +8,8 @@ On the GPU machine: one layer of the synthetic full-size gpt-oss-20b (32 experts
 slots), one token (bf16) through 4 routed experts per call, the routing drawn afresh for each
 of 64 calls so that the 422 MB of experts, not the 50 MB L2, serve the reads. First the float32
 loop (the launch of 2026-12-05, BR 8 / NB 16) and the default launch (the fp16-pair loop, H2);
-then each (BR, NB, warps) of the up kernel with the default down kernel, then each of the down
-kernel with the best up, all H2; every output is checked against the float32 loop's. Times are
+then the up kernel's variants (UP) with the default down kernel, then the down kernel's (DOWN)
+with the best up, all H2; every output is checked against the float32 loop's. Times are
 CUDA-event medians over 5 rounds of a CUDA graph of 64 calls (no launch gaps), in us per call.
 With --decode, the benchmark's full-size gpt-oss-20b (uniform routing, 12 GiB, lru, fused)
 then decodes with the float32 loop, the default, the best and the float32 loop again, in one
@@ -31,7 +31,13 @@ from benchmarks.decode_sweep import CALLS, graph_us, one_layer  # noqa: E402
 from moeferry.engine.kernels import mxfp4_gpu  # noqa: E402
 from moeferry.engine.measure import bench  # noqa: E402
 
-CONFIGS = [dict(BR=br, NB=nb, num_warps=w, H2=True) for br, nb, w in itertools.product((4, 8, 16), (8, 16, 32), (4, 8))]
+TILES = ((8, 16), (8, 32), (16, 16), (4, 32))  # (BR, NB)
+# the up kernel: W1 and W3 in one loop (GU), tiles read a step ahead (PF); the down kernel: PF, and
+# each expert's part by its own programs then summed (SPLIT)
+UP = [dict(BR=br, NB=nb, num_warps=4, H2=True, GU=gu, PF=pf)
+      for (br, nb), gu, pf in itertools.product(TILES, (False, True), (False, True))]
+DOWN = [dict(BR=br, NB=nb, num_warps=4, H2=True, PF=pf, SPLIT=split)
+        for (br, nb), pf, split in itertools.product(TILES, (False, True), (False, True))]
 FLOAT32 = dict(BR=8, NB=16, num_warps=4, H2=False)
 
 
@@ -55,7 +61,7 @@ def main(out: str | None = None, *flags: str) -> int:
     print(f"float32 loop {f32}: {f32_us:.1f} us per call", flush=True)
     best = (float("inf"), default[0])
     for part in ("default", "up", "down"):
-        for c in [None] if part == "default" else CONFIGS:
+        for c in [None] if part == "default" else UP if part == "up" else DOWN:
             pair = default if c is None else (c, default[1]) if part == "up" else (best[1], c)
             try:
                 us, got = timed(pair)

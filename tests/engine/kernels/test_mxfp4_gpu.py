@@ -227,7 +227,14 @@ def test_moe_decode_matches_the_per_expert_path(topk, dtype):
                                       for k, v in views(s).items()}, alpha, limit)
     assert rel_err(out, want64) < (1e-5 if dtype == torch.float32 else 3e-2)
     if dtype == torch.float32:  # the fp16-pair loop (bf16's default) on float32, h and act packed
-        cfg = (dict(M.gemv_config(ffn, hidden, dtype), H2=True), dict(M.gemv_config(hidden, ffn, dtype), H2=True))
-        M.moe_decode(h, views(0), slots.shape[1], ids.to(DEVICE), weights.to(DEVICE),
-                     table.to(DEVICE, torch.int32), out, alpha, limit, cfg)
-        assert rel_err(out, want64) < 5e-3
+        up, down = dict(M.gemv_config(ffn, hidden, dtype), H2=True), dict(M.gemv_config(hidden, ffn, dtype), H2=True)
+        # and its variants: gate and up in one loop, tiles read a step ahead, the down part per
+        # expert; NB 2: several steps of 3 and 5 blocks, the last one ragged
+        for gu, pf, split, nb in [(False, False, False, None), (True, False, False, 2), (True, True, True, 2),
+                                  (False, True, False, 2)]:
+            nb = {"NB": nb} if nb else {}
+            out.fill_(float("nan"))
+            M.moe_decode(h, views(0), slots.shape[1], ids.to(DEVICE), weights.to(DEVICE),
+                         table.to(DEVICE, torch.int32), out, alpha, limit,
+                         (dict(up, GU=gu, PF=pf, **nb), dict(down, PF=pf, SPLIT=split, **nb)))
+            assert rel_err(out, want64) < 5e-3, (gu, pf, split)

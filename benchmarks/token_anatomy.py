@@ -1,0 +1,90 @@
+"""Where a resident decoded token's time goes, on the GPU machine: the host's share between
+tokens, and the GPU kernels of the token's CUDA graph alone (no prompt, no warm-up).
+
+    python3 benchmarks/token_anatomy.py OUT.md gpt-oss-20b qwen3-30b-a3b:4 mixtral-8x7b:2
+
+MODEL[:BITS] as `bench --model` takes it (gpt-oss: its MXFP4), every expert resident (one CUDA
+graph per token), uniform routing. For each model:
+- the bench's decode loop (model.forward, then argmax and its read), ms per token;
+- the token's graph replayed back to back with nothing between (CUDA events): the GPU's floor;
+  the difference is what the host adds between tokens;
+- torch.profiler over 8 back-to-back replays: the graph's kernels by GPU time.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moeferry.engine.measure import bench  # noqa: E402
+from moeferry.engine.runtime.decode_graphs import use_cuda_graphs  # noqa: E402
+
+PROMPT, TOKENS, REPLAYS = 16, 64, 64
+
+
+def anatomy(spec: str) -> list[str]:
+    name, _, bits = spec.partition(":")
+    s = bench.build(None, int(bits or 4), 4, log=lambda m: None, model=name)
+    cfg, dev = s.cfg, s.device
+    model = s.model("lru", cfg.num_experts, 0, "fused")
+    model.routing = bench.Conditions().routing_source(cfg, dev, 1)
+    model.setup_kv(PROMPT + TOKENS + REPLAYS + 8)
+    use_cuda_graphs(model)
+    model.graphs.prepare(PROMPT + TOKENS + REPLAYS + 8)
+    tok = int(model.forward(torch.arange(PROMPT, device=dev), 0)[-1].argmax())
+
+    def loop(n: int, start: int) -> float:
+        nonlocal tok
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for i in range(n):
+            tok = int(model.forward(torch.tensor([tok], device=dev), start + i)[-1].argmax())
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) / n
+
+    loop(8, PROMPT)  # warm
+    per_token = loop(TOKENS, PROMPT + 8)
+    graph = model.graphs.graphs[("token", model.graphs.is_forced())]
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    b.record()
+    b.synchronize()
+    gpu = a.elapsed_time(b) / 1e3 / REPLAYS
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(8):
+            graph.replay()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.device_time_total for e in events) / 8
+    lines = [f"## {spec}: {1 / per_token:.2f} tok/s in the bench's loop ({per_token * 1e3:.3f} ms a token); "
+             f"the graph back to back {gpu * 1e3:.3f} ms ({1 / gpu:.2f} tok/s); the host adds "
+             f"{(per_token - gpu) * 1e6:.0f} us a token",
+             f"kernels of one token's graph (profiled, {total / 1e3:.3f} ms of kernels a token):",
+             "| kernel | calls a token | us per call | us a token | share |", "|---|---|---|---|---|"]
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:24]:
+        lines.append(f"| {e.key[:90]} | {e.count / 8:.0f} | {e.device_time_total / e.count:.1f} | "
+                     f"{e.device_time_total / 8:.1f} | {e.device_time_total / 8 / total:.1%} |")
+    model.graphs = None
+    return lines
+
+
+def main(out: str, *specs: str) -> int:
+    text = []
+    for spec in specs:
+        text += anatomy(spec) + [""]
+        print("\n".join(text[-30:]), flush=True)
+        torch.cuda.empty_cache()
+    Path(out).write_text("\n".join(text) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))
