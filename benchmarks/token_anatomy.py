@@ -5,7 +5,8 @@ tokens, and the GPU kernels of the token's CUDA graph alone (no prompt, no warm-
 
 MODEL[:BITS] as `bench --model` takes it (gpt-oss: its MXFP4), every expert resident (one CUDA
 graph per token), uniform routing. For each model:
-- the bench's decode loop (model.forward, then argmax and its read), ms per token;
+- the bench's decode loop (model.forward, then argmax and its read), ms per token, the token
+  sent from the host and, taking turns with it, made on the device first (the loop before);
 - the token's graph replayed back to back with nothing between (CUDA events): the GPU's floor;
   the difference is what the host adds between tokens;
 - torch.profiler over 8 back-to-back replays: the graph's kernels by GPU time.
@@ -39,17 +40,23 @@ def anatomy(spec: str) -> list[str]:
     model.graphs.prepare(PROMPT + TOKENS + REPLAYS + 8)
     tok = int(model.forward(torch.arange(PROMPT, device=dev), 0)[-1].argmax())
 
-    def loop(n: int, start: int) -> float:
+    def loop(n: int, start: int, on: torch.device | None = None) -> float:
+        """ms per token of the decode loop, the token sent from the host (the engine's loop) or
+        made on the device `on` first (its loop before 2026-12-07)."""
         nonlocal tok
         torch.cuda.synchronize()
         t = time.perf_counter()
         for i in range(n):
-            tok = int(model.forward(torch.tensor([tok], device=dev), start + i)[-1].argmax())
+            tok = int(model.forward(torch.tensor([tok], device=on), start + i)[-1].argmax())
         torch.cuda.synchronize()
         return (time.perf_counter() - t) / n
 
     loop(8, PROMPT)  # warm
-    per_token = loop(TOKENS, PROMPT + 8)
+    old = [loop(TOKENS // 2, PROMPT + 8, dev)]
+    new = [loop(TOKENS // 2, PROMPT + 8)]
+    old.append(loop(TOKENS // 2, PROMPT + 8, dev))
+    new.append(loop(TOKENS // 2, PROMPT + 8))
+    per_token, before = min(new), min(old)
     graph = model.graphs.graphs[("token", model.graphs.is_forced())]
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
@@ -66,7 +73,8 @@ def anatomy(spec: str) -> list[str]:
     total = sum(e.device_time_total for e in events) / 8
     lines = [f"## {spec}: {1 / per_token:.2f} tok/s in the bench's loop ({per_token * 1e3:.3f} ms a token); "
              f"the graph back to back {gpu * 1e3:.3f} ms ({1 / gpu:.2f} tok/s); the host adds "
-             f"{(per_token - gpu) * 1e6:.0f} us a token",
+             f"{(per_token - gpu) * 1e6:.0f} us a token (the token made on the device first, as before: "
+             f"{before * 1e3:.3f} ms, {1 / before:.2f} tok/s)",
              f"kernels of one token's graph (profiled, {total / 1e3:.3f} ms of kernels a token):",
              "| kernel | calls a token | us per call | us a token | share |", "|---|---|---|---|---|"]
     for e in sorted(events, key=lambda e: -e.device_time_total)[:24]:

@@ -371,7 +371,7 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
     cpu0 = replace(model.hybrid.stats) if model.hybrid is not None else None  # a copy
     t1 = time.perf_counter()
     for n in range(new_tokens - 1):
-        logits = model.forward(torch.tensor([tok], device=device), len(prompt) + n)
+        logits = model.forward(torch.tensor([tok]), len(prompt) + n)  # from the host, as Engine's loop
         tok = int(logits[-1].argmax())
     sync(device)
     decode = time.perf_counter() - t1
@@ -393,7 +393,7 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
     if split:  # where a layer's time goes, from the host's clock marks: they cost it time, so not in the timed tokens
         model.timeline = []
         for n in range(new_tokens - 1, new_tokens - 1 + split):
-            tok = int(model.forward(torch.tensor([tok], device=device), len(prompt) + n)[-1].argmax())
+            tok = int(model.forward(torch.tensor([tok]), len(prompt) + n)[-1].argmax())
         d["layer_split"] = layer_split(model.timeline, split)
     model.graphs = None  # break the model <-> graphs cycle so the slots go now
     del model

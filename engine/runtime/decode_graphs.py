@@ -57,6 +57,9 @@ class GraphedDecode:
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.s = model.new_step(torch.zeros(1, dtype=torch.long, device=dev), *self.rope_tables(), pos=self.pos)
         self.logits = torch.zeros(1, cfg.vocab_size, dtype=torch.float32, device=dev)
+        cuda = dev.type == "cuda"  # else the tests' capture=False on the CPU
+        self.token_host = torch.zeros(1, dtype=torch.long, pin_memory=cuda)
+        self.token_copied = torch.cuda.Event() if cuda else None
         moe = max(1, cfg.num_moe_layers)  # a forced routing's choice: weights, ids, guesses [.., D, k]
         self.forced = (torch.zeros(moe, cfg.top_k, dtype=torch.float32, device=dev),
                        distinct_ids((moe, cfg.top_k), dev), distinct_ids((moe, 1, cfg.top_k), dev))
@@ -86,11 +89,23 @@ class GraphedDecode:
     # -- one decode step --------------------------------------------------------------------------
 
     def step(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """One token's logits [1, vocab]. tokens [1]: on the host (the decode loop's case: the
+        device waits for no read of it) or on the device."""
         m, s = self.m, self.s
         self.check_keys()
-        s.tokens.copy_(tokens.view(1))
-        if m.embed_on_host:  # x filled before the graphs, which then hold no lookup
-            m.embed_into(s)
+        on_host = tokens.device.type == "cpu"
+        if on_host and m.embed_on_host:  # x filled before the graphs, which then hold no lookup
+            m.embed_into(s, tokens.view(1))
+        else:
+            if on_host and self.token_copied is not None:  # through page-locked memory, written once
+                self.token_copied.synchronize()                # its last copy has run
+                self.token_host.copy_(tokens.view(1))
+                tokens = self.token_host
+            s.tokens.copy_(tokens.view(1), non_blocking=True)
+            if self.token_copied is not None:
+                self.token_copied.record()
+            if m.embed_on_host:
+                m.embed_into(s)
         self.pos.fill_(start)
         s.span = attention_span(start, m.kv.capacity)
         if m.routing is not None:
@@ -107,9 +122,8 @@ class GraphedDecode:
             m.cache.sync_tables()  # once: a fully resident cache never changes
             self.run(("token", forced), self.token_segment)
             m.cache.count_hits(m.cfg.num_moe_layers * m.cfg.top_k)
-            if m.trace is not None:
-                m.trace.append([(tuple(ids), m.cache.resident(i))
-                                for i, ids in enumerate(s.ids[:m.cfg.num_moe_layers, 0].tolist())])
+            if m.trace is not None:  # read when the trace is taken (model.take_trace), not now
+                m.trace.append((s.ids[:m.cfg.num_moe_layers, 0].clone(), self.resident))
             return self.logits.clone()
         step = [] if m.trace is not None else None
         for i in range(m.cfg.num_layers):
@@ -144,6 +158,8 @@ class GraphedDecode:
                 self.ops.grouped = self.fast and self.can_group()
                 self.one_graph = self.ops.grouped and m.cache.holds_every_expert
                 self.s.resident = self.one_graph
+                if self.one_graph:  # each MoE layer's experts in place, which then never change
+                    self.resident = [m.cache.resident(i) for i in range(m.cfg.num_moe_layers)]
                 self.ops.hits_first = (HITS_FIRST and self.ops.grouped and not self.one_graph and m.cache.in_place_rows
                                        and self.ops.late_supported(m.cache.slot_weights(0, 0)))
             if self.s.cos.shape[0] != m.kv.capacity:  # a new KV cache: RoPE for its positions

@@ -290,7 +290,7 @@ class Engine:
                 if tok in self.eos_ids or n + 1 == max_new or (cancel is not None and cancel.is_set()):
                     break
                 t = time.perf_counter()
-                logits = model.forward(torch.tensor([tok], device=self.device), start=len(done))
+                logits = model.forward(torch.tensor([tok]), start=len(done))  # on the host: see GraphedDecode.step
                 if model.hybrid is not None:
                     model.hybrid.token_done(time.perf_counter() - t)
                 done.append(tok)
@@ -314,10 +314,9 @@ class Engine:
             stats.h2d_gb_per_s = stats.bytes_h2d / total / 1e9 if total > 0 else 0.0
             stats.peak_vram_bytes = peak_device_bytes(self)
             stats.gpu_memory_used_bytes, stats.gpu_memory_total_bytes = gpu_memory(self.device)
-            for step in model.trace or []:
+            for step in model.take_trace():
                 trace.selected.append([sel for sel, _ in step])
                 trace.resident_before.append([res for _, res in step])
-            model.trace = None
             self.last_stats, self.last_trace = stats, trace
 
     def close(self) -> None:

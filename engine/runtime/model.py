@@ -297,6 +297,7 @@ class OffloadedMixtral:
         # a decoded token's row, page-locked so that its copy to the GPU does not wait
         self.staging = (torch.empty(1, cfg.hidden_size, dtype=self.embed.dtype, pin_memory=True)
                         if self.embed_on_host and device.type == "cuda" else None)
+        self.staged = torch.cuda.Event() if self.staging is not None else None  # its last copy
         self.norm = dense["model.norm.weight"]
         self.lm_head = dense.get("lm_head.weight", self.embed)
         self.layers = [layer_weights(cfg, dense, i) for i in range(cfg.num_layers)]
@@ -365,6 +366,7 @@ class OffloadedMixtral:
         T = tokens.shape[0]
         if T == 1 and self.graphs is not None:
             return self.graphs.step(tokens, start)
+        tokens = tokens.to(self.device)
         pos = torch.arange(start, start + T, device=self.device)
         s = self.new_step(tokens, *self.rope(pos), start=start)
         if self.embed_on_host:
@@ -378,6 +380,15 @@ class OffloadedMixtral:
         if step is not None:
             self.trace.append(step)
         return self.head(s, ops, last_only)
+
+    def take_trace(self) -> list:
+        """The routing traced since self.trace was set to a list, one entry per decoded token (a
+        (chosen experts, experts in place) pair per MoE layer); tracing stops. A one-graph token's
+        choice stayed on the device until now (GraphedDecode.step), so no token waited to read it."""
+        steps = [[(tuple(ids), held) for ids, held in zip(step[0].tolist(), step[1])] if isinstance(step, tuple)
+                 else step for step in self.trace or []]
+        self.trace = None
+        return steps
 
     def layer(self, i: int, s: Step, ops, run=run_now, step: list | None = None) -> None:
         """Layer i on s's buffers, with the operations `ops` (EagerOps here; the fused ones of
@@ -399,16 +410,21 @@ class OffloadedMixtral:
         if "shared" in layer:
             run(("shared", i), lambda: self.shared_expert(layer, s))
 
-    def embed_into(self, s: Step) -> None:
+    def embed_into(self, s: Step, ids: torch.Tensor | None = None) -> None:
         """x = the tokens' embeddings, from an embedding in host memory (embed_on_host): the rows
         gathered on the host and copied to the device before layer 0, outside any CUDA graph. A
         decoded token's row goes through the pinned staging row without the host waiting for the
-        copy; reading the tokens (on the device) waits for the device, so the last step's copy
-        out of that row is done before the row is written again."""
-        ids = s.tokens.cpu()
+        copy; the row is written again once that copy has run (self.staged, recorded after it).
+        ids: the tokens on the host, else s.tokens is read (which waits for the device)."""
+        ids = s.tokens.cpu() if ids is None else ids
         one = self.staging is not None and ids.numel() == 1
+        staged = self.staged if one else None  # None also for the tests' staging row on the CPU
+        if staged is not None:
+            staged.synchronize()  # at once when the last token's logits were read since
         rows = torch.index_select(self.embed, 0, ids, out=self.staging) if one else F.embedding(ids, self.embed)
         s.x.copy_(rows, non_blocking=one)
+        if staged is not None:
+            staged.record()
 
     def attention_block(self, i: int, layer: dict, s: Step, ops) -> None:
         """Layer i up to its FFN (a device segment): x += the last FFN's output (layer 0: x = the

@@ -127,6 +127,28 @@ def test_cuda_graph_decode_equals_eager_decode(tmp_path):
     assert runs[True] == runs[False]
 
 
+def test_cuda_a_one_graph_token_traces_what_eager_decode_traces(tmp_path):
+    """Every expert cached (one CUDA graph a token, its routing read only when the trace is
+    taken) and the eager decode give the same tokens and the same trace; the token goes in from
+    the host, through the embedding in host memory or the token copied up."""
+    for tied in (False, True):
+        make_checkpoint(tmp_path / f"ck{tied}", seed=6, num_key_value_heads=4, hidden_size=128,
+                        intermediate_size=256, num_local_experts=6, num_hidden_layers=3, tie_word_embeddings=tied)
+        convert_checkpoint(tmp_path / f"ck{tied}", tmp_path / f"st{tied}", 2, 4, "cuda")
+        runs = {}
+        for graphs in (False, True):
+            engine = load_engine(tmp_path / f"st{tied}", device="cuda", dtype="float32", cache_experts=6,
+                                 cuda_graphs=graphs)
+            engine.eos_ids = set()
+            assert engine.model.embed_on_host == (not tied)
+            tokens = list(engine.generate_ids(PROMPT, SamplingSettings(temperature=0, max_new_tokens=20)))
+            assert (graphs and engine.model.graphs.one_graph) or not graphs
+            trace = engine.last_trace
+            assert len(trace.selected) == 19 and all(len(layer) == 2 for step in trace.selected for layer in step)
+            runs[graphs] = tokens, trace.selected, trace.resident_before
+        assert runs[True] == runs[False], tied
+
+
 def test_cuda_new_graphs_leave_no_memory_behind(tmp_path):
     """Each engine load (and each run of the benchmark) makes a new GraphedDecode; the fused
     kernels' scratch, kept per stream, must be reused, not left behind: memory after decoding
