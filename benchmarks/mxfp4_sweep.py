@@ -31,13 +31,14 @@ from benchmarks.decode_sweep import CALLS, graph_us, one_layer  # noqa: E402
 from moeferry.engine.kernels import mxfp4_gpu  # noqa: E402
 from moeferry.engine.measure import bench  # noqa: E402
 
-TILES = ((8, 16), (8, 32), (16, 16), (4, 32))  # (BR, NB)
 # the up kernel: W1 and W3 in one loop (GU), tiles read a step ahead (PF); the down kernel: PF, and
-# each expert's part by its own programs then summed (SPLIT)
-UP = [dict(BR=br, NB=nb, num_warps=4, H2=True, GU=gu, PF=pf)
-      for (br, nb), gu, pf in itertools.product(TILES, (False, True), (False, True))]
-DOWN = [dict(BR=br, NB=nb, num_warps=4, H2=True, PF=pf, SPLIT=split)
-        for (br, nb), pf, split in itertools.product(TILES, (False, True), (False, True))]
+# each expert's part by its own programs then summed (SPLIT); both: x packed in the kernel (IX)
+UP = [dict(BR=br, NB=nb, num_warps=4, H2=True, GU=gu, PF=pf, IX=ix)
+      for (br, nb), gu, pf, ix in itertools.product(((8, 16), (8, 32), (16, 16)), (False, True), (False, True),
+                                                    (False, True))]
+DOWN = [dict(BR=br, NB=nb, num_warps=4, H2=True, PF=pf, SPLIT=split, IX=ix)
+        for (br, nb), pf, split, ix in itertools.product(((4, 32), (8, 16), (8, 32)), (False, True), (False, True),
+                                                         (False, True))]
 FLOAT32 = dict(BR=8, NB=16, num_warps=4, H2=False)
 
 
