@@ -117,6 +117,14 @@ def gemv_config(rows: int, cols: int, dtype: torch.dtype = torch.bfloat16, br: i
     return dict(BR=br, NB=min(nb, triton.next_power_of_2(cols // BLOCK)), num_warps=4, H2=dtype != torch.float32)
 
 
+def moe_config(w1: Mxfp4Matrix, w2: Mxfp4Matrix, dtype: torch.dtype) -> tuple[dict, dict]:
+    """moe_decode's launches (up, down): gemv_config's, and with the fp16-pair loop W1 and W3 read
+    in one loop (GU), each step's tiles loaded a step ahead (PF) and x packed in the kernels (IX),
+    which then need no pack_x launch before them."""
+    up, down = gemv_config(w1.rows, w1.cols, dtype), gemv_config(w2.rows, w2.cols, dtype, br=4, nb=32)
+    return dict(up, GU=True, PF=True, IX=True), dict(down, PF=True, IX=True)
+
+
 def pack_x(x: torch.Tensor, kind: str = "mxfp4_x") -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, cols] -> (pairs int32 [R, cols / 2], block maxima float32 [R, cols / 32]) for the
     H2 loop: column pairs (32b + 8k + p, 32b + 8k + 4 + p) of block b at int32 16b + 4p + k,
@@ -174,7 +182,7 @@ def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tenso
     w1, w3, w2 = experts["w1"], experts["w3"], experts["w2"]
     topk = ids.numel()
     act = hqq_gpu._scratch.get("mxfp4_act", topk * w1.rows, h.dtype, h.device)[: topk * w1.rows]
-    up, down = cfg or (gemv_config(w1.rows, w1.cols, h.dtype), gemv_config(w2.rows, w2.cols, h.dtype, br=4, nb=32))
+    up, down = cfg or moe_config(w1, w2, h.dtype)
     up_ix, down_ix = up.get("IX", False), down.get("IX", False)  # x packed in the kernel, not by pack_x
     pairs, amax = pack_x(h.view(1, -1), "mxfp4_h") if up["H2"] and not up_ix else (h, h)
     _moe_up_kernel[(triton.cdiv(w1.rows, up["BR"]), topk)](
