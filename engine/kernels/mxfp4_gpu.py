@@ -118,11 +118,12 @@ def gemv_config(rows: int, cols: int, dtype: torch.dtype = torch.bfloat16, br: i
 
 
 def moe_config(w1: Mxfp4Matrix, w2: Mxfp4Matrix, dtype: torch.dtype) -> tuple[dict, dict]:
-    """moe_decode's launches (up, down): gemv_config's, and with the fp16-pair loop W1 and W3 read
-    in one loop (GU), each step's tiles loaded a step ahead (PF) and x packed in the kernels (IX),
-    which then need no pack_x launch before them."""
-    up, down = gemv_config(w1.rows, w1.cols, dtype), gemv_config(w2.rows, w2.cols, dtype, br=4, nb=32)
-    return dict(up, GU=True, PF=True, IX=True), dict(down, PF=True, IX=True)
+    """moe_decode's launches (up, down), the fastest timed on a GPU (2026-12-05): each matrix in
+    its own loop, x packed by pack_x. The kernels also take GU (W1 and W3 in one loop), PF (each
+    step's tiles loaded a step ahead), IX (x packed in the kernel, no pack_x launch) and, for the
+    down kernel, SPLIT (each expert's part by its own programs, then summed in order), all
+    checked by the tests and timed by benchmarks/mxfp4_sweep.py, not yet on a GPU."""
+    return gemv_config(w1.rows, w1.cols, dtype), gemv_config(w2.rows, w2.cols, dtype, br=4, nb=32)
 
 
 def pack_x(x: torch.Tensor, kind: str = "mxfp4_x") -> tuple[torch.Tensor, torch.Tensor]:
