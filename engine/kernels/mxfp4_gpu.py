@@ -196,8 +196,7 @@ def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tenso
         part = hqq_gpu._scratch.get("mxfp4_part", topk * rows, torch.float32, h.device)[: topk * rows]
         _moe_down_split_kernel[(triton.cdiv(rows, down["BR"]), topk)](
             act, pairs, amax, part, ids, weights, table, slot_bytes, w2.blocks, w2.scales, experts["b2"], rows, nblk,
-            BR=down["BR"], NB=down["NB"], H2=down["H2"], PF=pf, IX=down_ix, dt=_TL_DTYPES[out.dtype],
-            num_warps=down["num_warps"])
+            BR=down["BR"], NB=down["NB"], H2=down["H2"], PF=pf, IX=down_ix, num_warps=down["num_warps"])
         _moe_sum_kernel[(triton.cdiv(rows, 256),)](part, out, ids, rows, TOPK=topk, BR=256, num_warps=4)
         return out
     _moe_down_kernel[(triton.cdiv(rows, down["BR"]),)](
@@ -220,7 +219,6 @@ def dequantize_fused(w: Mxfp4Matrix, dtype: torch.dtype) -> torch.Tensor:
 # Triton kernels
 
 if triton is not None:
-    _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
     _LUT = tl.constexpr(TWICE_E2M1)  # what a kernel reads of the module must be a constexpr
     _B = tl.constexpr(BLOCK)
     _HB = tl.constexpr(BLOCK // 2)  # bytes per block
@@ -519,8 +517,10 @@ if triton is not None:
     @triton.jit
     def _moe_down_split_kernel(act_ptr, pairs_ptr, amax_ptr, part_ptr, ids_ptr, weights_ptr, table_ptr, slot_bytes,
                                b_ptr, s_ptr, bias_ptr, rows, nblk, BR: tl.constexpr, NB: tl.constexpr,
-                               H2: tl.constexpr, PF: tl.constexpr, IX: tl.constexpr, dt: tl.constexpr):
-        """part[kpos, rows [pid BR, +BR)] = _down_part of the expert at top-k position kpos (grid axis 1)."""
+                               H2: tl.constexpr, PF: tl.constexpr, IX: tl.constexpr):
+        """part[kpos, rows [pid BR, +BR)] = _down_part of the expert at top-k position kpos (grid axis 1),
+        rounded as out will be (act is in h's dtype, which out shares)."""
+        dt: tl.constexpr = act_ptr.dtype.element_ty
         kr = tl.program_id(1)
         r = tl.program_id(0) * BR + tl.arange(0, BR)
         y = _down_part(act_ptr, pairs_ptr, amax_ptr, ids_ptr, weights_ptr, table_ptr, slot_bytes, b_ptr, s_ptr,
