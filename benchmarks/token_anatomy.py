@@ -7,6 +7,8 @@ MODEL[:BITS] as `bench --model` takes it (gpt-oss: its MXFP4), every expert resi
 graph per token), uniform routing. For each model:
 - the bench's decode loop (model.forward, then argmax and its read), ms per token, the token
   sent from the host and, taking turns with it, made on the device first (the loop before);
+- the host loop's median token split at its launch (the call, then the wait for the token), and
+  cProfile's top functions over 32 tokens;
 - the token's graph replayed back to back with nothing between (CUDA events): the GPU's floor;
   the difference is what the host adds between tokens;
 - torch.profiler over 8 back-to-back replays: the graph's kernels by GPU time.
@@ -14,6 +16,9 @@ graph per token), uniform routing. For each model:
 
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -35,9 +40,10 @@ def anatomy(spec: str) -> list[str]:
     cfg, dev = s.cfg, s.device
     model = s.model("lru", cfg.num_experts, 0, "fused")
     model.routing = bench.Conditions().routing_source(cfg, dev, 1)
-    model.setup_kv(PROMPT + TOKENS + REPLAYS + 8)
+    model.setup_kv(PROMPT + 3 * TOKENS + REPLAYS + 8)
     use_cuda_graphs(model)
-    model.graphs.prepare(PROMPT + TOKENS + REPLAYS + 8)
+    model.graphs.prepare(PROMPT + 3 * TOKENS + REPLAYS + 8)
+    model.routing.reserve(PROMPT, 3 * TOKENS + 8)  # the routing's tables drawn now, as the bench does
     tok = int(model.forward(torch.arange(PROMPT, device=dev), 0)[-1].argmax())
 
     def loop(n: int, start: int, on: torch.device | None = None) -> float:
@@ -57,6 +63,22 @@ def anatomy(spec: str) -> list[str]:
     old.append(loop(TOKENS // 2, PROMPT + 8, dev))
     new.append(loop(TOKENS // 2, PROMPT + 8))
     per_token, before = min(new), min(old)
+    start = PROMPT + 8 + 2 * TOKENS
+    marks = []  # per token: host clock at the call, once the graph is launched, once the token is read
+    for i in range(TOKENS // 2):
+        t0 = time.perf_counter()
+        logits = model.forward(torch.tensor([tok]), start + i)
+        t1 = time.perf_counter()
+        tok = int(logits[-1].argmax())
+        marks.append((t0, t1, time.perf_counter()))
+    launch = sorted(b - a for a, b, _ in marks)[len(marks) // 2]
+    wait = sorted(c - b for _, b, c in marks)[len(marks) // 2]
+    prof_py = cProfile.Profile()
+    prof_py.enable()
+    loop(TOKENS // 2, start + TOKENS // 2)
+    prof_py.disable()
+    py = io.StringIO()
+    pstats.Stats(prof_py, stream=py).sort_stats("tottime").print_stats(14)
     graph = model.graphs.graphs[("token", model.graphs.is_forced())]
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
@@ -75,6 +97,10 @@ def anatomy(spec: str) -> list[str]:
              f"the graph back to back {gpu * 1e3:.3f} ms ({1 / gpu:.2f} tok/s); the host adds "
              f"{(per_token - gpu) * 1e6:.0f} us a token (the token made on the device first, as before: "
              f"{before * 1e3:.3f} ms, {1 / before:.2f} tok/s)",
+             f"median per token: {launch * 1e6:.0f} us from the call to the graph's launch (forward), then "
+             f"{wait * 1e6:.0f} us until the token is read (argmax and its read)",
+             "host functions of 32 tokens of the loop (cProfile, by own time):", "```",
+             *[line for line in py.getvalue().splitlines() if line.strip()][-18:], "```",
              f"kernels of one token's graph (profiled, {total / 1e3:.3f} ms of kernels a token):",
              "| kernel | calls a token | us per call | us a token | share |", "|---|---|---|---|---|"]
     for e in sorted(events, key=lambda e: -e.device_time_total)[:24]:

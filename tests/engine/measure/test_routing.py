@@ -94,6 +94,34 @@ def test_forced_routing_gives_the_logits_of_the_eager_maths_with_that_choice(syn
         assert [tuple(sel) for sel, _ in step] == [tuple(r) for r in ids[:, 0].tolist()]
 
 
+@pytest.mark.parametrize("decoded", [5, 64, 150])
+def test_tables_reserved_before_a_run_are_those_drawn_during_it(decoded):
+    """The bench draws a forced routing's tables before its clock (reserve): the same tables, in
+    the same order, as drawing them while decoding, and no draw once the decode has begun."""
+    def run(reserve: bool):
+        src = routing.UniformRouting(6, 16, 3, "cpu", depth=2, seed=7)
+        src.CHUNK = 32
+        src.begin(1)  # a chunk part used before the prompt, as in a chat's second turn
+        if reserve:
+            src.reserve(9, decoded)
+        draws = []
+        src.upload = lambda n, draw=src.upload: draws.append(n) or draw(n)
+        src.begin(9)
+        seen = [(src.ids.clone(), src.weights.clone(), src.guesses.clone())]
+        for _ in range(decoded):
+            src.begin(1)
+            seen.append((src.ids.clone(), src.weights.clone(), src.guesses.clone()))
+        return seen, draws, src.recall()
+
+    (free, drawn_free, recall_free), (ahead, drawn_ahead, recall_ahead) = run(False), run(True)
+    left = 31  # of the chunk the first token opened
+    assert drawn_ahead == [] and drawn_free == [9] + [32] * max(0, -(-(decoded - left) // 32))
+    assert recall_ahead == recall_free
+    for a, b in zip(free, ahead, strict=True):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+
+
 def test_the_graphs_force_the_routing_and_guesses_as_the_eager_forward_does(synthetic):
     """The graphed decode (capture=False: its segments run as they come) writes the forced choice
     and guesses in each layer's attention segment, from buffers filled once per token; dispatch
