@@ -7,10 +7,9 @@
 On the GPU machine: one layer of the synthetic full-size gpt-oss-20b (32 experts in cache
 slots), one token (bf16) through 4 routed experts per call, the routing drawn afresh for each
 of 64 calls so that the 422 MB of experts, not the 50 MB L2, serve the reads. First the float32
-loop (the launch of 2026-12-05, BR 8 / NB 16), the fp16-pair loop's launches before 2026-12-07
-(BEFORE) and the default (mxfp4_gpu.moe_config);
-then the up kernel's variants (UP) with the default down kernel, then the down kernel's (DOWN)
-with the best up, all H2; every output is checked against the float32 loop's. Times are
+loop (the launch of 2026-12-05, BR 8 / NB 16) and the default launch (the fp16-pair loop, H2);
+then each (BR, NB, warps) of the up kernel with the default down kernel, then each of the down
+kernel with the best up, all H2; every output is checked against the float32 loop's. Times are
 CUDA-event medians over 5 rounds of a CUDA graph of 64 calls (no launch gaps), in us per call.
 With --decode, the benchmark's full-size gpt-oss-20b (uniform routing, 12 GiB, lru, fused)
 then decodes with the float32 loop, the default, the best and the float32 loop again, in one
@@ -32,21 +31,15 @@ from benchmarks.decode_sweep import CALLS, graph_us, one_layer  # noqa: E402
 from moeferry.engine.kernels import mxfp4_gpu  # noqa: E402
 from moeferry.engine.measure import bench  # noqa: E402
 
-# the up kernel: W1 and W3 in one loop (GU), tiles read a step ahead (PF); the down kernel: PF, and
-# each expert's part by its own programs then summed (SPLIT); both: x packed in the kernel (IX)
-UP = [dict(BR=br, NB=nb, num_warps=4, H2=True, GU=gu, PF=pf, IX=ix)
-      for (br, nb), gu, pf, ix in itertools.product(((8, 16), (8, 32)), (False, True), (False, True), (False, True))]
-DOWN = [dict(BR=br, NB=nb, num_warps=4, H2=True, PF=pf, SPLIT=split, IX=ix)
-        for (br, nb), pf, split, ix in itertools.product(((4, 32), (8, 16)), (False, True), (False, True), (False, True))]
-# the launches before 2026-12-07: each matrix's loop on its own, x packed by pack_x first
-BEFORE = (dict(BR=8, NB=16, num_warps=4, H2=True), dict(BR=4, NB=32, num_warps=4, H2=True))
+CONFIGS = [dict(BR=br, NB=nb, num_warps=w, H2=True) for br, nb, w in itertools.product((4, 8, 16), (8, 16, 32), (4, 8))]
 FLOAT32 = dict(BR=8, NB=16, num_warps=4, H2=False)
 
 
 def main(out: str | None = None, *flags: str) -> int:
     s, experts, table, ids, weights, h, out_buf = one_layer("gpt-oss-20b")
     cfg = s.cfg
-    default = mxfp4_gpu.moe_config(experts["w1"], experts["w2"], torch.bfloat16)
+    default = (mxfp4_gpu.gemv_config(experts["w1"].rows, experts["w1"].cols),
+               mxfp4_gpu.gemv_config(experts["w2"].rows, experts["w2"].cols, br=4, nb=32))
 
     def calls(c):
         for n in range(CALLS):
@@ -61,10 +54,9 @@ def main(out: str | None = None, *flags: str) -> int:
     rows = [{"part": "float32 loop", "up": f32[0], "down": f32[1], "us": f32_us, "max_rel_diff": 0.0}]
     print(f"float32 loop {f32}: {f32_us:.1f} us per call", flush=True)
     best = (float("inf"), default[0])
-    for part in ("before", "default", "up", "down"):
-        for c in [None] if part in ("before", "default") else UP if part == "up" else DOWN:
-            pair = ({"before": BEFORE, "default": default}[part] if c is None
-                    else (c, default[1]) if part == "up" else (best[1], c))
+    for part in ("default", "up", "down"):
+        for c in [None] if part == "default" else CONFIGS:
+            pair = default if c is None else (c, default[1]) if part == "up" else (best[1], c)
             try:
                 us, got = timed(pair)
             except Exception as e:  # noqa: BLE001 - a configuration Triton cannot build
@@ -77,7 +69,7 @@ def main(out: str | None = None, *flags: str) -> int:
                 best = (us, c)
     top = min(rows[1:], key=lambda r: r["us"] if r["max_rel_diff"] < 0.02 else float("inf"))
     print(f"best: up {top['up']} down {top['down']}: {top['us']:.1f} us per call "
-          f"(float32 loop {f32_us:.1f}, before {rows[1]['us']:.1f}, default {rows[2]['us']:.1f})")
+          f"(float32 loop {f32_us:.1f}, default {rows[1]['us']:.1f})")
     if out:
         Path(out).write_text(json.dumps(rows, indent=1))
     if "--decode" in flags:

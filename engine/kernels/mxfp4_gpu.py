@@ -117,15 +117,6 @@ def gemv_config(rows: int, cols: int, dtype: torch.dtype = torch.bfloat16, br: i
     return dict(BR=br, NB=min(nb, triton.next_power_of_2(cols // BLOCK)), num_warps=4, H2=dtype != torch.float32)
 
 
-def moe_config(w1: Mxfp4Matrix, w2: Mxfp4Matrix, dtype: torch.dtype) -> tuple[dict, dict]:
-    """moe_decode's launches (up, down), the fastest timed on a GPU (2026-12-05): each matrix in
-    its own loop, x packed by pack_x. The kernels also take GU (W1 and W3 in one loop), PF (each
-    step's tiles loaded a step ahead), IX (x packed in the kernel, no pack_x launch) and, for the
-    down kernel, SPLIT (each expert's part by its own programs, then summed in order), all
-    checked by the tests and timed by benchmarks/mxfp4_sweep.py, not yet on a GPU."""
-    return gemv_config(w1.rows, w1.cols, dtype), gemv_config(w2.rows, w2.cols, dtype, br=4, nb=32)
-
-
 def pack_x(x: torch.Tensor, kind: str = "mxfp4_x") -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, cols] -> (pairs int32 [R, cols / 2], block maxima float32 [R, cols / 32]) for the
     H2 loop: column pairs (32b + 8k + p, 32b + 8k + 4 + p) of block b at int32 16b + 4p + k,
@@ -183,25 +174,16 @@ def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tenso
     w1, w3, w2 = experts["w1"], experts["w3"], experts["w2"]
     topk = ids.numel()
     act = hqq_gpu._scratch.get("mxfp4_act", topk * w1.rows, h.dtype, h.device)[: topk * w1.rows]
-    up, down = cfg or moe_config(w1, w2, h.dtype)
-    up_ix, down_ix = up.get("IX", False), down.get("IX", False)  # x packed in the kernel, not by pack_x
-    pairs, amax = pack_x(h.view(1, -1), "mxfp4_h") if up["H2"] and not up_ix else (h, h)
+    up, down = cfg or (gemv_config(w1.rows, w1.cols, h.dtype), gemv_config(w2.rows, w2.cols, h.dtype, br=4, nb=32))
+    pairs, amax = pack_x(h.view(1, -1), "mxfp4_h") if up["H2"] else (h, h)
     _moe_up_kernel[(triton.cdiv(w1.rows, up["BR"]), topk)](
         h, pairs, amax, act, ids, table, slot_bytes, w1.blocks, w1.scales, experts["b1"], w3.blocks, w3.scales,
         experts["b3"], w1.rows, w1.cols // BLOCK, alpha, limit, BR=up["BR"], NB=up["NB"], H2=up["H2"],
-        GU=up.get("GU", False), PF=up.get("PF", False), IX=up_ix, num_warps=up["num_warps"])
-    pairs, amax = pack_x(act.view(topk, w2.cols), "mxfp4_act") if down["H2"] and not down_ix else (act, act)
-    rows, nblk, pf = w2.rows, w2.cols // BLOCK, down.get("PF", False)
-    if down.get("SPLIT", False):  # each expert's part by its own programs, then their sum in order
-        part = hqq_gpu._scratch.get("mxfp4_part", topk * rows, torch.float32, h.device)[: topk * rows]
-        _moe_down_split_kernel[(triton.cdiv(rows, down["BR"]), topk)](
-            act, pairs, amax, part, ids, weights, table, slot_bytes, w2.blocks, w2.scales, experts["b2"], rows, nblk,
-            BR=down["BR"], NB=down["NB"], H2=down["H2"], PF=pf, IX=down_ix, num_warps=down["num_warps"])
-        _moe_sum_kernel[(triton.cdiv(rows, 256),)](part, out, ids, rows, TOPK=topk, BR=256, num_warps=4)
-        return out
-    _moe_down_kernel[(triton.cdiv(rows, down["BR"]),)](
-        act, pairs, amax, out, ids, weights, table, slot_bytes, w2.blocks, w2.scales, experts["b2"], rows, nblk,
-        TOPK=topk, BR=down["BR"], NB=down["NB"], H2=down["H2"], PF=pf, IX=down_ix, num_warps=down["num_warps"])
+        num_warps=up["num_warps"])
+    pairs, amax = pack_x(act.view(topk, w2.cols), "mxfp4_act") if down["H2"] else (act, act)
+    _moe_down_kernel[(triton.cdiv(w2.rows, down["BR"]),)](
+        act, pairs, amax, out, ids, weights, table, slot_bytes, w2.blocks, w2.scales, experts["b2"], w2.rows,
+        w2.cols // BLOCK, TOPK=topk, BR=down["BR"], NB=down["NB"], H2=down["H2"], num_warps=down["num_warps"])
     return out
 
 
@@ -292,83 +274,30 @@ if triton is not None:
         return t
 
     @triton.jit
-    def _words_tile(words_ptr, s_ptr, r, b, rows, nblk):
-        """The words (int32 [BR, NB, 4]) and scales (2^(e - 127), float32 [BR, NB]) of rows r,
-        blocks b; zeros past the matrix (no memory read)."""
+    def _gemv_rows_h2(pairs_ptr, amax_ptr, b_ptr, s_ptr, r, rows, nblk, NB: tl.constexpr):
+        """float32 [BR]: x packed by pack_x (pairs, block maxima) times rows r of the matrix."""
         k = tl.arange(0, 4)
-        mask = (r[:, None] < rows) & (b < nblk)[None, :]
-        off = r.to(tl.int64)[:, None] * nblk + b[None, :]
-        words = tl.load(words_ptr + off[:, :, None] * 4 + k[None, None, :], mask=mask[:, :, None], other=0)
-        scale = (tl.load(s_ptr + off, mask=mask, other=0).to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        return words, scale
-
-    @triton.jit
-    def _h2_sums(words, words2, pairs_ptr, x_ptr, f, b, TWO: tl.constexpr, IX: tl.constexpr):
-        """Each block's sum of codes times x's fp16 pairs (float32 [BR, NB], in x's block units),
-        for words and, with TWO, words2 (the same x); b within the matrix. IX: the pairs made
-        here from x and f (2^14 / each block's max |x|) as pack_x makes them, else read."""
-        k = tl.arange(0, 4)
-        part = tl.zeros(words.shape, tl.int32)  # [BR, NB, 4]: each word's two fp16 partial sums
-        part2 = tl.zeros(words2.shape, tl.int32)
-        for p in tl.static_range(4):
-            if IX:
-                col = b[:, None] * _B + 8 * k[None, :] + p
-                xp = _pack_h2(tl.load(x_ptr + col).to(tl.float32) * f[:, None],
-                              tl.load(x_ptr + col + 4).to(tl.float32) * f[:, None])
-            else:
-                xp = tl.load(pairs_ptr + b[:, None] * 16 + p * 4 + k[None, :])
-            part = _fma_h2(_e2m1_h2(words, p), xp[None], part)
-            if TWO:
-                part2 = _fma_h2(_e2m1_h2(words2, p), xp[None], part2)
-        return tl.sum(_unpack_h2_sum(part), axis=2), tl.sum(_unpack_h2_sum(part2), axis=2)
-
-    @triton.jit
-    def _gemv_rows_h2(x_ptr, pairs_ptr, amax_ptr, b_ptr, s_ptr, b2_ptr, s2_ptr, r, rows, nblk, NB: tl.constexpr,
-                      TWO: tl.constexpr, PF: tl.constexpr, IX: tl.constexpr):
-        """float32 [BR] (twice with TWO: a second matrix b2/s2 of the same shape, one loop and
-        one read of x for both): x packed by pack_x (pairs, block maxima) times rows r. PF: each
-        step's tiles are loaded one step ahead, so two steps' reads are in flight. IX: x packed
-        here, step by step, instead (no pack_x launch)."""
         words_ptr = b_ptr.to(tl.pointer_type(tl.int32))
-        words2_ptr = b2_ptr.to(tl.pointer_type(tl.int32))
         acc = tl.zeros((r.shape[0], NB), tl.float32)
-        acc2 = tl.zeros((r.shape[0], NB), tl.float32)
-        b = tl.arange(0, NB)
-        words, scale = _words_tile(words_ptr, s_ptr, r, b, rows, nblk)
-        words2, scale2 = words, scale
-        if TWO:
-            words2, scale2 = _words_tile(words2_ptr, s2_ptr, r, b, rows, nblk)
         for b0 in range(0, nblk, NB):
             b = b0 + tl.arange(0, NB)
-            if not PF:
-                words, scale = _words_tile(words_ptr, s_ptr, r, b, rows, nblk)
-                if TWO:
-                    words2, scale2 = _words_tile(words2_ptr, s2_ptr, r, b, rows, nblk)
-            cur, cur_scale, cur2, cur_scale2 = words, scale, words2, scale2
-            if PF:  # the next step's tiles (zeros past the matrix)
-                words, scale = _words_tile(words_ptr, s_ptr, r, b + NB, rows, nblk)
-                if TWO:
-                    words2, scale2 = _words_tile(words2_ptr, s2_ptr, r, b + NB, rows, nblk)
-            bc = tl.minimum(b, nblk - 1)
-            if IX:
-                xb = tl.load(x_ptr + bc[:, None] * _B + tl.arange(0, _B)[None, :]).to(tl.float32)
-                amax = tl.where(b < nblk, tl.max(tl.abs(xb), axis=1), 0.0)
-                f = tl.where(amax > 0, 16384.0 / tl.maximum(amax, 1e-30), 0.0)
-            else:
-                amax = tl.load(amax_ptr + b, mask=b < nblk, other=0.0)
-                f = amax
-            sums, sums2 = _h2_sums(cur, cur2, pairs_ptr, x_ptr, f, bc, TWO, IX)
-            acc += sums * cur_scale * amax[None, :]
-            if TWO:
-                acc2 += sums2 * cur_scale2 * amax[None, :]
-        return tl.sum(acc, axis=1), tl.sum(acc2, axis=1)
+            bmask = b < nblk
+            mask = (r[:, None] < rows) & bmask[None, :]
+            off = r.to(tl.int64)[:, None] * nblk + b[None, :]
+            words = tl.load(words_ptr + off[:, :, None] * 4 + k[None, None, :], mask=mask[:, :, None], other=0)
+            part = tl.zeros(words.shape, tl.int32)  # [BR, NB, 4]: each word's two fp16 partial sums
+            for p in tl.static_range(4):
+                xp = tl.load(pairs_ptr + b[:, None] * 16 + p * 4 + k[None, :], mask=bmask[:, None], other=0)
+                part = _fma_h2(_e2m1_h2(words, p), xp[None], part)
+            scale = (tl.load(s_ptr + off, mask=mask, other=0).to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            amax = tl.load(amax_ptr + b, mask=bmask, other=0.0)
+            acc += tl.sum(_unpack_h2_sum(part), axis=2) * scale * amax[None, :]
+        return tl.sum(acc, axis=1)
 
     @triton.jit
-    def _rows(x_ptr, pairs_ptr, amax_ptr, b_ptr, s_ptr, r, rows, nblk, NB: tl.constexpr, H2: tl.constexpr,
-              PF: tl.constexpr = False, IX: tl.constexpr = False):
+    def _rows(x_ptr, pairs_ptr, amax_ptr, b_ptr, s_ptr, r, rows, nblk, NB: tl.constexpr, H2: tl.constexpr):
         if H2:
-            y = _gemv_rows_h2(x_ptr, pairs_ptr, amax_ptr, b_ptr, s_ptr, b_ptr, s_ptr, r, rows, nblk, NB, False, PF,
-                              IX)[0]
+            y = _gemv_rows_h2(pairs_ptr, amax_ptr, b_ptr, s_ptr, r, rows, nblk, NB)
         else:
             y = _gemv_rows(x_ptr, b_ptr, s_ptr, r, rows, nblk, NB)
         return y
@@ -463,77 +392,38 @@ if triton is not None:
     @triton.jit
     def _moe_up_kernel(x_ptr, pairs_ptr, amax_ptr, act_ptr, ids_ptr, table_ptr, slot_bytes, b1_ptr, s1_ptr,
                        bias1_ptr, b3_ptr, s3_ptr, bias3_ptr, rows, nblk, alpha, limit, BR: tl.constexpr,
-                       NB: tl.constexpr, H2: tl.constexpr, GU: tl.constexpr, PF: tl.constexpr,
-                       IX: tl.constexpr):
+                       NB: tl.constexpr, H2: tl.constexpr):
         """act[kpos] = clamped_swiglu(x W1.T + b1, x W3.T + b3) of the expert at top-k position
-        kpos (grid axis 1), rows [pid BR, +BR). GU (H2): W1 and W3 in one loop."""
+        kpos (grid axis 1), rows [pid BR, +BR)."""
         kpos = tl.program_id(1)
         slot = _routed_slot(ids_ptr, table_ptr, kpos)
         dt: tl.constexpr = act_ptr.dtype.element_ty
         r = tl.program_id(0) * BR + tl.arange(0, BR)
         mask = r < rows
-        if H2 and GU:
-            gate, up = _gemv_rows_h2(x_ptr, pairs_ptr, amax_ptr, _at_slot(b1_ptr, slot, slot_bytes),
-                                     _at_slot(s1_ptr, slot, slot_bytes), _at_slot(b3_ptr, slot, slot_bytes),
-                                     _at_slot(s3_ptr, slot, slot_bytes), r, rows, nblk, NB, True, PF, IX)
-        else:
-            gate = _rows(x_ptr, pairs_ptr, amax_ptr, _at_slot(b1_ptr, slot, slot_bytes),
-                         _at_slot(s1_ptr, slot, slot_bytes), r, rows, nblk, NB, H2, PF, IX)
-            up = _rows(x_ptr, pairs_ptr, amax_ptr, _at_slot(b3_ptr, slot, slot_bytes),
-                       _at_slot(s3_ptr, slot, slot_bytes), r, rows, nblk, NB, H2, PF, IX)
+        gate = _rows(x_ptr, pairs_ptr, amax_ptr, _at_slot(b1_ptr, slot, slot_bytes),
+                     _at_slot(s1_ptr, slot, slot_bytes), r, rows, nblk, NB, H2)
+        up = _rows(x_ptr, pairs_ptr, amax_ptr, _at_slot(b3_ptr, slot, slot_bytes),
+                   _at_slot(s3_ptr, slot, slot_bytes), r, rows, nblk, NB, H2)
         gate = _biased(gate, _at_slot(bias1_ptr, slot, slot_bytes), r, mask, dt)
         up = _biased(up, _at_slot(bias3_ptr, slot, slot_bytes), r, mask, dt)
         tl.store(act_ptr + kpos * rows + r, _clamped_swiglu(gate, up, alpha, limit, dt).to(dt), mask=mask)
 
     @triton.jit
-    def _down_part(act_ptr, pairs_ptr, amax_ptr, ids_ptr, weights_ptr, table_ptr, slot_bytes, b_ptr, s_ptr,
-                   bias_ptr, r, rows, nblk, kr, NB: tl.constexpr, H2: tl.constexpr, PF: tl.constexpr,
-                   IX: tl.constexpr, dt: tl.constexpr):
-        """float32 [BR]: the expert at top-k position kr's output rows r, biased and times its
-        weight, each rounded to dt as the eager path rounds."""
-        slot = _routed_slot(ids_ptr, table_ptr, kr)
-        y = _rows(act_ptr + kr * (nblk * _B), pairs_ptr + kr * (nblk * 16), amax_ptr + kr * nblk,
-                  _at_slot(b_ptr, slot, slot_bytes), _at_slot(s_ptr, slot, slot_bytes), r, rows, nblk, NB, H2, PF, IX)
-        y = _biased(y, _at_slot(bias_ptr, slot, slot_bytes), r, r < rows, dt)
-        return _round(y * tl.load(weights_ptr + kr), dt)
-
-    @triton.jit
     def _moe_down_kernel(act_ptr, pairs_ptr, amax_ptr, out_ptr, ids_ptr, weights_ptr, table_ptr, slot_bytes,
                          b_ptr, s_ptr, bias_ptr, rows, nblk, TOPK: tl.constexpr, BR: tl.constexpr,
-                         NB: tl.constexpr, H2: tl.constexpr, PF: tl.constexpr, IX: tl.constexpr):
+                         NB: tl.constexpr, H2: tl.constexpr):
         """out rows [pid BR, +BR) = the weighted sum over the top-k of act[kpos] W2.T + b2, each
         expert's output rounded to out's dtype, times its weight, rounded, added in ascending
         expert order (the eager path's order: out starts at zero)."""
         dt: tl.constexpr = out_ptr.dtype.element_ty
         r = tl.program_id(0) * BR + tl.arange(0, BR)
+        mask = r < rows
         total = tl.zeros((BR,), tl.float32)
         for rank in tl.static_range(TOPK):
             kr = _position_of_rank(ids_ptr, rank, TOPK)
-            y = _down_part(act_ptr, pairs_ptr, amax_ptr, ids_ptr, weights_ptr, table_ptr, slot_bytes, b_ptr, s_ptr,
-                           bias_ptr, r, rows, nblk, kr, NB, H2, PF, IX, dt)
-            total = _round(total + y, dt)
-        tl.store(out_ptr + r, total.to(dt), mask=r < rows)
-
-    @triton.jit
-    def _moe_down_split_kernel(act_ptr, pairs_ptr, amax_ptr, part_ptr, ids_ptr, weights_ptr, table_ptr, slot_bytes,
-                               b_ptr, s_ptr, bias_ptr, rows, nblk, BR: tl.constexpr, NB: tl.constexpr,
-                               H2: tl.constexpr, PF: tl.constexpr, IX: tl.constexpr):
-        """part[kpos, rows [pid BR, +BR)] = _down_part of the expert at top-k position kpos (grid axis 1),
-        rounded as out will be (act is in h's dtype, which out shares)."""
-        dt: tl.constexpr = act_ptr.dtype.element_ty
-        kr = tl.program_id(1)
-        r = tl.program_id(0) * BR + tl.arange(0, BR)
-        y = _down_part(act_ptr, pairs_ptr, amax_ptr, ids_ptr, weights_ptr, table_ptr, slot_bytes, b_ptr, s_ptr,
-                       bias_ptr, r, rows, nblk, kr, NB, H2, PF, IX, dt)
-        tl.store(part_ptr + kr * rows + r, y, mask=r < rows)
-
-    @triton.jit
-    def _moe_sum_kernel(part_ptr, out_ptr, ids_ptr, rows, TOPK: tl.constexpr, BR: tl.constexpr):
-        """out rows [pid BR, +BR) = the parts summed in ascending expert order, rounded at each add."""
-        dt: tl.constexpr = out_ptr.dtype.element_ty
-        r = tl.program_id(0) * BR + tl.arange(0, BR)
-        total = tl.zeros((BR,), tl.float32)
-        for rank in tl.static_range(TOPK):
-            kr = _position_of_rank(ids_ptr, rank, TOPK)
-            total = _round(total + tl.load(part_ptr + kr * rows + r, mask=r < rows, other=0.0), dt)
-        tl.store(out_ptr + r, total.to(dt), mask=r < rows)
+            slot = _routed_slot(ids_ptr, table_ptr, kr)
+            y = _rows(act_ptr + kr * (nblk * _B), pairs_ptr + kr * (nblk * 16), amax_ptr + kr * nblk,
+                      _at_slot(b_ptr, slot, slot_bytes), _at_slot(s_ptr, slot, slot_bytes), r, rows, nblk, NB, H2)
+            y = _biased(y, _at_slot(bias_ptr, slot, slot_bytes), r, mask, dt)
+            total = _round(total + _round(y * tl.load(weights_ptr + kr), dt), dt)
+        tl.store(out_ptr + r, total.to(dt), mask=mask)
