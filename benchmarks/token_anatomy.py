@@ -8,7 +8,8 @@ graph per token), uniform routing. For each model:
 - the bench's decode loop (model.forward, then argmax and its read), ms per token, the token
   sent from the host and, taking turns with it, made on the device first (the loop before);
 - the host loop's median token split at its launch (the call, then the wait for the token), and
-  cProfile's top functions over 32 tokens;
+  cProfile's top functions over 32 tokens; the least a host loop can do (no routing step, no
+  checks), timed the same way;
 - the token's graph replayed back to back with nothing between (CUDA events): the GPU's floor;
   the difference is what the host adds between tokens;
 - torch.profiler over 8 back-to-back replays: the graph's kernels by GPU time.
@@ -80,6 +81,26 @@ def anatomy(spec: str) -> list[str]:
     py = io.StringIO()
     pstats.Stats(prof_py, stream=py).sort_stats("tottime").print_stats(14)
     graph = model.graphs.graphs[("token", model.graphs.is_forced())]
+    g, step = model.graphs, model.graphs.s
+
+    def bare(n: int, start: int) -> float:
+        """ms per token of the least a host loop does: the token's row (or id) up, its position,
+        the graph, the argmax read; no routing step, no check, no copy of the logits."""
+        nonlocal tok
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for i in range(n):
+            if model.embed_on_host:
+                model.embed_into(step, torch.tensor([tok]))
+            else:
+                step.tokens.copy_(torch.tensor([tok]), non_blocking=True)
+            g.pos.fill_(start + i)
+            graph.replay()
+            tok = int(g.logits[-1].argmax())
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) / n
+
+    least = min(bare(TOKENS // 2, start), bare(TOKENS // 2, start))
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     for _ in range(REPLAYS):
@@ -97,6 +118,7 @@ def anatomy(spec: str) -> list[str]:
              f"the graph back to back {gpu * 1e3:.3f} ms ({1 / gpu:.2f} tok/s); the host adds "
              f"{(per_token - gpu) * 1e6:.0f} us a token (the token made on the device first, as before: "
              f"{before * 1e3:.3f} ms, {1 / before:.2f} tok/s)",
+             f"the least host loop (row up, position, graph, argmax read): {least * 1e3:.3f} ms a token",
              f"median per token: {launch * 1e6:.0f} us from the call to the graph's launch (forward), then "
              f"{wait * 1e6:.0f} us until the token is read (argmax and its read)",
              "host functions of 32 tokens of the loop (cProfile, by own time):", "```",
