@@ -63,3 +63,48 @@ def test_the_demo_model_gives_the_same_tokens_as_with_tables_rebuilt_per_token(s
     again = list(engine.generate_ids(prompt, settings))
     engine.close()
     assert len(kept) > 10 and again == kept and len(calls) == len(kept)
+
+
+def nucleus_by_sorting(z: torch.Tensor, top_p: float) -> tuple[list[int], torch.Tensor]:
+    """Top-p's nucleus from a sort of the whole vocabulary (the reference)."""
+    p, order = torch.sort(torch.softmax(z.double(), -1), descending=True)
+    keep = int(((torch.cumsum(p, -1) - p) <= top_p).sum())
+    return order[:keep].tolist(), p[:keep]
+
+
+@pytest.mark.parametrize("vocab,peak,top_p,span", [(50, 0, 0.9, 16.0), (5000, 12, 0.9, 16.0), (5000, 12, 0.5, 16.0),
+                                                   (5000, 0, 0.95, 16.0), (5000, 6, 0.99, 2.0), (7, 3, 0.1, 16.0)])
+def test_the_nucleus_is_the_one_a_sort_of_the_whole_vocabulary_gives(vocab, peak, top_p, span):
+    """Looked for among the likeliest tokens first (span), and in the whole vocabulary when those
+    hold no more than top_p (span 2 with 40 likely tokens: they hold too little)."""
+    g = torch.Generator().manual_seed(vocab + peak)
+    for _ in range(5):
+        z = torch.randn(vocab, generator=g) * 2
+        z[torch.randperm(vocab, generator=g)[:40]] += peak
+        ids, p = generate.nucleus(z, top_p, span)
+        want_ids, want_p = nucleus_by_sorting(z, top_p)
+        assert ids.tolist() == want_ids
+        torch.testing.assert_close(p.double(), want_p, rtol=1e-5, atol=1e-7)
+
+
+def test_a_draw_takes_each_index_with_its_share_of_the_probability():
+    p = torch.tensor([0.5, 0.0, 0.25, 0.125, 0.125]) * 3  # unnormalised, one never drawn
+    grid = [(i + 0.5) / 4000 for i in range(4000)]
+    counts = torch.bincount(torch.tensor([generate.draw(p, u) for u in grid]), minlength=5)
+    assert counts.tolist() == [2000, 0, 1000, 500, 500]
+    assert generate.draw(p, 0.0) == 0 and generate.draw(p, 0.9999999) == 4
+
+
+def test_sampling_follows_the_nucleus_probabilities():
+    """sample() over many seeds: each token's frequency within a few standard errors of its
+    probability in the nucleus (renormalised), none outside it."""
+    z = torch.tensor([3.0, 2.5, 2.0, 0.0, -1.0, -4.0])
+    s = SamplingSettings(temperature=0.8, top_p=0.8)
+    ids, p = nucleus_by_sorting(z / 0.8, 0.8)
+    want = torch.zeros(6, dtype=torch.float64)
+    want[ids] = p / p.sum()
+    n = 6000
+    gen = torch.Generator().manual_seed(1)
+    freq = torch.bincount(torch.tensor([generate.sample(z, s, gen) for _ in range(n)]), minlength=6).double() / n
+    assert set(torch.nonzero(freq).squeeze(1).tolist()) <= set(ids)
+    assert torch.all((freq - want).abs() <= 4 * torch.sqrt(want * (1 - want) / n) + 1e-9)
