@@ -1,5 +1,5 @@
 """What drawing one token costs the host, by vocabulary size: the engine's sample() against the
-way it sampled before 2026-12-08 (softmax on the host, a sort of the whole vocabulary for top-p,
+way it sampled before 2026-12-07 (softmax on the host, a sort of the whole vocabulary for top-p,
 torch.multinomial), on the CPU and, where there is one, on the GPU where the logits lie.
 
     python -m benchmarks.sampling_cost
