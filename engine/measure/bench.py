@@ -363,7 +363,7 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
     use_cuda_graphs(model, graphs and kernels == "fused")  # the reference path stays eager, as HQQ's
     if model.graphs is not None:
         model.graphs.prepare(len(prompt) + new_tokens + split)  # captured before the clock starts
-    if routing is not None and hasattr(routing, "reserve"):  # a forced routing's tables, drawn before the clock
+    if isinstance(routing, routing_mod.TableRouting):  # a forced routing's tables, drawn before the clock
         routing.reserve(len(prompt), new_tokens - 1)
     t0 = time.perf_counter()
     logits = model.forward(torch.tensor(prompt, device=device), 0)

@@ -272,7 +272,10 @@ class TableRouting:
         tokens pay a slice each and no draw (Qwen3-30B-A3B's shape: 41 ms per chunk of 64 tokens
         on the 2-core box, as much as 14 % of a resident decode)."""
         self.prompt = self.upload(T) if T > 1 else None
-        n -= sum(c[0].shape[1] for c in self.ahead) + (0 if self.chunk is None else self.chunk[0].shape[1] - self.row)
+        drawn = sum(c[0].shape[1] for c in self.ahead)  # rows already drawn and not yet handed out
+        if self.chunk is not None:
+            drawn += self.chunk[0].shape[1] - self.row
+        n -= drawn
         while n > 0:
             self.ahead.append(self.upload(self.chunk_size()))
             n -= self.ahead[-1][0].shape[1]

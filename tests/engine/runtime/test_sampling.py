@@ -96,7 +96,7 @@ def test_a_draw_takes_each_index_with_its_share_of_the_probability():
 
 
 def test_sampling_follows_the_nucleus_probabilities():
-    """sample() over many seeds: each token's frequency within a few standard errors of its
+    """sample() drawn 6000 times: each token's frequency within a few standard errors of its
     probability in the nucleus (renormalised), none outside it."""
     z = torch.tensor([3.0, 2.5, 2.0, 0.0, -1.0, -4.0])
     s = SamplingSettings(temperature=0.8, top_p=0.8)
