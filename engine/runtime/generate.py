@@ -167,7 +167,7 @@ def sample(logits: torch.Tensor, s: SamplingSettings, gen: torch.Generator | Non
     """logits [vocab] float32 -> token id. temperature 0 = greedy. context: the tokens so far, or
     their Repetition tables (kept by the caller, one add() per token). Works where the logits
     lie (the GPU's), and draws one uniform number from gen (on the host) per token: sorting a
-    vocabulary of 150-200 thousand on the host took 16-21 ms a token."""
+    vocabulary of 150-200 thousand on the host took 16-20 ms a token (benchmarks/sampling_cost.py)."""
     logits = (context if isinstance(context, Repetition) else Repetition(s, context)).apply(logits)
     if s.temperature <= 0:
         return int(torch.argmax(logits))
