@@ -62,9 +62,11 @@ class FusedOps(EagerOps):
         self.at_ids = distinct_ids((cfg.top_k,), dev)
         self.at_weights = torch.zeros(cfg.top_k, dtype=torch.float32, device=dev)
         self.picks_host = None  # read_later's page-locked copy of Step.picks
+        self.side = None  # the stream k and v are projected on, beside q
         if dev.type == "cuda":
             self.device_index = dev.index if dev.index is not None else torch.cuda.current_device()
             self.picks_read = cuda_driver.new_event(torch.cuda.current_stream(dev))
+            self.side = torch.cuda.Stream(dev)
 
     def add_norm(self, x, delta, weight, out) -> None:
         add_rms_norm(x, delta, weight, self.m.cfg.rms_norm_eps, out)
@@ -74,9 +76,12 @@ class FusedOps(EagerOps):
 
     def attention(self, i: int, layer: dict, s: Step) -> torch.Tensor:
         m, cfg = self.m, self.m.cfg
+        pair = hqq_gpu.pair_supported(layer["k_proj"], layer["v_proj"])
+        if pair:  # each GEMV alone is too small to fill the GPU: k and v beside q (KV_BESIDE)
+            join = self.beside(lambda: hqq_gpu.gemv_pair(s.hn, layer["k_proj"], layer["v_proj"], self.k_new, self.v_new))
         q = m.linear(s.hn, layer["q_proj"]).view(cfg.num_heads, cfg.head_dim)
-        if hqq_gpu.pair_supported(layer["k_proj"], layer["v_proj"]):
-            hqq_gpu.gemv_pair(s.hn, layer["k_proj"], layer["v_proj"], self.k_new, self.v_new)
+        if pair:
+            join()
             k, v = self.k_new, self.v_new
         else:
             k, v = m.linear(s.hn, layer["k_proj"]), m.linear(s.hn, layer["v_proj"])
@@ -84,6 +89,19 @@ class FusedOps(EagerOps):
                        s.cos, s.sin, s.pos, m.kv.k[i], m.kv.v[i], layer.get("window", cfg.sliding_window),
                        self.attn, **attention_options(layer, cfg.rms_norm_eps))
         return m.project(self.attn, layer, "o_proj")
+
+    def beside(self, fn):
+        """Queue fn() on the side stream after the work queued so far, and return the join (the
+        current stream waits for it). Captured, the two streams are two branches of the graph
+        that the GPU runs at once. Off a GPU fn() just runs."""
+        if self.side is None or not KV_BESIDE:
+            fn()
+            return lambda: None
+        main = torch.cuda.current_stream()
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            fn()
+        return lambda: main.wait_stream(self.side)
 
     def route(self, layer: dict, h, weights, ids) -> None:
         units = self.m.cfg.expert_units
@@ -207,6 +225,17 @@ def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
         CLIP=clip is not None, SINKS=sinks is not None, num_warps=4)
 
 
+def embed_row(table: torch.Tensor, token: torch.Tensor, out: torch.Tensor) -> None:
+    """out [1, H] = table [V, H] row token[0] (a device tensor). The table may be page-locked host
+    memory, which the GPU reads over the link (5.8 KB a token for gpt-oss-20b): a decoded token's
+    embedding without the host knowing the token."""
+    H = table.shape[1]
+    _embed_row_kernel[(triton.cdiv(H, EMBED_BLOCK),)](table, token, out, H, BLOCK=EMBED_BLOCK, num_warps=4)
+
+
+EMBED_BLOCK = 1024
+
+
 def _given(t: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
     """A kernel's optional tensor argument: the tensor, or any valid one when its flag is off."""
     return fallback if t is None else t
@@ -234,6 +263,7 @@ def route_topk(h: torch.Tensor, router: torch.Tensor, top_k: int, weights: torch
                         HAS_BIAS=bias is not None, NORM=renormalize, LOGITS=True, num_warps=4)
 
 
+KV_BESIDE = True  # benchmarks/token_anatomy.py turns it off to compare
 FUSED_ROUTER_EXPERTS = 16  # routers this small are read and picked from in one program
 # experts per program of _router_logits_kernel: 2 took gpt-oss-20b's router (32 x 2880) from 5.8
 # to 4.1 us and Qwen3-30B-A3B's (128 x 2048) from 7.0 to 5.7 us against 4, the same picks
@@ -246,6 +276,12 @@ if triton is not None:
     @triton.jit
     def _round(v, dt: tl.constexpr):
         return v.to(dt).to(tl.float32)
+
+    @triton.jit
+    def _embed_row_kernel(t_ptr, tok_ptr, out_ptr, H, BLOCK: tl.constexpr):
+        cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        row = tl.load(tok_ptr).to(tl.int64)
+        tl.store(out_ptr + cols, tl.load(t_ptr + row * H + cols, mask=cols < H), mask=cols < H)
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, H, eps, HAS_DELTA: tl.constexpr,

@@ -372,9 +372,7 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
     before = asdict(model.cache.stats)
     cpu0 = replace(model.hybrid.stats) if model.hybrid is not None else None  # a copy
     t1 = time.perf_counter()
-    for n in range(new_tokens - 1):
-        logits = model.forward(torch.tensor([tok]), len(prompt) + n)  # from the host, as Engine's loop
-        tok = int(logits[-1].argmax())
+    tok = [tok, *model.decode_greedy(tok, len(prompt), new_tokens - 1)][-1]  # as Engine's greedy loop
     sync(device)
     decode = time.perf_counter() - t1
     after = asdict(model.cache.stats)

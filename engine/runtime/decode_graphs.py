@@ -36,13 +36,17 @@ interpreter).
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
+
 import torch
 
 from moeferry.engine.kernels import hqq_gpu
-from moeferry.engine.kernels.decode import FusedOps, add_rms_norm, rope_attention, route_topk
+from moeferry.engine.kernels.decode import FusedOps, add_rms_norm, embed_row, rope_attention, route_topk
 from moeferry.engine.runtime.model import EagerOps, attention_options, distinct_ids
 
 HITS_FIRST = True  # the developer benchmark (benchmarks/hits_first_ab.py) turns it off to compare
+RUN_AHEAD = True  # benchmarks/token_anatomy.py turns it off to compare
 
 
 def use_cuda_graphs(model, on: bool = True) -> None:
@@ -60,6 +64,10 @@ class GraphedDecode:
         cuda = dev.type == "cuda"  # else the tests' capture=False on the CPU
         self.token_host = torch.zeros(1, dtype=torch.long, pin_memory=cuda)
         self.token_copied = torch.cuda.Event() if cuda else None
+        # decode_greedy's tokens on their way back: two page-locked words, each with its event
+        self.ring = [torch.zeros(1, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self.ring_ready = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self.runs_ahead = False  # set per expert cache in check_keys
         moe = max(1, cfg.num_moe_layers)  # a forced routing's choice: weights, ids, guesses [.., D, k]
         self.forced = (torch.zeros(moe, cfg.top_k, dtype=torch.float32, device=dev),
                        distinct_ids((moe, cfg.top_k), dev), distinct_ids((moe, 1, cfg.top_k), dev))
@@ -93,19 +101,72 @@ class GraphedDecode:
         device waits for no read of it) or on the device."""
         m, s = self.m, self.s
         self.check_keys()
-        on_host = tokens.device.type == "cpu"
-        if on_host and m.embed_on_host:  # x filled before the graphs, which then hold no lookup
+        if tokens.device.type == "cpu" and m.embed_on_host:  # x filled before the graphs, which then hold no lookup
             m.embed_into(s, tokens.view(1))
         else:
-            if on_host and self.token_copied is not None:  # through page-locked memory, written once
-                self.token_copied.synchronize()                # its last copy has run
-                self.token_host.copy_(tokens.view(1))
-                tokens = self.token_host
-            s.tokens.copy_(tokens.view(1), non_blocking=True)
-            if self.token_copied is not None:
-                self.token_copied.record()
+            self.send_token(tokens)
             if m.embed_on_host:
                 m.embed_into(s)
+        forced = self.begin_token(start)
+        if self.one_graph:
+            self.run(("token", forced), self.token_segment)
+            self.token_done()
+            return self.logits.clone()
+        step = [] if m.trace is not None else None
+        for i in range(m.cfg.num_layers):
+            m.layer(i, s, self.ops, self.run, step)
+        if step is not None:
+            m.trace.append(step)
+        self.run(("head",), self.head_segment)
+        return self.logits.clone()
+
+    def decode_greedy(self, token: int, start: int, n: int) -> Iterator[int]:
+        """The n tokens that greedy decoding makes after `token` (at position start), with every
+        expert resident (runs_ahead): each token's graph also picks the next token (the argmax)
+        and reads its embedding on the device, so the graph of token t+1 is queued before the
+        host reads token t, and the GPU never waits for Python. Closed early, one more graph has
+        run: it wrote the keys and values of the position after the last token read, which a
+        later decode rewrites before reading."""
+        s = self.s
+        if not self.can_run_ahead():
+            raise RuntimeError("decode_greedy needs every expert resident (can_run_ahead)")
+        self.send_token(torch.tensor([token]))
+        for i in range(n):
+            forced = self.begin_token(start + i)
+            self.run(("ahead", forced), self.ahead_segment)
+            self.token_done()
+            self.ring[i % 2].copy_(s.tokens, non_blocking=True)  # read back when the next one is queued
+            if self.ring_ready[i % 2] is not None:
+                self.ring_ready[i % 2].record()
+            if i:
+                yield self.read_token((i - 1) % 2)
+        if n:
+            yield self.read_token((n - 1) % 2)
+
+    def can_run_ahead(self) -> bool:
+        """Whether decode_greedy can run (for the current caches)."""
+        self.check_keys()
+        return self.runs_ahead
+
+    def read_token(self, j: int) -> int:
+        if self.ring_ready[j] is not None:
+            self.ring_ready[j].synchronize()
+        return int(self.ring[j][0])
+
+    def send_token(self, tokens: torch.Tensor) -> None:
+        """s.tokens = tokens [1], from the host through page-locked memory (written once its last
+        copy has run), or from the device."""
+        if tokens.device.type == "cpu" and self.token_copied is not None:
+            self.token_copied.synchronize()
+            self.token_host.copy_(tokens.view(1))
+            tokens = self.token_host
+        self.s.tokens.copy_(tokens.view(1), non_blocking=True)
+        if self.token_copied is not None:
+            self.token_copied.record()
+
+    def begin_token(self, start: int) -> bool:
+        """The position, and a forced routing's choice for this token; whether it is forced."""
+        m, s = self.m, self.s
         self.pos.fill_(start)
         s.span = attention_span(start, m.kv.capacity)
         if m.routing is not None:
@@ -120,18 +181,23 @@ class GraphedDecode:
         s.forced = self.forced if forced else None
         if self.one_graph:
             m.cache.sync_tables()  # once: a fully resident cache never changes
-            self.run(("token", forced), self.token_segment)
-            m.cache.count_hits(m.cfg.num_moe_layers * m.cfg.top_k)
-            if m.trace is not None:  # read when the trace is taken (model.take_trace), not now
-                m.trace.append((s.ids[:m.cfg.num_moe_layers, 0].clone(), self.resident))
-            return self.logits.clone()
-        step = [] if m.trace is not None else None
-        for i in range(m.cfg.num_layers):
-            m.layer(i, s, self.ops, self.run, step)
-        if step is not None:
-            m.trace.append(step)
-        self.run(("head",), self.head_segment)
-        return self.logits.clone()
+        return forced
+
+    def token_done(self) -> None:
+        """A one-graph token's cache counts and trace entry (read at model.take_trace, not now)."""
+        m = self.m
+        m.cache.count_hits(m.cfg.num_moe_layers * m.cfg.top_k)
+        if m.trace is not None:
+            m.trace.append((self.s.ids[:m.cfg.num_moe_layers, 0].clone(), self.resident))
+
+    def ahead_segment(self) -> None:
+        """token_segment for the token in s.tokens, whose embedding it reads (an embedding in
+        host memory over the link), ending with the next token, the argmax, in s.tokens."""
+        m, s = self.m, self.s
+        if m.embed_on_host:
+            embed_row(m.embed, s.tokens, s.x)
+        self.token_segment()
+        torch.argmax(self.logits, dim=-1, out=s.tokens)
 
     def token_segment(self) -> None:
         """Every layer and the head, for a cache that holds every expert (no host part)."""
@@ -160,6 +226,7 @@ class GraphedDecode:
                 self.s.resident = self.one_graph
                 if self.one_graph:  # each MoE layer's experts in place, which then never change
                     self.resident = [m.cache.resident(i) for i in range(m.cfg.num_moe_layers)]
+                self.runs_ahead = RUN_AHEAD and self.one_graph and self.embedding_readable()
                 self.ops.hits_first = (HITS_FIRST and self.ops.grouped and not self.one_graph and m.cache.in_place_rows
                                        and self.ops.late_supported(m.cache.slot_weights(0, 0)))
             if self.s.cos.shape[0] != m.kv.capacity:  # a new KV cache: RoPE for its positions
@@ -185,6 +252,8 @@ class GraphedDecode:
         s.forced = self.forced if forced else None
         if self.one_graph:
             jobs[("token", forced)] = self.token_segment
+            if self.runs_ahead:
+                jobs[("ahead", forced)] = self.ahead_segment
         else:
             spans = sorted({attention_span(p, m.kv.capacity) for p in range(0, max_position, 256)}
                            | {attention_span(max_position - 1, m.kv.capacity)})
@@ -269,6 +338,23 @@ class GraphedDecode:
         if hqq_gpu.pair_supported(layer["k_proj"], layer["v_proj"]):
             out = torch.empty(1, cfg.num_kv_heads * cfg.head_dim, dtype=m.dtype, device=dev)
             hqq_gpu.gemv_pair(s.x, layer["k_proj"], layer["v_proj"], out, torch.empty_like(out))
+
+    def embedding_readable(self) -> bool:
+        """Whether the graphs can read a token's embedding: on the device, or in host memory the
+        GPU reads over the link (page-locked here, once: 1.2 GB for gpt-oss-20b)."""
+        m = self.m
+        if not m.embed_on_host:
+            return True
+        if not self.capture:  # the tests' capture=False run on the CPU
+            return True
+        if not m.embed.is_pinned():
+            try:
+                m.embed = m.embed.pin_memory()
+            except RuntimeError as e:  # page-locked memory refused: the host reads each token first
+                warnings.warn(f"the embedding could not be page-locked ({e}); decoding waits for each token", stacklevel=2)
+                return False
+        s = self.s
+        return m.fast_path_works(lambda: embed_row(m.embed, s.tokens, s.x), "the embedding read by the GPU")
 
     def can_group(self) -> bool:
         """Whether a grouped expert kernel (FusedOps.moe_decode) can run this model's experts from this cache."""

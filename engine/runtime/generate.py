@@ -124,6 +124,11 @@ class Repetition:
         for tok in context:
             self.add(tok)
 
+    @property
+    def inert(self) -> bool:
+        """Whether the controls change no logits (no penalty, no n-gram ban)."""
+        return self.penalty == 1.0 and self.n < 1
+
     def add(self, tok: int) -> None:
         self.tokens.append(tok)
         if self.penalty != 1.0 and self.last_n != 0:
@@ -308,6 +313,9 @@ class Engine:
         stats.prefill_s = stats.first_token_s = time.perf_counter() - t0
         done = list(prompt_ids)
         model.trace = []
+        # greedy with no repetition control: each token's graph queued before the last is read
+        ahead = (model.decode_greedy(tok, len(done), max_new - 1)
+                 if s.temperature <= 0 and repetition.inert and model.runs_ahead() else None)
         t1 = time.perf_counter()
         try:
             for n in range(max_new):
@@ -315,6 +323,10 @@ class Engine:
                 yield tok
                 if tok in self.eos_ids or n + 1 == max_new or (cancel is not None and cancel.is_set()):
                     break
+                if ahead is not None:
+                    done.append(tok)
+                    tok = next(ahead)
+                    continue
                 t = time.perf_counter()
                 logits = model.forward(torch.tensor([tok]), start=len(done))  # on the host: see GraphedDecode.step
                 if model.hybrid is not None:
@@ -323,6 +335,8 @@ class Engine:
                 repetition.add(tok)
                 tok = sample(logits[-1], s, gen, repetition)
         finally:
+            if ahead is not None:
+                ahead.close()
             self.cached_ids = done  # keys/values of these positions are valid for reuse
             stats.decode_s = time.perf_counter() - t1
             if stats.new_tokens > 1:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -380,6 +381,21 @@ class OffloadedMixtral:
         if step is not None:
             self.trace.append(step)
         return self.head(s, ops, last_only)
+
+    def decode_greedy(self, token: int, start: int, n: int) -> Iterator[int]:
+        """The n tokens that greedy decoding makes after `token` (at position start): on the graphs'
+        loop that runs ahead of the host where it can (GraphedDecode.decode_greedy), else one
+        forward a token, the token sent from the host."""
+        if self.graphs is not None and self.graphs.can_run_ahead():
+            yield from self.graphs.decode_greedy(token, start, n)
+            return
+        for i in range(n):
+            token = int(self.forward(torch.tensor([token]), start + i)[-1].argmax())
+            yield token
+
+    def runs_ahead(self) -> bool:
+        """Whether decode_greedy runs ahead of the host (GraphedDecode.can_run_ahead)."""
+        return self.graphs is not None and self.graphs.can_run_ahead()
 
     def take_trace(self) -> list:
         """The routing traced since self.trace was set to a list, one entry per decoded token (a

@@ -74,10 +74,41 @@ def test_cuda_host_embedding_greedy_tokens_equal_transformers(tmp_path, graphs):
         assert m.lm_head.is_cuda
         if graphs:
             assert m.graphs.grouped and m.graphs.one_graph == (k == 6)
+            assert m.runs_ahead() == (k == 6)  # the embedding then read by the GPU, page-locked
+            assert m.embed.is_pinned() == (k == 6)
         engine.eos_ids = set()
         got = list(engine.generate_ids(PROMPT, SamplingSettings(temperature=0, max_new_tokens=24)))
         assert got == want, f"K={k}"
         engine.close()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_cuda_greedy_decode_runs_ahead_and_stops_cleanly(tmp_path, tied, monkeypatch):
+    """Every expert resident: the greedy loop that queues each token's graph before it reads the
+    token before (GraphedDecode.decode_greedy; the embedding on the device, or in host memory
+    read by the GPU) gives the tokens of the loop that sends each token from the host; stopped
+    at an end token with one more graph run, the conversation goes on with the same tokens."""
+    from moeferry.engine.runtime import decode_graphs
+    make_checkpoint(tmp_path / "ck", seed=7, num_key_value_heads=4, hidden_size=128, intermediate_size=256,
+                    num_local_experts=6, num_hidden_layers=3, tie_word_embeddings=tied)
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st", 4, 8, "cuda")
+    greedy = SamplingSettings(temperature=0, max_new_tokens=30)
+    runs = {}
+    for ahead in (False, True):
+        monkeypatch.setattr(decode_graphs, "RUN_AHEAD", ahead)
+        engine = load_engine(tmp_path / "st", device="cuda", dtype="float32", cache_experts=6)
+        assert engine.model.runs_ahead() == ahead
+        engine.eos_ids = set()
+        want = list(engine.generate_ids(PROMPT, greedy))
+        stop = next(j for j in range(2, 30) if want[j] not in want[:j])
+        engine.eos_ids = {want[stop]}
+        first = list(engine.generate_ids(PROMPT, greedy))
+        engine.eos_ids = set()
+        follow = PROMPT + first + [5]
+        runs[ahead] = want, first, list(engine.generate_ids(follow, greedy)), engine.last_stats.reused_prompt_tokens
+        assert first == want[:stop + 1]
+        engine.close()
+    assert runs[True] == runs[False]
 
 
 @pytest.mark.parametrize("graphs", [False, True])

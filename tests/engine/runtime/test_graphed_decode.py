@@ -80,6 +80,56 @@ def test_graphed_decode_gives_transformers_tokens(tmp_path, vid, ops):
             assert stats.prefetch_issued == 0
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not FUSED, reason="needs TRITON_INTERPRET=1 and Triton")
+def test_greedy_decode_runs_ahead_of_the_host(tmp_path):
+    """Every expert resident: each token's graph also picks the next token and reads its
+    embedding (GraphedDecode.decode_greedy), so the host reads a token while the next is made.
+    The tokens are the eager forward's, with the embedding on the device and read from host
+    memory by the embedding kernel; stopped at an end token (one graph past it has run), the
+    conversation goes on as the eager forward's does; sampling and repetition controls take the
+    host's loop."""
+    checkpoint("mixtral", tmp_path / "ck")
+    convert_checkpoint(tmp_path / "ck", tmp_path / "st", 4, 8, "cpu")
+    engine = packed_engine(tmp_path / "st", 1)
+    engine = packed_engine(tmp_path / "st", engine.config.num_experts)
+    m = engine.model
+    greedy = SamplingSettings(temperature=0, max_new_tokens=NEW_TOKENS)
+
+    def eager(prompt):
+        graphs, m.graphs, m.kernels = m.graphs, None, "reference"
+        engine.cached_ids = []
+        tokens = list(engine.generate_ids(prompt, greedy))
+        m.graphs, m.kernels, engine.cached_ids = graphs, "auto", []
+        return tokens
+    want = eager(PROMPT)
+    g = graphed(m, "fused")
+    for host_embedding in (False, True):
+        m.embed_on_host = host_embedding  # on the CPU the "host" embedding is read by embed_row all the same
+        g.key = None  # check_keys again
+        assert m.runs_ahead()
+        g.prepare(64)
+        engine.cached_ids = []
+        assert list(engine.generate_ids(PROMPT, greedy)) == want, f"host embedding {host_embedding}"
+        assert {key[0] for key in g.graphs} == {"token", "ahead"}
+    stop = next(j for j in range(2, NEW_TOKENS) if want[j] not in want[:j])  # the first time it appears
+    engine.eos_ids = {want[stop]}
+    assert list(engine.generate_ids(PROMPT, greedy)) == want[:stop + 1]
+    assert engine.cached_ids == PROMPT + want[:stop]
+    engine.eos_ids = set()
+    follow = PROMPT + want[:stop + 1] + [5]
+    got = list(engine.generate_ids(follow, greedy))
+    assert engine.last_stats.reused_prompt_tokens == len(PROMPT) + stop  # the cached prefix, and the extra graph's row
+    assert got == eager(follow)
+    ran = []
+    g.decode_greedy = lambda *a: ran.append(a)  # must not be called
+    for settings in (SamplingSettings(temperature=0.7, max_new_tokens=4, seed=1),
+                     SamplingSettings(temperature=0, max_new_tokens=4, repeat_penalty=1.2)):
+        engine.cached_ids = []
+        assert len(list(engine.generate_ids(PROMPT, settings))) == 4
+    assert ran == []
+
+
 def packed_engine(folder, k: int, extra_slot_layers: int = 0):
     """An engine whose expert cache keeps the packed experts (no dequantization per load) and
     whose attention keeps its packed matrices: what a GPU runs, so the fused GEMVs and the
@@ -176,7 +226,7 @@ def check_grouped_decode(store_dir, shared: bool, mxfp4: bool = False):
         assert g.grouped and g.one_graph == (k is None)
         assert g.ops.hits_first == (k is not None and not mxfp4)
         keys = {key[0] for key in g.graphs}
-        assert keys == ({"token"} if k is None else {"attention", "moe", "head"} | ({"shared"} if shared else set())
+        assert keys == ({"token", "ahead"} if k is None else {"attention", "moe", "head"} | ({"shared"} if shared else set())
                         | ({"late"} if g.ops.hits_first else set()))
 
 
