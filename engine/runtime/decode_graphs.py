@@ -10,7 +10,9 @@ kernels/decode.FusedOps (the fused kernels) wherever the fused GEMVs
 run, else on the eager operations. The routed experts run in one of three ways, fastest first:
   * every expert resident (the cache holds all of them): nothing is ever copied, so the MoE
     layers have no host part and the whole token - all layers and the head - is ONE graph,
-    with no host sync until the logits;
+    with no host sync until the logits. Greedy decoding (decode_greedy) then uses a variant
+    that reads the token's embedding on the device and ends with the argmax into the next
+    token's slot, so the host queues token t+1's graph before it reads token t;
   * the grouped expert kernel (FusedOps.moe_decode, where the cache's expert format allows it):
     one graph per layer runs all routed experts (reading each one's slot from the cache's
     device table). With HQQ experts it runs before the host reads the routing, on the experts

@@ -34,6 +34,21 @@ def test_add_rms_norm(dtype, with_delta):
     close(out, want, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H", [37, 2880])
+def test_embed_row_reads_the_tokens_row_from_host_memory(dtype, H):
+    """embed_row copies the row of the token held on the device; on a GPU the table lies in
+    page-locked host memory, which the kernel reads over the link."""
+    from moeferry.engine.kernels.decode import embed_row
+    table = torch.randn(300, H, generator=torch.Generator().manual_seed(2)).to(dtype)
+    if DEVICE == "cuda":
+        table = table.pin_memory()
+    out = torch.zeros(1, H, dtype=dtype, device=DEVICE)
+    for t in (0, 257, 299):
+        embed_row(table, torch.tensor([t], device=DEVICE), out)
+        assert torch.equal(out.cpu(), table[t:t + 1])
+
+
 # each family's attention options: qwen3_moe's per-head q/k norm, olmoe's norm over the whole
 # projection with and without clip_qkv, qwen2_moe's q/k/v biases, gpt_oss's biases and sinks;
 # head sizes that are not a power of two (the tests' tiny models) and no GQA once
