@@ -4,9 +4,10 @@ tokens, and the GPU kernels of the token's CUDA graph alone (no prompt, no warm-
     python3 benchmarks/token_anatomy.py OUT.md gpt-oss-20b qwen3-30b-a3b:4 mixtral-8x7b:2
 
 MODEL[:BITS] as `bench --model` takes it (gpt-oss: its MXFP4), every expert resident (one CUDA
-graph per token), uniform routing. For each model, with the attention's k and v GEMVs beside
-q (decode.KV_BESIDE, two branches of the graph) and after q, each graph set captured once and
-the two taking turns:
+graph per token), uniform routing. For each model, three sets of graphs, each captured once,
+taking turns: the engine's (the attention's k and v GEMVs beside q, decode.KV_BESIDE: two
+branches of the graph; small q and o GEMVs in 2 row parts, hqq_gpu.SMALL_GEMV_NQ), k and v
+after q, and the GEMVs in gemv_config's row parts:
 - ms per token of the greedy loop that queues each token's graph before it reads the token
   before (model.decode_greedy: the bench's and the engine's loop), and of the loop that sends
   each token from the host and waits for its logits (model.forward, argmax, read);
@@ -26,11 +27,12 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moeferry.engine.kernels import decode  # noqa: E402
+from moeferry.engine.kernels import decode, hqq_gpu  # noqa: E402
 from moeferry.engine.measure import bench  # noqa: E402
 from moeferry.engine.runtime.decode_graphs import GraphedDecode  # noqa: E402
 
 PROMPT, TOKENS, REPLAYS, TURNS = 16, 32, 64, 2
+SETS = {"engine": (True, 2), "k and v after q": (False, 2), "GEMVs in 4 row parts": (True, 0)}  # KV_BESIDE, SMALL_GEMV_NQ
 
 
 def anatomy(spec: str) -> list[str]:
@@ -39,14 +41,14 @@ def anatomy(spec: str) -> list[str]:
     cfg, dev = s.cfg, s.device
     model = s.model("lru", cfg.num_experts, 0, "fused")
     model.routing = bench.Conditions().routing_source(cfg, dev, 1)
-    capacity = PROMPT + 8 + 2 * 2 * TURNS * TOKENS + 8
+    capacity = PROMPT + 8 + len(SETS) * 2 * TURNS * TOKENS + 8
     model.setup_kv(capacity)
     sets = {}
-    for beside in (True, False):  # each set captured before the prompt: prepare writes position 0
-        decode.KV_BESIDE = beside
-        model.graphs = sets[beside] = GraphedDecode(model)
-        sets[beside].prepare(capacity)
-    decode.KV_BESIDE = True
+    for name, (beside, nq) in SETS.items():  # each captured before the prompt: prepare writes position 0
+        decode.KV_BESIDE, hqq_gpu.SMALL_GEMV_NQ = beside, nq
+        model.graphs = sets[name] = GraphedDecode(model)
+        sets[name].prepare(capacity)
+    decode.KV_BESIDE, hqq_gpu.SMALL_GEMV_NQ = SETS["engine"]
     model.routing.reserve(PROMPT, capacity)  # the routing's tables drawn now, as the bench does
     tok = int(model.forward(torch.arange(PROMPT, device=dev), 0)[-1].argmax())
     pos = PROMPT
@@ -79,30 +81,30 @@ def anatomy(spec: str) -> list[str]:
         b.synchronize()
         return a.elapsed_time(b) / REPLAYS
 
-    model.graphs = sets[True]
+    model.graphs = sets["engine"]
     timed(ahead, 8)  # warm
     times = {}
     for _ in range(TURNS):
-        for beside, g in sets.items():
+        for name, g in sets.items():
             model.graphs = g
             for loop in (ahead, from_host):
-                times.setdefault((beside, loop.__name__), []).append(timed(loop, TOKENS))
-            times.setdefault((beside, "back to back"), []).append(back_to_back(g))
+                times.setdefault((name, loop.__name__), []).append(timed(loop, TOKENS))
+            times.setdefault((name, "back to back"), []).append(back_to_back(g))
     lines = [f"## {spec}: ms a token (best of {TURNS} turns of {TOKENS} tokens; back to back: {REPLAYS} replays)",
-             "| k and v | greedy loop, the graph queued ahead | the token sent from the host | the graph back to back "
+             "| graphs | greedy loop, the graph queued ahead | the token sent from the host | the graph back to back "
              "| the host adds (ahead) |", "|---|---|---|---|---|"]
-    for beside in (True, False):
-        a, h, g = (min(times[beside, k]) for k in ("ahead", "from_host", "back to back"))
-        lines.append(f"| {'beside q' if beside else 'after q'} | {a:.3f} ({1e3 / a:.2f} tok/s) | {h:.3f} "
+    for name in SETS:
+        a, h, g = (min(times[name, k]) for k in ("ahead", "from_host", "back to back"))
+        lines.append(f"| {name} | {a:.3f} ({1e3 / a:.2f} tok/s) | {h:.3f} "
                      f"({1e3 / h:.2f} tok/s) | {g:.3f} ({1e3 / g:.2f} tok/s) | {(a - g) * 1e3:.0f} us |")
-    graph = sets[True].graphs[("ahead", sets[True].is_forced())]
+    graph = sets["engine"].graphs[("ahead", sets["engine"].is_forced())]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(8):
             graph.replay()
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     total = sum(e.device_time_total for e in events) / 8
-    lines += ["", f"kernels of one token's graph, k and v beside q (profiled, {total / 1e3:.3f} ms of kernels a token; "
+    lines += ["", f"kernels of one token's graph, the engine's set (profiled, {total / 1e3:.3f} ms of kernels a token; "
               "branches overlap, so the sum can pass the time):",
               "| kernel | calls a token | us per call | us a token | share |", "|---|---|---|---|---|"]
     for e in sorted(events, key=lambda e: -e.device_time_total)[:16]:

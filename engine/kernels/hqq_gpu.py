@@ -266,8 +266,18 @@ def _gemv_launch(rows, cols, bits, group_size, sms, cfg_items, matrices=1, exact
     return n_j, split, k_per_split, bk, consts
 
 
+# A lone 4-bit matrix in groups of 64 of at most SMALL_WEIGHTS weights (gpt-oss-20b's and
+# Qwen3-30B-A3B's q and o projections) in NQ row parts: 2 took them from 12.9-13.5 to 10.5-11.1 us
+# (gpt-oss) and from 8.7-8.9 to 7.9-8.1 us (Qwen3) against gemv_config's 4, the best or within
+# 0.7 us of the best of 36 variants (benchmarks/decode_sweep.py on an H100, 2026-12-05); 0 = off.
+SMALL_GEMV_NQ = 2
+SMALL_WEIGHTS = 12 * 2**20
+
+
 def gemv(x: torch.Tensor, w: QMatrix, out: torch.Tensor, cfg: dict | None = None) -> torch.Tensor:
     """out [1, rows] = x [1, cols] @ dequantize(w).T, one launch (the fused GEMV)."""
+    if cfg is None and SMALL_GEMV_NQ and w.bits == 4 and w.group_size == 64 and w.rows * w.cols <= SMALL_WEIGHTS:
+        cfg = {"NQ": SMALL_GEMV_NQ}
     n_j, split, k_per_split, bk, consts = _gemv_launch(
         w.rows, w.cols, w.bits, w.group_size, _sm_count(x.device),
         tuple(sorted(cfg.items())) if cfg else None, 1, x.dtype == torch.float32)
