@@ -41,7 +41,8 @@ class FusedOps(EagerOps):
     """EagerOps for one token (T = 1) on the fused kernels: 8 launches for a Mixtral layer's
     attention and routing instead of about 45, 2 more per prefetch guess."""
 
-    def __init__(self, model, grouped: bool = False):
+    def __init__(self, model, grouped: bool = False, side: torch.cuda.Stream | None = None):
+        """side: the stream the k and v GEMVs run on beside q (beside()); None: after q."""
         super().__init__(model)
         cfg, dev, dt = model.cfg, model.device, model.dtype
         self.grouped = grouped
@@ -62,11 +63,10 @@ class FusedOps(EagerOps):
         self.at_ids = distinct_ids((cfg.top_k,), dev)
         self.at_weights = torch.zeros(cfg.top_k, dtype=torch.float32, device=dev)
         self.picks_host = None  # read_later's page-locked copy of Step.picks
-        self.side = None  # the stream k and v are projected on, beside q
+        self.side = side
         if dev.type == "cuda":
             self.device_index = dev.index if dev.index is not None else torch.cuda.current_device()
             self.picks_read = cuda_driver.new_event(torch.cuda.current_stream(dev))
-            self.side = torch.cuda.Stream(dev)
 
     def add_norm(self, x, delta, weight, out) -> None:
         add_rms_norm(x, delta, weight, self.m.cfg.rms_norm_eps, out)

@@ -75,14 +75,14 @@ class GraphedDecode:
                        distinct_ids((moe, cfg.top_k), dev), distinct_ids((moe, 1, cfg.top_k), dev))
         if capture:
             self.pool = torch.cuda.graph_pool_handle()
-            self.capture_stream = capture_stream(dev)
+            self.capture_stream = shared_stream(dev, "capture")
         self.graphs: dict[tuple, torch.cuda.CUDAGraph | None] = {}  # capture=False: the keys run
         self.key = None
         # the fused operations wherever the fused GEMVs run; whether the expert cache allows the
         # grouped expert kernel is decided per cache in check_keys
         self.fast = (model.kernels != "reference" and hqq_gpu.fused_available(dev)
                      and self.m.fast_path_works(self.probe_decode_kernels, "fused decode kernels"))
-        self.ops = FusedOps(model) if self.fast else EagerOps(model)
+        self.ops = FusedOps(model, side=shared_stream(dev, "side") if capture else None) if self.fast else EagerOps(model)
 
     def rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [P, 1, D] for the positions the KV cache holds (P = its capacity), which
@@ -372,18 +372,19 @@ class GraphedDecode:
             torch.empty_like(s.out)), "grouped expert kernels")
 
 
-_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+_STREAMS: dict[tuple[int, str], torch.cuda.Stream] = {}
 
 
-def capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """The device's one stream for capturing graphs, shared by every GraphedDecode. The fused
-    kernels keep their scratch per stream (hqq_gpu._Scratch, which never shrinks): a new stream
-    for each new set of graphs (a new expert cache, each run of the benchmark) left the last
-    one's scratch allocated, about 0.1 GiB each time, past what the VRAM budget sizes."""
+def shared_stream(device: torch.device, role: str) -> torch.cuda.Stream:
+    """The device's one stream for a role ("capture": the graphs are captured on it; "side": the
+    k and v GEMVs beside q), shared by every GraphedDecode. The fused kernels keep their scratch
+    per stream (hqq_gpu._Scratch, which never shrinks): a new stream for each new set of graphs
+    (a new expert cache, each run of the benchmark) left the last one's scratch allocated,
+    about 0.1 GiB each time, past what the VRAM budget sizes."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CAPTURE_STREAMS:
-        _CAPTURE_STREAMS[index] = torch.cuda.Stream(device)
-    return _CAPTURE_STREAMS[index]
+    if (index, role) not in _STREAMS:
+        _STREAMS[index, role] = torch.cuda.Stream(device)
+    return _STREAMS[index, role]
 
 
 def attention_span(start: int, capacity: int) -> int:
