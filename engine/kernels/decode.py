@@ -68,8 +68,12 @@ class FusedOps(EagerOps):
             self.device_index = dev.index if dev.index is not None else torch.cuda.current_device()
             self.picks_read = cuda_driver.new_event(torch.cuda.current_stream(dev))
 
-    def add_norm(self, x, delta, weight, out) -> None:
-        add_rms_norm(x, delta, weight, self.m.cfg.rms_norm_eps, out)
+    def add_norm(self, x, delta, weight, out, bias=None) -> None:
+        add_rms_norm(x, delta, weight, self.m.cfg.rms_norm_eps, out, bias)
+
+    def o_bias(self, layer: dict) -> torch.Tensor | None:
+        """attention() leaves the o bias to the norm's kernel (one launch less a layer)."""
+        return layer.get("o_proj_bias")
 
     def span(self, layer: dict, s: Step) -> int:
         return 0  # the fused attention reads the position on the device only
@@ -88,7 +92,7 @@ class FusedOps(EagerOps):
         rope_attention(q, k.view(cfg.num_kv_heads, cfg.head_dim), v.view(cfg.num_kv_heads, cfg.head_dim),
                        s.cos, s.sin, s.pos, m.kv.k[i], m.kv.v[i], layer.get("window", cfg.sliding_window),
                        self.attn, **attention_options(layer, cfg.rms_norm_eps))
-        return m.project(self.attn, layer, "o_proj")
+        return m.linear(self.attn, layer["o_proj"])  # its bias: o_bias, added by add_norm
 
     def beside(self, fn):
         """Queue fn() on the side stream after the work queued so far, and return the join (the
@@ -186,12 +190,13 @@ class FusedOps(EagerOps):
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 out: torch.Tensor) -> None:
-    """x [1, H] += delta (when given, in x's dtype), then out = rms_norm(x) * weight."""
+                 out: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """x [1, H] += delta (when given, in x's dtype; delta + bias rounded first, as the eager
+    projection adds its bias), then out = rms_norm(x) * weight."""
     H = x.shape[-1]
-    _add_rms_norm_kernel[(1,)](x, x if delta is None else delta, weight, out, H, eps,
-                               HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(H),
-                               num_warps=8)
+    _add_rms_norm_kernel[(1,)](x, x if delta is None else delta, weight, out, _given(bias, weight), H, eps,
+                               HAS_DELTA=delta is not None, HAS_BIAS=bias is not None,
+                               BLOCK=triton.next_power_of_2(H), num_warps=8)
 
 
 def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
@@ -284,14 +289,17 @@ if triton is not None:
         tl.store(out_ptr + cols, tl.load(t_ptr + row * H + cols, mask=cols < H), mask=cols < H)
 
     @triton.jit
-    def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, H, eps, HAS_DELTA: tl.constexpr,
-                             BLOCK: tl.constexpr):
+    def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, b_ptr, H, eps, HAS_DELTA: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
         dt: tl.constexpr = x_ptr.dtype.element_ty
         i = tl.arange(0, BLOCK)
         m = i < H
         x = tl.load(x_ptr + i, mask=m, other=0.0).to(tl.float32)
         if HAS_DELTA:
-            x = _round(x + tl.load(d_ptr + i, mask=m, other=0.0).to(tl.float32), dt)
+            d = tl.load(d_ptr + i, mask=m, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                d = _round(d + tl.load(b_ptr + i, mask=m, other=0.0).to(tl.float32), dt)
+            x = _round(x + d, dt)
             tl.store(x_ptr + i, x.to(dt), mask=m)
         r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
         y = _round(x * r, dt) * tl.load(w_ptr + i, mask=m, other=0.0).to(tl.float32)

@@ -69,7 +69,7 @@ class CpuDecodeOps(EagerOps):
         k = cfg.top_k // cfg.expert_units  # the router's choice before expand_units
         self.routed_weights, self.routed_ids = torch.zeros(k), torch.zeros(k, dtype=torch.long)
 
-    def add_norm(self, x, delta, weight, out) -> None:
+    def add_norm(self, x, delta, weight, out, bias=None) -> None:  # bias: None (attention adds the o bias)
         add_rms_norm(x, delta, weight, self.m.cfg.rms_norm_eps, out)
 
     def attention(self, i: int, layer: dict, s: Step) -> torch.Tensor:

@@ -449,7 +449,7 @@ class OffloadedMixtral:
         if i == 0 and not self.embed_on_host:
             s.x.copy_(F.embedding(s.tokens, self.embed))
         ops.add_norm(s.x, s.out if i > 0 else None, layer["attn_norm"], s.hn)
-        ops.add_norm(s.x, ops.attention(i, layer, s), layer["moe_norm"], s.h)
+        ops.add_norm(s.x, ops.attention(i, layer, s), layer["moe_norm"], s.h, ops.o_bias(layer))
         if "router" in layer:
             mi = layer["moe_index"]
             ops.route(layer, s.h, s.weights, s.ids[mi])
@@ -834,11 +834,15 @@ class EagerOps:
         self.m = model
 
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                 out: torch.Tensor) -> None:
-        """x += delta (when given); out = rms_norm(x) * weight."""
+                 out: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """x += delta (when given; + bias, rounded first, when given); out = rms_norm(x) * weight."""
         if delta is not None:
-            x.add_(delta)
+            x.add_(delta if bias is None else delta + bias)
         rms_norm(x, weight, self.m.cfg.rms_norm_eps, out)
+
+    def o_bias(self, layer: dict) -> torch.Tensor | None:
+        """The o projection's bias that attention() left for add_norm to add: none here."""
+        return None
 
     def attention(self, i: int, layer: dict, s: Step) -> torch.Tensor:
         """Layer i's attention on s.hn, its output projection included: [T, H]."""

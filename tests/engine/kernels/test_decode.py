@@ -18,18 +18,20 @@ def close(got, want, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("with_delta", [False, True])
-def test_add_rms_norm(dtype, with_delta):
+@pytest.mark.parametrize("delta", ["none", "delta", "delta+bias"])
+def test_add_rms_norm(dtype, delta):
+    """x += delta (+ an o projection's bias, rounded to the dtype first as the eager projection
+    rounds it), then the RMS norm."""
     from moeferry.engine.kernels.decode import add_rms_norm
     from moeferry.engine.runtime.model import rms_norm
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, 4096, generator=g).to(DEVICE, dtype)
     d = torch.randn(1, 4096, generator=g).to(DEVICE, dtype)
-    w = (1 + 0.1 * torch.randn(4096, generator=g)).to(DEVICE, dtype)
-    want_x = x + d if with_delta else x.clone()
-    want = rms_norm(want_x, w, 1e-5)
+    b = torch.randn(4096, generator=g).to(DEVICE, dtype)
+    want_x = {"none": x.clone(), "delta": x + d, "delta+bias": x + (d + b)}[delta]
+    want = rms_norm(want_x, w := (1 + 0.1 * torch.randn(4096, generator=g)).to(DEVICE, dtype), 1e-5)
     out = torch.empty_like(x)
-    add_rms_norm(x, d if with_delta else None, w, 1e-5, out)
+    add_rms_norm(x, None if delta == "none" else d, w, 1e-5, out, b if delta == "delta+bias" else None)
     assert torch.equal(x, want_x)
     close(out, want, dtype)
 
