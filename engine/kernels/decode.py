@@ -117,6 +117,16 @@ class FusedOps(EagerOps):
             weights[0].copy_(w)
             ids[0].copy_(e)
 
+    def route_forced(self, layer: dict, h, weights, ids, forced) -> None:
+        """route() with a forced choice written over it: in the router's own launch (the picks go
+        to scratch) where the choice is whole experts."""
+        if self.m.cfg.expert_units > 1:
+            super().route_forced(layer, h, weights, ids, forced)
+            return
+        route_topk(h, layer["router"], self.m.cfg.top_k, self.routed_weights, self.routed_ids, layer.get("router_bias"),
+                   renormalize=layer.get("routing") != "softmax_topk",
+                   forced=(forced[0][0], forced[1][0], weights[0], ids[0]))
+
     def guess(self, j: int, x, scratch, ids) -> None:
         layer, units = self.m.moe_layers[j], self.m.cfg.expert_units
         add_rms_norm(x, None, layer["moe_norm"], self.m.cfg.rms_norm_eps, scratch)
@@ -247,16 +257,23 @@ def _given(t: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
 
 
 def route_topk(h: torch.Tensor, router: torch.Tensor, top_k: int, weights: torch.Tensor,
-               ids: torch.Tensor, bias: torch.Tensor | None = None, renormalize: bool = True) -> None:
+               ids: torch.Tensor, bias: torch.Tensor | None = None, renormalize: bool = True,
+               forced: tuple | None = None) -> None:
     """weights [top_k] float32 and ids [top_k] int64 of h [1, H] under router [E, H] (+ bias [E]):
-    the top-k of the softmax, renormalised to sum 1 or as they are."""
+    the top-k of the softmax, renormalised to sum 1 or as they are. forced (the benchmark's
+    routing: weights, ids, out_weights, out_ids, each [top_k]): the picks are made all the same
+    (into weights and ids), and the forced choice is copied into out_weights and out_ids by the
+    same launch, where two copies would take two more."""
     E, H = router.shape
     block_e = triton.next_power_of_2(E)
     b = router if bias is None else bias
+    fw, fi, ow, oi = forced if forced is not None else (weights, ids, weights, ids)
+    common = dict(E=E, BLOCK_E=block_e, TOPK=top_k, HAS_BIAS=bias is not None, NORM=renormalize,
+                  FORCED=forced is not None, num_warps=4)
     if E <= FUSED_ROUTER_EXPERTS:  # one program reads the router and picks
         block_h = min(1024, triton.next_power_of_2(H), max(16, ROUTE_TILE // block_e))
-        _route_kernel[(1,)](h, router, b, weights, ids, H, router, E=E, BLOCK_E=block_e, TOPK=top_k, BLOCK_H=block_h,
-                            HAS_BIAS=bias is not None, NORM=renormalize, LOGITS=False, num_warps=4)
+        _route_kernel[(1,)](h, router, b, weights, ids, H, router, fw, fi, ow, oi, BLOCK_H=block_h, LOGITS=False,
+                            **common)
         return
     # many experts (Qwen3's 128): one program read the whole router in 51 us on the H200, its
     # loads one tile after another; the logits by LOGIT_ROWS experts per program, then the pick
@@ -264,8 +281,7 @@ def route_topk(h: torch.Tensor, router: torch.Tensor, top_k: int, weights: torch
     _router_logits_kernel[(triton.cdiv(E, LOGIT_ROWS),)](h, router, b, logits, H, E, HAS_BIAS=bias is not None,
                                                           ROWS=LOGIT_ROWS, BLOCK_H=min(1024, triton.next_power_of_2(H)),
                                                           num_warps=4)
-    _route_kernel[(1,)](h, router, b, weights, ids, H, logits, E=E, BLOCK_E=block_e, TOPK=top_k, BLOCK_H=16,
-                        HAS_BIAS=bias is not None, NORM=renormalize, LOGITS=True, num_warps=4)
+    _route_kernel[(1,)](h, router, b, weights, ids, H, logits, fw, fi, ow, oi, BLOCK_H=16, LOGITS=True, **common)
 
 
 KV_BESIDE = True  # benchmarks/token_anatomy.py turns it off to compare
@@ -437,10 +453,11 @@ if triton is not None:
         tl.store(out_ptr + e, _router_dot(h_ptr, r_ptr, b_ptr, e, H, E, HAS_BIAS, BLOCK_H), mask=e < E)
 
     @triton.jit
-    def _route_kernel(h_ptr, r_ptr, b_ptr, w_ptr, ids_ptr, H, l_ptr, E: tl.constexpr, BLOCK_E: tl.constexpr,
-                      TOPK: tl.constexpr, BLOCK_H: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-                      LOGITS: tl.constexpr):
-        """The softmax's top-k of the router's logits: computed here, or (LOGITS) read from l_ptr."""
+    def _route_kernel(h_ptr, r_ptr, b_ptr, w_ptr, ids_ptr, H, l_ptr, fw_ptr, fi_ptr, ow_ptr, oi_ptr,
+                      E: tl.constexpr, BLOCK_E: tl.constexpr, TOPK: tl.constexpr, BLOCK_H: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, NORM: tl.constexpr, LOGITS: tl.constexpr, FORCED: tl.constexpr):
+        """The softmax's top-k of the router's logits: computed here, or (LOGITS) read from l_ptr;
+        FORCED: then the forced choice (fw, fi) copied into (ow, oi)."""
         e = tl.arange(0, BLOCK_E)
         if LOGITS:
             logits = tl.load(l_ptr + e, mask=e < E, other=-float("inf"))
@@ -466,3 +483,7 @@ if triton is not None:
             else:
                 tl.store(w_ptr + j, best)
             rest = tl.where(e == idx, -1.0, rest)
+        if FORCED:
+            for j in tl.static_range(TOPK):
+                tl.store(oi_ptr + j, tl.load(fi_ptr + j))
+                tl.store(ow_ptr + j, tl.load(fw_ptr + j))

@@ -452,15 +452,15 @@ class OffloadedMixtral:
         ops.add_norm(s.x, ops.attention(i, layer, s), layer["moe_norm"], s.h, ops.o_bias(layer))
         if "router" in layer:
             mi = layer["moe_index"]
-            ops.route(layer, s.h, s.weights, s.ids[mi])
+            if s.forced is None:
+                ops.route(layer, s.h, s.weights, s.ids[mi])
+            else:
+                weights, ids, guesses = s.forced
+                ops.route_forced(layer, s.h, s.weights, s.ids[mi], (weights[mi:mi + 1], ids[mi:mi + 1]))
             if not s.resident:
                 self.prefetcher.guess(self, ops, mi, s)
-            if s.forced is not None:
-                weights, ids, guesses = s.forced
-                s.ids[mi].copy_(ids[mi:mi + 1])
-                s.weights.copy_(weights[mi:mi + 1])
-                if (pending := self.prefetcher.pending(self, mi, s)) is not None:
-                    pending.copy_(guesses[mi, :pending.shape[0]])
+            if s.forced is not None and (pending := self.prefetcher.pending(self, mi, s)) is not None:
+                pending.copy_(guesses[mi, :pending.shape[0]])
             if not ops.grouped:  # the experts are added to out one by one (grouped: written whole)
                 s.out.zero_()
 
@@ -860,6 +860,14 @@ class EagerOps:
         w, e = self.m.route(layer, h)
         weights.copy_(w)
         ids.copy_(e)
+
+    def route_forced(self, layer: dict, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                     forced: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """route(), then a forced routing's choice (weights, ids) [T, k] written over it: the
+        router's work is done all the same (engine/measure/routing.py)."""
+        self.route(layer, h, weights, ids)
+        weights.copy_(forced[0])
+        ids.copy_(forced[1])
 
     def guess(self, j: int, x: torch.Tensor, scratch: torch.Tensor, ids: torch.Tensor) -> None:
         """MoE layer j's router on the last token of an earlier residual stream x: its top-k

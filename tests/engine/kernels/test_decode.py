@@ -169,6 +169,14 @@ def test_route_topk_matches_the_model_router(experts, top_k, hidden):
     route_topk(h, router, top_k, w, ids)
     assert ids.tolist() == want_ids[0].tolist()
     close(w, want_w[0], torch.float32)
+    # a forced choice (the benchmark's routing) goes to the outputs in the same launch; the picks to w, ids
+    fw, fi = torch.rand(top_k, device=DEVICE), torch.randperm(experts, device=DEVICE)[:top_k]
+    ow, oi = torch.zeros(top_k, device=DEVICE), torch.zeros(top_k, dtype=torch.long, device=DEVICE)
+    w.zero_()
+    route_topk(h, router, top_k, w, ids, forced=(fw, fi, ow, oi))
+    assert torch.equal(ow, fw) and torch.equal(oi, fi)
+    assert ids.tolist() == want_ids[0].tolist()
+    close(w, want_w[0], torch.float32)
 
 
 @pytest.mark.parametrize("routing", ["softmax_topk", "topk_softmax"])

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from moeferry.engine.errors import UserError
+from moeferry.engine.kernels import hqq_gpu
 from moeferry.engine.measure import bench, routing
 from moeferry.engine.measure.routing import lru_hits
 from moeferry.engine.runtime import vram
@@ -122,22 +123,27 @@ def test_tables_reserved_before_a_run_are_those_drawn_during_it(decoded):
             assert torch.equal(x, y)
 
 
-def test_the_graphs_force_the_routing_and_guesses_as_the_eager_forward_does(synthetic):
+@pytest.mark.parametrize("kernels", ["reference", pytest.param("fused", marks=pytest.mark.skipif(
+    not hqq_gpu.fused_available("cpu"), reason="needs TRITON_INTERPRET=1 and Triton"))])
+def test_the_graphs_force_the_routing_and_guesses_as_the_eager_forward_does(synthetic, kernels):
     """The graphed decode (capture=False: its segments run as they come) writes the forced choice
-    and guesses in each layer's attention segment, from buffers filled once per token; dispatch
-    sees what the eager forward's copies per layer give it: the same experts, the same copies
-    and prefetches, the same logits."""
+    and guesses in each layer's attention segment, from buffers filled once per token (on the
+    fused kernels, the router's launch writes the choice); dispatch sees what the eager
+    forward's copies per layer give it: the same experts, the same copies and prefetches, the
+    same logits."""
     s = synthetic
     prompt, tokens = [5, 17, 99, 3], [40, 7, 81, 2, 66, 13, 29, 90]
     runs = []
     for graphed in (False, True):
-        model = s.model("lru", 3, 1, "reference")
+        model = s.model("lru", 3, 1, kernels if graphed else "reference")
         model.routing = routing.UniformRouting(s.cfg.num_layers, s.cfg.num_experts, s.cfg.top_k, "cpu", depth=1,
                                                seed=3)
         model.setup_kv(32)
         if graphed:
             model.graphs = GraphedDecode(model, capture=False)
             model.graphs.prepare(32)
+            assert model.graphs.fast == (kernels == "fused")
+            model.kernels = "reference"  # the prompt (the fused prompt kernels need packed experts)
         model.forward(torch.tensor(prompt), 0)
         model.trace = []
         logits = [model.forward(torch.tensor([t]), len(prompt) + n) for n, t in enumerate(tokens)]
@@ -145,7 +151,8 @@ def test_the_graphs_force_the_routing_and_guesses_as_the_eager_forward_does(synt
     (eager, eager_trace, eager_stats), (graphs, graphs_trace, graphs_stats) = runs
     assert graphs_trace == eager_trace and len(graphs_trace) == len(tokens)
     assert graphs_stats == eager_stats and eager_stats.prefetch_issued > 0 and eager_stats.misses > 0
-    torch.testing.assert_close(graphs, eager, rtol=1e-5, atol=1e-5)
+    tolerance = 1e-5 if kernels == "reference" else 2e-3  # the fused GEMVs' packed fp16 sums
+    torch.testing.assert_close(graphs, eager, rtol=tolerance, atol=tolerance)
 
 
 def test_a_recorded_trace_replays_identically(synthetic, tmp_path):
