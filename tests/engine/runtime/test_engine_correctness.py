@@ -93,6 +93,46 @@ def test_kv_prefix_reuse_gives_the_same_tokens(tiny_store, tiny_checkpoint):
     assert got == reference_greedy(tiny_checkpoint[1], longer, 6)
 
 
+def test_the_greedy_loop_that_runs_ahead_keeps_the_conversation(tiny_store, tiny_checkpoint, monkeypatch):
+    """Engine._generate's greedy path through model.decode_greedy (taken where the model runs
+    ahead: on a GPU with every expert resident; here its one-forward-a-token form): the tokens
+    of the host loop, an end token stops it with the generator closed, the cached tokens are
+    those fed, and a longer prompt reuses them; sampling or a penalty keeps the host loop."""
+    engine = load_engine(tiny_store, device="cpu", cache_experts=2)
+    engine.eos_ids = set()
+    greedy = SamplingSettings(temperature=0, max_new_tokens=8)
+    want = list(engine.generate_ids(PROMPT, greedy))
+    m = engine.model
+    calls, closed = [], []
+
+    def decode_greedy(token, start, n, original=m.decode_greedy):
+        calls.append((token, start, n))
+        try:
+            yield from original(token, start, n)
+        finally:
+            closed.append(start)
+    monkeypatch.setattr(m, "runs_ahead", lambda: True)
+    monkeypatch.setattr(m, "decode_greedy", decode_greedy)
+    engine.cached_ids = []
+    assert list(engine.generate_ids(PROMPT, greedy)) == want
+    assert calls == [(want[0], len(PROMPT), 7)] and closed == [len(PROMPT)]
+    stop = next(j for j in range(1, 8) if want[j] not in want[:j])
+    engine.eos_ids = {want[stop]}
+    engine.cached_ids = []
+    assert list(engine.generate_ids(PROMPT, greedy)) == want[:stop + 1]
+    assert engine.cached_ids == PROMPT + want[:stop] and len(closed) == 2
+    engine.eos_ids = set()
+    longer = PROMPT + want[:stop + 1] + [11]
+    assert list(engine.generate_ids(longer, greedy)) == reference_greedy(tiny_checkpoint[1], longer, 8)
+    assert engine.last_stats.reused_prompt_tokens == len(PROMPT) + stop
+    calls.clear()
+    for settings in (SamplingSettings(temperature=0.8, max_new_tokens=4, seed=3),
+                     SamplingSettings(temperature=0, max_new_tokens=4, repeat_penalty=1.3)):
+        engine.cached_ids = []
+        assert len(list(engine.generate_ids(PROMPT, settings))) == 4
+    assert calls == []
+
+
 def test_sampling_is_reproducible_with_a_seed(tiny_store):
     engine = load_engine(tiny_store, device="cpu")
     s = SamplingSettings(temperature=1.0, top_p=0.9, max_new_tokens=10, seed=7)
