@@ -22,20 +22,15 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moeferry.engine.measure import bench  # noqa: E402
+from benchmarks.token_anatomy import resident_model  # noqa: E402
 from moeferry.engine.runtime.decode_graphs import use_cuda_graphs  # noqa: E402
 
 POSITIONS, TOKENS = (128, 1024, 4096, 8192), 32
 
 
 def at_lengths(spec: str) -> list[str]:
-    name, _, bits = spec.partition(":")
-    s = bench.build(None, int(bits or 4), 4, log=lambda m: None, model=name)
-    cfg, dev = s.cfg, s.device
-    model = s.model("lru", cfg.num_experts, 0, "fused")
-    model.routing = bench.Conditions().routing_source(cfg, dev, 1)
     capacity = max(POSITIONS) + 2 * TOKENS + 8
-    model.setup_kv(capacity)
+    model = resident_model(spec, capacity)
     use_cuda_graphs(model)
     model.graphs.prepare(capacity)
     model.routing.reserve(1, len(POSITIONS) * 2 * TOKENS + 8)

@@ -35,14 +35,20 @@ PROMPT, TOKENS, REPLAYS, TURNS = 16, 32, 64, 2
 SETS = {"engine": (True, 2), "k and v after q": (False, 2), "GEMVs in 4 row parts": (True, 0)}  # KV_BESIDE, SMALL_GEMV_NQ
 
 
-def anatomy(spec: str) -> list[str]:
+def resident_model(spec: str, capacity: int):
+    """The synthetic model of MODEL[:BITS] (as `bench --model` takes it) on the GPU, every expert
+    resident, its routing uniform, its KV cache of `capacity` positions."""
     name, _, bits = spec.partition(":")
     s = bench.build(None, int(bits or 4), 4, log=lambda m: None, model=name)
-    cfg, dev = s.cfg, s.device
-    model = s.model("lru", cfg.num_experts, 0, "fused")
-    model.routing = bench.Conditions().routing_source(cfg, dev, 1)
-    capacity = PROMPT + 8 + len(SETS) * 2 * TURNS * TOKENS + 8
+    model = s.model("lru", s.cfg.num_experts, 0, "fused")
+    model.routing = bench.Conditions().routing_source(s.cfg, s.device, 1)
     model.setup_kv(capacity)
+    return model
+
+
+def anatomy(spec: str) -> list[str]:
+    capacity = PROMPT + 8 + len(SETS) * 2 * TURNS * TOKENS + 8
+    model = resident_model(spec, capacity)
     sets = {}
     for name, (beside, nq) in SETS.items():  # each captured before the prompt: prepare writes position 0
         decode.KV_BESIDE, hqq_gpu.SMALL_GEMV_NQ = beside, nq
@@ -50,7 +56,7 @@ def anatomy(spec: str) -> list[str]:
         sets[name].prepare(capacity)
     decode.KV_BESIDE, hqq_gpu.SMALL_GEMV_NQ = SETS["engine"]
     model.routing.reserve(PROMPT, capacity)  # the routing's tables drawn now, as the bench does
-    tok = int(model.forward(torch.arange(PROMPT, device=dev), 0)[-1].argmax())
+    tok = int(model.forward(torch.arange(PROMPT, device=model.device), 0)[-1].argmax())
     pos = PROMPT
 
     def timed(loop, n: int) -> float:
