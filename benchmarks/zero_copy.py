@@ -1,0 +1,137 @@
+"""Can the GPU's own loads bring experts over the link as fast as its copy engine?
+
+    python3 benchmarks/zero_copy.py [OUT.md]
+
+A decode step that never waits for the host (the whole token one CUDA graph) cannot ask the
+copy engine for an expert the router picks: the graph's copies have fixed addresses. Its
+kernels can instead read the experts' page-locked home in host memory over the link (the
+expert cache pins it as engine/runtime/expert_cache.pinned_empty does). Measured here, GB/s
+(bytes / median of 15 CUDA-event timings):
+- the copy engine: N experts host -> device, one cudaMemcpyAsync each;
+- a Triton kernel copying the same experts with P programs each (loads from host memory);
+- the same kernel beside the copy engine on another stream (both channels at once);
+- the fused HQQ GEMV (hqq_gpu.gemv) of an expert's matrix in device memory and in host memory.
+Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from moeferry.engine.kernels import hqq_gpu
+from moeferry.engine.runtime.expert_cache import pinned_empty
+from moeferry.engine.storage import quant
+
+REPS = 15
+
+
+@triton.jit
+def _fetch_kernel(src, dst, ids, stride, chunk, BLOCK: tl.constexpr):
+    """dst[m] = src[ids[m]] (int32 rows of `stride`), program (m, c) the c-th chunk."""
+    m, c = tl.program_id(0), tl.program_id(1)
+    e = tl.load(ids + m).to(tl.int64)
+    start = c.to(tl.int64) * chunk
+    for off in range(0, chunk, BLOCK):
+        o = start + off + tl.arange(0, BLOCK)
+        mask = o < stride
+        tl.store(dst + m * stride + o, tl.load(src + e * stride + o, mask=mask), mask=mask)
+
+
+def timed(fn, reps: int = REPS) -> float:
+    """Median seconds of fn() on the current stream (events), after one warm-up."""
+    fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def fetch(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, programs: int, block: int = 4096) -> None:
+    stride = src.shape[1] // 4
+    chunk = triton.cdiv(triton.cdiv(stride, programs), block) * block
+    _fetch_kernel[(ids.numel(), triton.cdiv(stride, chunk))](src.view(torch.int32), dst.view(torch.int32), ids,
+                                                             stride, chunk, BLOCK=block, num_warps=8)
+
+
+def copies(src: torch.Tensor, dst: torch.Tensor, experts: list[int]) -> None:
+    for m, e in enumerate(experts):
+        dst[m].copy_(src[e], non_blocking=True)
+
+
+def copy_rows(n: int, mb: float, dev) -> list[str]:
+    """The table's rows for n experts of mb MB each."""
+    B = int(mb * 2**20) // 256 * 256
+    src = pinned_empty((32, B))
+    src.view(torch.int32).random_()
+    dst, dst2 = (torch.empty((n, B), dtype=torch.uint8, device=dev) for _ in range(2))
+    experts = list(range(3, 3 + 3 * n, 3))
+    ids = torch.tensor(experts, dtype=torch.int32, device=dev)
+    other, half, rows = torch.cuda.Stream(), n // 2, []
+
+    def row(way: str, s: float) -> None:
+        rows.append(f"| {n} | {B / 2**20:.1f} | {way} | {s * 1e3:.3f} | {n * B / s / 1e9:.1f} |")
+        print(rows[-1], flush=True)
+
+    def both() -> None:  # half the experts each way, at once
+        other.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(other):
+            copies(src, dst2, experts[:half])
+        fetch(src, dst, ids[half:], 32)
+        torch.cuda.current_stream().wait_stream(other)
+
+    row("copy engine", timed(lambda: copies(src, dst, experts)))
+    fetch(src, dst, ids, 16)
+    torch.cuda.synchronize()
+    assert torch.equal(dst[0].cpu(), src[experts[0]]), "the fetch kernel copied wrong bytes"
+    for p in (4, 8, 16, 32, 64, 128):
+        row(f"kernel, {p} programs an expert", timed(lambda p=p: fetch(src, dst, ids, p)))
+    row("half copy engine, half kernel (32 programs)", timed(both))
+    return rows
+
+
+def gemv_rows(name: str, rows: int, cols: int, bits: int, dev) -> list[str]:
+    spec = quant.QuantSpec(bits, 64 if bits == 4 else 32, 128)
+    w = quant.random_qmatrix(rows, cols, spec, torch.Generator(device="cpu").manual_seed(0))
+    nbytes = sum(t.nbytes for t in w.tensors().values())
+    x = torch.randn(1, cols, dtype=torch.bfloat16, device=dev)
+    out = torch.empty(1, rows, dtype=torch.bfloat16, device=dev)
+    on_dev = quant.QMatrix.from_tensors(w.info(), {k: t.to(dev) for k, t in w.tensors().items()})
+    on_host = quant.QMatrix.from_tensors(w.info(), {k: t.pin_memory() for k, t in w.tensors().items()})
+    lines = []
+    for where, m in (("device", on_dev), ("host (pinned)", on_host)):
+        s = timed(lambda m=m: hqq_gpu.gemv(x, m, out))
+        lines.append(f"| {name} | {where} | {s * 1e6:.1f} | {nbytes / s / 1e9:.1f} |")
+        print(lines[-1], flush=True)
+    ref = hqq_gpu.gemv(x, on_dev, torch.empty_like(out))
+    assert torch.equal(hqq_gpu.gemv(x, on_host, out), ref), "the GEMV from host memory differs"
+    return lines
+
+
+def main(out_path: str | None = None) -> int:
+    dev = torch.device("cuda")
+    lines = [f"# Zero-copy reads of experts ({torch.cuda.get_device_name(dev)})", ""]
+    lines += ["| experts | MB each | way | ms | GB/s |", "|---|---|---|---|---|"]
+    for n, mb in ((8, 2.5), (4, 13.0), (2, 55.0)):  # Qwen3-30B-A3B 4-bit, gpt-oss-20b MXFP4, Mixtral 2-bit
+        lines += copy_rows(n, mb, dev)
+    lines += ["", "| matrix | where | us | GB/s |", "|---|---|---|---|"]
+    for shape in (("Qwen3 w1 768x2048 4-bit g64", 768, 2048, 4), ("Qwen3 w2 2048x768 4-bit g64", 2048, 768, 4),
+                  ("Mixtral w1 14336x4096 2-bit g32", 14336, 4096, 2)):
+        lines += gemv_rows(*shape, dev)
+    if out_path:
+        with open(out_path, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))
