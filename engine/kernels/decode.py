@@ -46,6 +46,7 @@ class FusedOps(EagerOps):
         super().__init__(model)
         cfg, dev, dt = model.cfg, model.device, model.dtype
         self.grouped = grouped
+        self.stream = False  # experts(): those not in place read where they lie in host memory (GraphedDecode.streams)
         self.attn = torch.zeros(1, cfg.num_heads * cfg.head_dim, dtype=dt, device=dev)
         self.k_new = torch.zeros(1, cfg.num_kv_heads * cfg.head_dim, dtype=dt, device=dev)
         self.v_new = torch.zeros_like(self.k_new)
@@ -151,7 +152,8 @@ class FusedOps(EagerOps):
             torch.index_select(ids, 0, self.at[:n], out=self.at_ids[:n])
             torch.index_select(weights, 0, self.at[:n], out=self.at_weights[:n])
             ids, weights = self.at_ids[:n], self.at_weights[:n]
-        self.moe_decode(s.h, cache.slot_weights(mi, 0), cache.slot_bytes, ids, weights, cache.device_table(mi), s.out)
+        self.moe_decode(s.h, cache.slot_weights(mi, 0), cache.slot_bytes, ids, weights, cache.device_table(mi), s.out,
+                        cache.host_offset(mi) if self.stream else None)
 
     def late_experts(self, mi: int, s: Step, n: int) -> None:
         """After experts() ran with some routed experts not in place (-1 in the table): those at
@@ -189,13 +191,15 @@ class FusedOps(EagerOps):
             return self.m.cfg.expert_act == "clamped_swiglu" and mxfp4_gpu.moe_supported(experts)
         return self.m.cfg.expert_act == "silu" and hqq_gpu.moe_supported(experts)
 
-    def moe_decode(self, h, experts: dict, slot_bytes: int, ids, weights, table, out) -> None:
-        """The grouped kernel of the experts' format (grouped_supported): out = their weighted sum."""
+    def moe_decode(self, h, experts: dict, slot_bytes: int, ids, weights, table, out, host_off: int | None = None) -> None:
+        """The grouped kernel of the experts' format (grouped_supported): out = their weighted sum;
+        host_off: the experts not in place read from host memory (hqq_gpu.moe_decode's)."""
         if isinstance(experts["w1"], Mxfp4Matrix):
             cfg = self.m.cfg
-            mxfp4_gpu.moe_decode(h, experts, slot_bytes, ids, weights, table, out, cfg.swiglu_alpha, cfg.swiglu_limit)
+            mxfp4_gpu.moe_decode(h, experts, slot_bytes, ids, weights, table, out, cfg.swiglu_alpha, cfg.swiglu_limit,
+                                 host_off=host_off)
         else:
-            hqq_gpu.moe_decode(h, experts, slot_bytes, ids, weights, table, out)
+            hqq_gpu.moe_decode(h, experts, slot_bytes, ids, weights, table, out, host_off=host_off)
 
 
 

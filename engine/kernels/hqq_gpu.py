@@ -334,7 +334,8 @@ def gemv_pair(x: torch.Tensor, a: QMatrix, b: QMatrix, out_a: torch.Tensor, out_
 
 def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tensor,
                weights: torch.Tensor, table: torch.Tensor, out: torch.Tensor,
-               cfg: tuple[dict, dict] | None = None, late: torch.Tensor | None = None) -> torch.Tensor:
+               cfg: tuple[dict, dict] | None = None, late: torch.Tensor | None = None,
+               host_off: int | None = None) -> torch.Tensor:
     """One token through its routed experts in two launches, with no host sync:
     out [1, H] = sum_k weights[k] * w2(silu(w1 h) * w3 h) of expert ids[k].
 
@@ -349,6 +350,9 @@ def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tenso
     the host has read the routing. `late` [n] (device) then runs only the experts at those top-k
     positions, now in place, and writes out from every position's result: the others' stayed in
     the down kernel's partials since that launch, so out is summed in the same order either way.
+    With host_off (bytes from slot 0 to expert 0 of the layer's page-locked home in host memory,
+    whose experts lie slot_bytes apart) an expert not in place is read there instead, over the
+    link (expert_cache.ExpertCache.host_offset), and out is always written.
     """
     w1, w3, w2 = experts["w1"], experts["w3"], experts["w2"]
     topk = ids.numel()
@@ -363,19 +367,20 @@ def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tenso
         w1.rows, w1.cols, w1.bits, w1.group_size, sms, up_cfg, 2 * topk, h.dtype == torch.float32)
     ws = _scratch.get("partials", topk * split * 2 * w1.rows, torch.float32, h.device)
     cnt = _scratch.get("counters", topk * n_j, torch.int32, h.device, zero=True)
-    _moe_up_kernel[(n_j, split, launched)](x, act, ids, at, table, slot_bytes, *_common_args(w1),
+    stream = host_off is not None
+    _moe_up_kernel[(n_j, split, launched)](x, act, ids, at, table, slot_bytes, host_off or 0, *_common_args(w1),
                                            *_common_args(w3), ws, cnt, *_sizes(w1), k_per_split, split,
                                            TOPK=topk, SPLIT=split > 1, LATE=late is not None, **_format(w1, bk),
-                                           **consts)
+                                           STREAM=stream, **consts)
     # down: the weighted sum of w2 act[k]; its partials outlive the launch (for `late`)
     n_j, split, k_per_split, bk, consts = _gemv_launch(
         w2.rows, w2.cols, w2.bits, w2.group_size, sms, down_cfg, topk, h.dtype == torch.float32)
     ws = _scratch.get("down_partials", topk * split * w2.rows, torch.float32, h.device)
     cnt = _scratch.get("counters", n_j, torch.int32, h.device, zero=True)
-    _moe_down_kernel[(n_j, split, launched)](act, out, ids, at, weights, table, slot_bytes, *_common_args(w2), ws,
-                                             cnt, *_sizes(w2), k_per_split, split, launched * split, TOPK=topk,
-                                             LATE=late is not None, PAIRS=False, SPLIT=split > 1,
-                                             **_format(w2, bk), **consts)
+    _moe_down_kernel[(n_j, split, launched)](act, out, ids, at, weights, table, slot_bytes, host_off or 0,
+                                             *_common_args(w2), ws, cnt, *_sizes(w2), k_per_split, split,
+                                             launched * split, TOPK=topk, LATE=late is not None, PAIRS=False,
+                                             SPLIT=split > 1, STREAM=stream, **_format(w2, bk), **consts)
     return out
 
 
@@ -396,15 +401,15 @@ def moe_prompt(h: torch.Tensor, experts: dict, slot_bytes: int, slots: torch.Ten
     n_j, split, k_per_split, bk, consts = _gemv_launch(
         w1.rows, w1.cols, w1.bits, w1.group_size, sms, None, 2 * n, exact)
     ws, cnt = _split_scratch("partials", split, pairs * 2 * w1.rows, pairs * n_j, h.device)
-    _moe_up_kernel[(n_j, split, n)](h, act, positions, at, slots, slot_bytes, *_common_args(w1), *_common_args(w3),
+    _moe_up_kernel[(n_j, split, n)](h, act, positions, at, slots, slot_bytes, 0, *_common_args(w1), *_common_args(w3),
                                     ws, cnt, *_sizes(w1), k_per_split, split, TOPK=topk, SPLIT=split > 1,
-                                    LATE=True, **_format(w1, bk), **consts)
+                                    LATE=True, STREAM=False, **_format(w1, bk), **consts)
     n_j, split, k_per_split, bk, consts = _gemv_launch(
         w2.rows, w2.cols, w2.bits, w2.group_size, sms, None, n, exact)
     ws, cnt = _split_scratch("down_partials", split, pairs * w2.rows, pairs * n_j, h.device)
-    _moe_down_kernel[(n_j, split, n)](act, y, positions, at, slots, slots, slot_bytes, *_common_args(w2), ws, cnt,
+    _moe_down_kernel[(n_j, split, n)](act, y, positions, at, slots, slots, slot_bytes, 0, *_common_args(w2), ws, cnt,
                                       *_sizes(w2), k_per_split, split, 0, TOPK=topk, LATE=True, PAIRS=True, SPLIT=split > 1,
-                                      **_format(w2, bk), **consts)
+                                      STREAM=False, **_format(w2, bk), **consts)
     return y
 
 
@@ -838,15 +843,22 @@ if triton is not None:
     # -- one token through a layer's routed experts, with the expert chosen on the device ---------
 
     @triton.jit
-    def _at_slot(ptr, slot, slot_bytes):
-        """The same field in cache slot `slot`: slots are slot_bytes apart."""
-        return ptr + slot * (slot_bytes // (ptr.dtype.element_ty.primitive_bitwidth // 8))
+    def _at(ptr, off):
+        """The same field `off` bytes further (in another cache slot, or in host memory)."""
+        return ptr + off // (ptr.dtype.element_ty.primitive_bitwidth // 8)
 
     @triton.jit
-    def _routed_slot(ids_ptr, table_ptr, kpos):
-        """Cache slot (int64) of the expert at top-k position kpos: table[ids[kpos]]; slot 0
-        for an expert not in place (-1), whose result is then not used."""
-        return tl.maximum(tl.load(table_ptr + tl.load(ids_ptr + kpos)), 0).to(tl.int64)
+    def _routed_offset(ids_ptr, table_ptr, kpos, slot_bytes, host_off, STREAM: tl.constexpr):
+        """Bytes from cache slot 0 to the expert at top-k position kpos (int64): to its slot,
+        table[ids[kpos]] (slots lie slot_bytes apart). An expert not in place (-1) is read from
+        slot 0, and its result not used; with STREAM it is read where it lies in host memory
+        instead (page-locked, over the link): expert e lies host_off + e * slot_bytes bytes
+        from slot 0."""
+        e = tl.load(ids_ptr + kpos).to(tl.int64)
+        slot = tl.load(table_ptr + e).to(tl.int64)
+        if STREAM:
+            return tl.where(slot >= 0, slot, e) * slot_bytes + tl.where(slot >= 0, 0, host_off)
+        return tl.maximum(slot, 0) * slot_bytes
 
     @triton.jit
     def _position(at_ptr, LATE: tl.constexpr):
@@ -856,11 +868,13 @@ if triton is not None:
         return tl.program_id(2)
 
     @triton.jit
-    def _all_in_place(ids_ptr, table_ptr, TOPK: tl.constexpr):
-        """Whether every routed expert has a slot in the table (none is -1)."""
+    def _all_in_place(ids_ptr, table_ptr, TOPK: tl.constexpr, STREAM: tl.constexpr):
+        """Whether every routed expert has a slot in the table (none is -1), or is read from
+        host memory (STREAM)."""
         ok = True
-        for m in tl.static_range(TOPK):
-            ok = ok & (tl.load(table_ptr + tl.load(ids_ptr + m)) >= 0)
+        if not STREAM:
+            for m in tl.static_range(TOPK):
+                ok = ok & (tl.load(table_ptr + tl.load(ids_ptr + m)) >= 0)
         return ok
 
     @triton.jit
@@ -871,25 +885,25 @@ if triton is not None:
         return (s * b.to(dt).to(tl.float32)).to(dt)
 
     @triton.jit
-    def _moe_up_kernel(x_ptr, act_ptr, ids_ptr, at_ptr, table_ptr, slot_bytes,
+    def _moe_up_kernel(x_ptr, act_ptr, ids_ptr, at_ptr, table_ptr, slot_bytes, host_off,
                        a0, a1, a_s, a_z, a_sm, a_zm, b0, b1, b_s, b_z, b_sm, b_zm, ws_ptr, cnt_ptr,
                        G, rows, cols, Ms, Mz, k_per_split, n_split,
                        W0: tl.constexpr, W1: tl.constexpr, GS: tl.constexpr, TOPK: tl.constexpr,
                        SPLIT: tl.constexpr, LATE: tl.constexpr, SMODE: tl.constexpr, ZMODE: tl.constexpr,
                        BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr, NQ: tl.constexpr,
-                       H2: tl.constexpr, EVEN: tl.constexpr):
+                       H2: tl.constexpr, EVEN: tl.constexpr, STREAM: tl.constexpr):
         """act[kpos] = silu(x @ W1.T) * (x @ W3.T) for the expert at position kpos (_position)
         of the routing [tokens, TOPK], x its token's row (a decoded token's: kpos < TOPK); W1
         and W3 are read in the same loop. Split-K as _finish, per kpos."""
         pid_k, kpos = tl.program_id(1), _position(at_ptr, LATE)
-        slot = _routed_slot(ids_ptr, table_ptr, kpos)
+        off = _routed_offset(ids_ptr, table_ptr, kpos, slot_bytes, host_off, STREAM)
         ya, yb, n, j = _gemv_tiles(
-            x_ptr + (kpos // TOPK) * cols, _at_slot(a0, slot, slot_bytes), _at_slot(a1, slot, slot_bytes),
-            _at_slot(a_s, slot, slot_bytes), _at_slot(a_z, slot, slot_bytes),
-            _at_slot(a_sm, slot, slot_bytes), _at_slot(a_zm, slot, slot_bytes),
-            _at_slot(b0, slot, slot_bytes), _at_slot(b1, slot, slot_bytes),
-            _at_slot(b_s, slot, slot_bytes), _at_slot(b_z, slot, slot_bytes),
-            _at_slot(b_sm, slot, slot_bytes), _at_slot(b_zm, slot, slot_bytes),
+            x_ptr + (kpos // TOPK) * cols, _at(a0, off), _at(a1, off),
+            _at(a_s, off), _at(a_z, off),
+            _at(a_sm, off), _at(a_zm, off),
+            _at(b0, off), _at(b1, off),
+            _at(b_s, off), _at(b_z, off),
+            _at(b_sm, off), _at(b_zm, off),
             G, cols, Ms, Mz, k_per_split, tl.program_id(0), pid_k,
             True, W0, W1, GS, SMODE, ZMODE, BJ, BKO, KV, NQ, H2, EVEN)
         cnt = cnt_ptr + kpos * tl.num_programs(0) + tl.program_id(0)
@@ -908,13 +922,13 @@ if triton is not None:
         return kr
 
     @triton.jit
-    def _moe_down_kernel(act_ptr, out_ptr, ids_ptr, at_ptr, weights_ptr, table_ptr, slot_bytes,
+    def _moe_down_kernel(act_ptr, out_ptr, ids_ptr, at_ptr, weights_ptr, table_ptr, slot_bytes, host_off,
                          p0, p1, s_ptr, z_ptr, sm_ptr, zm_ptr, ws_ptr, cnt_ptr,
                          G, rows, cols, Ms, Mz, k_per_split, n_split, parts,
                          W0: tl.constexpr, W1: tl.constexpr, GS: tl.constexpr,
                          SMODE: tl.constexpr, ZMODE: tl.constexpr, TOPK: tl.constexpr, LATE: tl.constexpr,
                          PAIRS: tl.constexpr, SPLIT: tl.constexpr, BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr,
-                         NQ: tl.constexpr, H2: tl.constexpr, EVEN: tl.constexpr):
+                         NQ: tl.constexpr, H2: tl.constexpr, EVEN: tl.constexpr, STREAM: tl.constexpr):
         """out = sum over the top-k of weight[kpos] * (act[kpos] @ W2.T), kpos from _position.
         Every (split, kpos) program stores a partial; the last of the `parts` programs of a row
         tile adds up all TOPK positions' partials as the eager path does: each expert's output
@@ -922,11 +936,11 @@ if triton is not None:
         (transformers' order). It writes out only when every routed expert was in place.
         PAIRS (moe_prompt): out[kpos] = act[kpos] @ W2.T instead, each position's own row."""
         pid_k, kpos = tl.program_id(1), _position(at_ptr, LATE)
-        slot = _routed_slot(ids_ptr, table_ptr, kpos)
+        off = _routed_offset(ids_ptr, table_ptr, kpos, slot_bytes, host_off, STREAM)
         y, _, n, j = _gemv_tiles(
-            act_ptr + kpos * cols, _at_slot(p0, slot, slot_bytes), _at_slot(p1, slot, slot_bytes),
-            _at_slot(s_ptr, slot, slot_bytes), _at_slot(z_ptr, slot, slot_bytes),
-            _at_slot(sm_ptr, slot, slot_bytes), _at_slot(zm_ptr, slot, slot_bytes),
+            act_ptr + kpos * cols, _at(p0, off), _at(p1, off),
+            _at(s_ptr, off), _at(z_ptr, off),
+            _at(sm_ptr, off), _at(zm_ptr, off),
             p0, p1, s_ptr, z_ptr, sm_ptr, zm_ptr,
             G, cols, Ms, Mz, k_per_split, tl.program_id(0), pid_k,
             False, W0, W1, GS, SMODE, ZMODE, BJ, BKO, KV, NQ, H2, EVEN)
@@ -939,7 +953,7 @@ if triton is not None:
         tl.debug_barrier()
         cnt = cnt_ptr + tl.program_id(0)
         if tl.atomic_add(cnt, 1) == parts - 1:
-            if _all_in_place(ids_ptr, table_ptr, TOPK):
+            if _all_in_place(ids_ptr, table_ptr, TOPK, STREAM):
                 dt: tl.constexpr = out_ptr.dtype.element_ty
                 total = tl.zeros(y.shape, tl.float32)
                 for r in tl.static_range(TOPK):

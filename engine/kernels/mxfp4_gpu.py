@@ -49,7 +49,7 @@ from moeferry.engine.kernels import hqq_gpu
 from moeferry.engine.kernels.hqq_gpu import KERNEL_CHOICES, tl, triton
 
 if triton is not None:
-    from moeferry.engine.kernels.hqq_gpu import _at_slot, _pack_h2, _position_of_rank, _routed_slot, _unpack_h2_sum
+    from moeferry.engine.kernels.hqq_gpu import _at, _pack_h2, _position_of_rank, _routed_offset, _unpack_h2_sum
 from moeferry.engine.storage.mxfp4 import BLOCK, Mxfp4Matrix, dequantize
 
 # Set when these kernels failed at run time: "auto" then dequantizes for the rest of the process.
@@ -160,7 +160,7 @@ def moe_supported(experts: dict) -> bool:
 
 def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tensor, weights: torch.Tensor,
                table: torch.Tensor, out: torch.Tensor, alpha: float, limit: float,
-               cfg: tuple[dict, dict] | None = None) -> torch.Tensor:
+               cfg: tuple[dict, dict] | None = None, host_off: int | None = None) -> torch.Tensor:
     """One token through its routed experts, no host sync: out [1, H] = sum over k of
     weights[k] * (w2 clamped_swiglu(w1 h + b1, w3 h + b3) + b2) of expert ids[k], added in
     ascending expert order (the eager path's, step for step in out's dtype).
@@ -170,6 +170,7 @@ def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tenso
     ids [k] (device), so one CUDA graph of this serves any routing. cfg: (up, down) launch
     parameters as gemv_config's, to override the defaults (benchmarks/mxfp4_sweep.py).
     With H2, h and then the activations go through pack_x first (four launches, not two).
+    host_off: an expert not in place is read from host memory (hqq_gpu.moe_decode's host_off).
     """
     w1, w3, w2 = experts["w1"], experts["w3"], experts["w2"]
     topk = ids.numel()
@@ -177,13 +178,14 @@ def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tenso
     up, down = cfg or (gemv_config(w1.rows, w1.cols, h.dtype), gemv_config(w2.rows, w2.cols, h.dtype, br=4, nb=32))
     pairs, amax = pack_x(h.view(1, -1), "mxfp4_h") if up["H2"] else (h, h)
     _moe_up_kernel[(triton.cdiv(w1.rows, up["BR"]), topk)](
-        h, pairs, amax, act, ids, table, slot_bytes, w1.blocks, w1.scales, experts["b1"], w3.blocks, w3.scales,
+        h, pairs, amax, act, ids, table, slot_bytes, host_off or 0, w1.blocks, w1.scales, experts["b1"], w3.blocks, w3.scales,
         experts["b3"], w1.rows, w1.cols // BLOCK, alpha, limit, BR=up["BR"], NB=up["NB"], H2=up["H2"],
-        num_warps=up["num_warps"])
+        STREAM=host_off is not None, num_warps=up["num_warps"])
     pairs, amax = pack_x(act.view(topk, w2.cols), "mxfp4_act") if down["H2"] else (act, act)
     _moe_down_kernel[(triton.cdiv(w2.rows, down["BR"]),)](
-        act, pairs, amax, out, ids, weights, table, slot_bytes, w2.blocks, w2.scales, experts["b2"], w2.rows,
-        w2.cols // BLOCK, TOPK=topk, BR=down["BR"], NB=down["NB"], H2=down["H2"], num_warps=down["num_warps"])
+        act, pairs, amax, out, ids, weights, table, slot_bytes, host_off or 0, w2.blocks, w2.scales, experts["b2"],
+        w2.rows, w2.cols // BLOCK, TOPK=topk, BR=down["BR"], NB=down["NB"], H2=down["H2"], STREAM=host_off is not None,
+        num_warps=down["num_warps"])
     return out
 
 
@@ -390,28 +392,28 @@ if triton is not None:
         return _round(_round(up + 1.0, dt) * glu, dt)
 
     @triton.jit
-    def _moe_up_kernel(x_ptr, pairs_ptr, amax_ptr, act_ptr, ids_ptr, table_ptr, slot_bytes, b1_ptr, s1_ptr,
+    def _moe_up_kernel(x_ptr, pairs_ptr, amax_ptr, act_ptr, ids_ptr, table_ptr, slot_bytes, host_off, b1_ptr, s1_ptr,
                        bias1_ptr, b3_ptr, s3_ptr, bias3_ptr, rows, nblk, alpha, limit, BR: tl.constexpr,
-                       NB: tl.constexpr, H2: tl.constexpr):
+                       NB: tl.constexpr, H2: tl.constexpr, STREAM: tl.constexpr):
         """act[kpos] = clamped_swiglu(x W1.T + b1, x W3.T + b3) of the expert at top-k position
         kpos (grid axis 1), rows [pid BR, +BR)."""
         kpos = tl.program_id(1)
-        slot = _routed_slot(ids_ptr, table_ptr, kpos)
+        off = _routed_offset(ids_ptr, table_ptr, kpos, slot_bytes, host_off, STREAM)
         dt: tl.constexpr = act_ptr.dtype.element_ty
         r = tl.program_id(0) * BR + tl.arange(0, BR)
         mask = r < rows
-        gate = _rows(x_ptr, pairs_ptr, amax_ptr, _at_slot(b1_ptr, slot, slot_bytes),
-                     _at_slot(s1_ptr, slot, slot_bytes), r, rows, nblk, NB, H2)
-        up = _rows(x_ptr, pairs_ptr, amax_ptr, _at_slot(b3_ptr, slot, slot_bytes),
-                   _at_slot(s3_ptr, slot, slot_bytes), r, rows, nblk, NB, H2)
-        gate = _biased(gate, _at_slot(bias1_ptr, slot, slot_bytes), r, mask, dt)
-        up = _biased(up, _at_slot(bias3_ptr, slot, slot_bytes), r, mask, dt)
+        gate = _rows(x_ptr, pairs_ptr, amax_ptr, _at(b1_ptr, off),
+                     _at(s1_ptr, off), r, rows, nblk, NB, H2)
+        up = _rows(x_ptr, pairs_ptr, amax_ptr, _at(b3_ptr, off),
+                   _at(s3_ptr, off), r, rows, nblk, NB, H2)
+        gate = _biased(gate, _at(bias1_ptr, off), r, mask, dt)
+        up = _biased(up, _at(bias3_ptr, off), r, mask, dt)
         tl.store(act_ptr + kpos * rows + r, _clamped_swiglu(gate, up, alpha, limit, dt).to(dt), mask=mask)
 
     @triton.jit
-    def _moe_down_kernel(act_ptr, pairs_ptr, amax_ptr, out_ptr, ids_ptr, weights_ptr, table_ptr, slot_bytes,
+    def _moe_down_kernel(act_ptr, pairs_ptr, amax_ptr, out_ptr, ids_ptr, weights_ptr, table_ptr, slot_bytes, host_off,
                          b_ptr, s_ptr, bias_ptr, rows, nblk, TOPK: tl.constexpr, BR: tl.constexpr,
-                         NB: tl.constexpr, H2: tl.constexpr):
+                         NB: tl.constexpr, H2: tl.constexpr, STREAM: tl.constexpr):
         """out rows [pid BR, +BR) = the weighted sum over the top-k of act[kpos] W2.T + b2, each
         expert's output rounded to out's dtype, times its weight, rounded, added in ascending
         expert order (the eager path's order: out starts at zero)."""
@@ -421,9 +423,9 @@ if triton is not None:
         total = tl.zeros((BR,), tl.float32)
         for rank in tl.static_range(TOPK):
             kr = _position_of_rank(ids_ptr, rank, TOPK)
-            slot = _routed_slot(ids_ptr, table_ptr, kr)
+            off = _routed_offset(ids_ptr, table_ptr, kr, slot_bytes, host_off, STREAM)
             y = _rows(act_ptr + kr * (nblk * _B), pairs_ptr + kr * (nblk * 16), amax_ptr + kr * nblk,
-                      _at_slot(b_ptr, slot, slot_bytes), _at_slot(s_ptr, slot, slot_bytes), r, rows, nblk, NB, H2)
-            y = _biased(y, _at_slot(bias_ptr, slot, slot_bytes), r, mask, dt)
+                      _at(b_ptr, off), _at(s_ptr, off), r, rows, nblk, NB, H2)
+            y = _biased(y, _at(bias_ptr, off), r, mask, dt)
             total = _round(total + _round(y * tl.load(weights_ptr + kr), dt), dt)
         tl.store(out_ptr + r, total.to(dt), mask=mask)

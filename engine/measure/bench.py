@@ -339,12 +339,15 @@ class Synthetic:
         return model
 
 
+MODES = ("naive", "lru", "full", "hybrid", "stream")  # the ladder's rows (measure's modes)
 SPLIT_TOKENS = 24  # decoded after the timed ones with the layer split's marks on
 
 
 def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, routing=None, pace: int = 0,
-             graphs=True, cpu_copies=None, link_gbps=None, extra_slot_layers: int = 0):
-    """(first token s, decode s, cache stats of the decode, peak device bytes, guess recall by distance)."""
+             graphs=True, cpu_copies=None, link_gbps=None, extra_slot_layers: int = 0, stream: bool = False):
+    """(first token s, decode s, cache stats of the decode, peak device bytes, guess recall by distance).
+    stream: decode reads the misses from host memory (model.stream_misses; d["streamed"] says
+    whether it could)."""
     device = s.device
     sync(device)
     gc.collect()  # the previous mode's cache and graphs
@@ -358,7 +361,8 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
         if link_gbps and model.hybrid.costs is not None:  # the paced link is the one it must plan for
             model.hybrid.costs.link_gbps = min(model.hybrid.costs.link_gbps, link_gbps)
     costs_at_load = asdict(model.hybrid.costs) if model.hybrid is not None and model.hybrid.costs else None
-    split = 0 if model.cache.holds_every_expert else SPLIT_TOKENS
+    model.stream_misses = stream
+    split = 0 if model.cache.holds_every_expert or stream else SPLIT_TOKENS  # a one-graph token has no host marks
     model.setup_kv(len(prompt) + new_tokens + split)
     use_cuda_graphs(model, graphs and kernels == "fused")  # the reference path stays eager, as HQQ's
     if model.graphs is not None:
@@ -375,9 +379,12 @@ def run_mode(s: Synthetic, policy, k, prefetch, kernels, prompt, new_tokens, rou
     tok = [tok, *model.decode_greedy(tok, len(prompt), new_tokens - 1)][-1]  # as Engine's greedy loop
     sync(device)
     decode = time.perf_counter() - t1
+    if model.graphs is not None:
+        model.graphs.count_streamed()
     after = asdict(model.cache.stats)
     d = {key: after[key] - before[key] for key in after}
     d["device_used_bytes"] = gpu_memory(device)[0]
+    d["streamed"] = model.graphs is not None and model.graphs.streams
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else model.cache.device_bytes()
     recall = routing.recall() if routing is not None else {}
     if model.hybrid is not None:  # the decode's CPU work alone (a prefill job reads its expert once for many tokens)
@@ -528,7 +535,10 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
                                                       cond.routing_source(cfg, device, max(depth, 1)), cycles,
                                                       cpu_copies=s.cpu_copies if mode == "hybrid" else None,
                                                       link_gbps=cond.h2d_gbps,
-                                                      extra_slot_layers=0 if mode == "naive" else sizes[kern][1])
+                                                      extra_slot_layers=0 if mode == "naive" else sizes[kern][1],
+                                                      stream=mode == "stream")
+            if mode == "stream" and not d["streamed"]:
+                log(f"  stream {kern}: the experts could not be read from host memory here; the misses were copied")
             recall = {dd: v for dd, v in recall.items() if dd <= depth}  # the guesses prefetch used
             results.append(mode_result(mode, kern, kk, depth, first, decode, d, peak, recall, new_tokens,
                                        link_bytes_per_s(link), compute[kern], budget))
@@ -719,7 +729,8 @@ def cli_bench(argv: list[str]) -> int:
     p.add_argument("--attn-bits", type=int, default=4, choices=(4, 8), help="bits per attention weight")
     p.add_argument("--prompt-len", default="128", help="one or several, comma-separated")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per measurement")
-    p.add_argument("--modes", default="naive,lru,full", help="naive, lru, full, hybrid (full + CPU experts)")
+    p.add_argument("--modes", default="naive,lru,full",
+                   help="naive, lru, full, hybrid (full + CPU experts), stream (misses read from host memory)")
     p.add_argument("--kernels", default="reference,fused", help="comma-separated: reference, fused")
     p.add_argument("--prefetch", type=int, default=1, help="layers ahead to prefetch experts (0 = off)")
     p.add_argument("--routing", default="uniform",
@@ -749,6 +760,8 @@ def cli_bench(argv: list[str]) -> int:
     # a bad --routing (or a trace too short for the run) fails before the build
     source = routing_mod.parse_routing(a.routing, shape_config(a.model, a.layers), "cpu",
                                        a.guess_recall, a.prefetch)
+    if unknown := [m for m in a.modes.split(",") if m not in MODES]:
+        raise UserError(f"Unknown mode {unknown[0]!r} in --modes; choose from {', '.join(MODES)}.")
     need = max(int(x) for x in str(a.prompt_len).split(",")) + a.new_tokens
     if isinstance(source, routing_mod.TraceRouting) and source.trace.num_tokens < need:
         raise UserError(f"The trace holds {source.trace.num_tokens} tokens and this run needs {need}; record "

@@ -13,6 +13,9 @@ run, else on the eager operations. The routed experts run in one of three ways, 
     with no host sync until the logits. Greedy decoding (decode_greedy) then uses a variant
     that reads the token's embedding on the device and ends with the argmax into the next
     token's slot, so the host queues token t+1's graph before it reads token t;
+  * the same ONE graph at any cache size with `model.stream_misses` (STREAM_MISSES): the cache
+    stays as the prompt left it, and the grouped kernel reads an expert it does not hold where
+    it lies in page-locked host memory, over the link (the GPU's own loads, no copy engine);
   * the grouped expert kernel (FusedOps.moe_decode, where the cache's expert format allows it):
     one graph per layer runs all routed experts (reading each one's slot from the cache's
     device table). With HQQ experts it runs before the host reads the routing, on the experts
@@ -41,6 +44,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from moeferry.engine.kernels import hqq_gpu
@@ -49,6 +53,7 @@ from moeferry.engine.runtime.model import EagerOps, attention_options, distinct_
 
 HITS_FIRST = True  # the developer benchmark (benchmarks/hits_first_ab.py) turns it off to compare
 RUN_AHEAD = True  # benchmarks/token_anatomy.py turns it off to compare
+STREAM_MISSES = True  # with model.stream_misses: the one-graph token at any cache size (streams)
 
 
 def use_cuda_graphs(model, on: bool = True) -> None:
@@ -70,6 +75,8 @@ class GraphedDecode:
         self.ring = [torch.zeros(1, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
         self.ring_ready = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self.runs_ahead = False  # set per expert cache in check_keys
+        self.streams = False  # a one-graph token whose misses are read from host memory (check_keys)
+        self.streamed: list[torch.Tensor] = []  # streaming tokens' routing, not yet counted (count_streamed)
         moe = max(1, cfg.num_moe_layers)  # a forced routing's choice: weights, ids, guesses [.., D, k]
         self.forced = (torch.zeros(moe, cfg.top_k, dtype=torch.float32, device=dev),
                        distinct_ids((moe, cfg.top_k), dev), distinct_ids((moe, 1, cfg.top_k), dev))
@@ -181,16 +188,37 @@ class GraphedDecode:
             if m.prefetch_depth and not self.one_graph:
                 self.forced[2].copy_(guesses[:, :self.forced[2].shape[1]])
         s.forced = self.forced if forced else None
-        if self.one_graph:
-            m.cache.sync_tables()  # once: a fully resident cache never changes
+        if self.one_graph:  # the cache does not change while its graphs run (the prompt may have changed it)
+            m.cache.settle()
+            m.cache.sync_tables()
         return forced
 
     def token_done(self) -> None:
-        """A one-graph token's cache counts and trace entry (read at model.take_trace, not now)."""
+        """A one-graph token's cache counts and trace entry (read at model.take_trace, not now);
+        a streaming token's counts wait for count_streamed."""
         m = self.m
-        m.cache.count_hits(m.cfg.num_moe_layers * m.cfg.top_k)
+        ids = self.s.ids[:m.cfg.num_moe_layers, 0]
+        if self.streams:
+            self.streamed.append(ids.clone())
+        else:
+            m.cache.count_hits(m.cfg.num_moe_layers * m.cfg.top_k)
         if m.trace is not None:
-            m.trace.append((self.s.ids[:m.cfg.num_moe_layers, 0].clone(), self.resident))
+            resident = [m.cache.resident(i) for i in range(m.cfg.num_moe_layers)] if self.streams else self.resident
+            m.trace.append((ids.clone(), resident))
+
+    def count_streamed(self) -> None:
+        """Add the streaming tokens' hits and misses (experts read over the link) to the cache's
+        counts, their routing read now rather than once a token."""
+        if not self.streamed:
+            return
+        cache = self.m.cache
+        ids = torch.stack(self.streamed).cpu().numpy()  # [tokens, MoE layers, top-k]
+        self.streamed = []
+        held = cache.table_np[np.arange(ids.shape[1])[None, :, None], ids] >= 0
+        misses = int(held.size - held.sum())
+        cache.stats.hits += int(held.sum())
+        cache.stats.misses += misses
+        cache.stats.bytes_h2d += misses * cache.slot_bytes
 
     def ahead_segment(self) -> None:
         """token_segment for the token in s.tokens, whose embedding it reads (an embedding in
@@ -220,11 +248,15 @@ class GraphedDecode:
         m = self.m
         # with every expert resident there are no guesses: a new depth keeps the graphs
         depth = 0 if m.cache.holds_every_expert else m.prefetch_depth
-        key = (m.kv.serial, m.cache.serial, depth)
+        key = (m.kv.serial, m.cache.serial, depth, m.stream_misses)
         if key != self.key:
-            if self.key is None or key[1] != self.key[1]:  # a new expert cache
+            if self.key is None or key[1:] != self.key[1:]:  # a new expert cache, or streaming turned on or off
                 self.ops.grouped = self.fast and self.can_group()
-                self.one_graph = self.ops.grouped and m.cache.holds_every_expert
+                self.count_streamed()
+                self.streams = (STREAM_MISSES and m.stream_misses and self.ops.grouped and m.hybrid is None
+                                and not m.cache.holds_every_expert and self.can_stream())
+                self.ops.stream = self.streams
+                self.one_graph = self.ops.grouped and (m.cache.holds_every_expert or self.streams)
                 self.s.resident = self.one_graph
                 if self.one_graph:  # each MoE layer's experts in place, which then never change
                     self.resident = [m.cache.resident(i) for i in range(m.cfg.num_moe_layers)]
@@ -322,6 +354,17 @@ class GraphedDecode:
         self.graphs[key] = g
 
     # -- whether the fast paths work on this machine ----------------------------------------------
+
+    def can_stream(self) -> bool:
+        """Whether the grouped kernel can read experts where they lie in host memory (STREAM_MISSES)."""
+        m, cache, s = self.m, self.m.cache, self.s
+        host_off = cache.host_offset(0)
+        if host_off is None:
+            return False
+        absent = torch.full((m.cfg.num_experts,), -1, dtype=torch.int32, device=m.device)
+        return m.fast_path_works(lambda: self.ops.moe_decode(
+            s.h, cache.slot_weights(0, 0), cache.slot_bytes, torch.arange(m.cfg.top_k, device=m.device),
+            s.weights[0], absent, torch.empty_like(s.out), host_off), "experts read from host memory")
 
     def probe_decode_kernels(self) -> None:
         """Each fused kernel of the attention segment once, on scratch outputs."""

@@ -42,7 +42,7 @@ class CacheStats:
     misses: int = 0
     prefetch_issued: int = 0
     prefetch_used: int = 0
-    bytes_h2d: int = 0
+    bytes_h2d: int = 0  # over the link to the device: copies, and experts read where they lie (stream_misses)
     misses_cpu: int = 0  # misses computed on the CPU (engine/runtime/cpu_experts.py), counted in misses
     misses_both: int = 0  # of those, also copied in for later use
 
@@ -169,6 +169,23 @@ class ExpertCache:
     def device_table(self, layer: int) -> torch.Tensor:
         """The layer's expert -> slot table on the device [experts] int32 (kernels.moe_decode)."""
         return self.table[layer]
+
+    def host_offset(self, layer: int) -> int | None:
+        """Bytes from the layer's slot 0 to its expert 0 in host memory, for kernels that read
+        an expert not in place where it lies (experts lie slot_bytes apart there too); None
+        where the GPU cannot read it (not page-locked) or nothing lies there (every expert
+        resident)."""
+        if self.host is None or (self.cuda and not self.pinned):
+            return None
+        return self.host[layer].data_ptr() - self.layer_slots[layer].data_ptr()
+
+    def settle(self) -> None:
+        """Make the compute stream wait for every copy still landing (before work that reads
+        slots without acquiring them: a decode step that streams its misses)."""
+        for layer, landing in enumerate(self.landing_slots):
+            for slot in landing:
+                cuda_driver.wait(self._compute_handle(), self.ready_handles[layer][slot])
+            landing.clear()
 
     def sync_tables(self) -> None:
         for layer in list(self.table_dirty):

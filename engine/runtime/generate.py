@@ -341,6 +341,8 @@ class Engine:
             stats.decode_s = time.perf_counter() - t1
             if stats.new_tokens > 1:
                 stats.tokens_per_s = (stats.new_tokens - 1) / max(stats.decode_s, 1e-9)
+            if model.graphs is not None:  # a streaming token's counts wait for this
+                model.graphs.count_streamed()
             after = asdict(cache.stats)
             for ours, theirs in CACHE_STAT_NAMES.items():
                 setattr(stats, theirs, after[ours] - before[ours])

@@ -293,6 +293,9 @@ class OffloadedMixtral:
         self.routing = None  # engine/measure/routing.py: forces (or records) the router's choice
         self.graphs = None  # CUDA-graph decode, set by engine/runtime/decode_graphs.py use_cuda_graphs()
         self.hybrid = None  # engine/cpu_experts.CpuExperts: misses computed on the CPU, or None
+        # decode reads the experts the cache lacks where they lie in host memory, the whole token
+        # one CUDA graph (decode_graphs.STREAM_MISSES); the cache keeps what the prompt left in it
+        self.stream_misses = False
         self.embed = dense["model.embed_tokens.weight"]
         self.embed_on_host = self.embed.device.type != device.type
         # a decoded token's row, page-locked so that its copy to the GPU does not wait

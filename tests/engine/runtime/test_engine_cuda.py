@@ -111,6 +111,33 @@ def test_cuda_greedy_decode_runs_ahead_and_stops_cleanly(tmp_path, tied, monkeyp
     assert runs[True] == runs[False]
 
 
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_cuda_streamed_misses_give_the_tokens_of_copied_ones(tmp_path, family):
+    """2 of 6 experts cached (HQQ 4-bit), or 2 of gpt-oss's MXFP4 ones: the one-graph token that
+    reads each missing expert where it lies in page-locked host memory (model.stream_misses)
+    gives the greedy tokens of the decode that copies misses in, and runs ahead of the host."""
+    if family == "mixtral":
+        make_checkpoint(tmp_path / "ck", seed=8, num_key_value_heads=4, hidden_size=128, intermediate_size=256,
+                        num_local_experts=6, num_hidden_layers=3)
+        convert_checkpoint(tmp_path / "ck", tmp_path / "st", 4, 8, "cuda")
+    else:
+        from tests.engine.test_families import mxfp4_checkpoint
+        mxfp4_checkpoint(tmp_path / "ck")
+        convert_checkpoint(tmp_path / "ck", tmp_path / "st", 16, 16, "cuda")
+    greedy = SamplingSettings(temperature=0, max_new_tokens=24)
+    runs = {}
+    for stream in (False, True):
+        engine = load_engine(tmp_path / "st", device="cuda", dtype="float32", cache_experts=2, prefetch=1)
+        engine.model.stream_misses = stream
+        engine.eos_ids = set()
+        runs[stream] = list(engine.generate_ids(PROMPT, greedy))
+        assert engine.model.graphs.streams == stream and engine.model.runs_ahead() == stream
+        if stream:
+            assert engine.last_stats.cache_misses > 0
+        engine.close()
+    assert runs[True] == runs[False]
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_cuda_an_int8_head_gives_the_greedy_tokens_of_its_dequantized_reference(tmp_path, graphs, monkeypatch):
     """With quantized attention a large LM head is rounded to int8 on the GPU (here any head:

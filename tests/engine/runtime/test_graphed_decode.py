@@ -208,10 +208,11 @@ def test_mxfp4_experts_decode_on_the_grouped_kernel_as_the_eager_layer(tmp_path)
 def check_grouped_decode(store_dir, shared: bool, mxfp4: bool = False):
     """Greedy tokens of the graphed decode on the grouped expert kernel equal the eager forward's,
     with 2 experts cached per layer (a graph per layer; HQQ experts: hits first, the misses in a
-    late launch), 3 in the first two layers, and with all of them (the one-graph token)."""
+    late launch), 3 in the first two layers, with 2 and the misses read from host memory (the
+    one-graph token, the cache as the prompt left it), and with all of them (the one-graph token)."""
     greedy = SamplingSettings(temperature=0, max_new_tokens=NEW_TOKENS)
     E = None
-    for k, extra in ((2, 0), (2, 2), (None, 0)):
+    for k, extra, stream in ((2, 0, False), (2, 2, False), (2, 0, True), (None, 0, False)):
         engine = packed_engine(store_dir, k or 2, extra)
         E = engine.config.num_experts
         if k is None:  # every expert resident: the one-graph token
@@ -219,15 +220,21 @@ def check_grouped_decode(store_dir, shared: bool, mxfp4: bool = False):
         engine.set_prefetch(1)
         engine.model.kernels = "reference"
         want = list(engine.generate_ids(PROMPT, greedy))
+        engine.model.stream_misses = stream
         g = graphed(engine.model, "fused")
         g.prepare(64)
         engine.cached_ids = []
-        assert list(engine.generate_ids(PROMPT, greedy)) == want, f"K={k or E}, {extra} layers with one more"
-        assert g.grouped and g.one_graph == (k is None)
-        assert g.ops.hits_first == (k is not None and not mxfp4)
+        assert list(engine.generate_ids(PROMPT, greedy)) == want, f"K={k or E}, {extra} layers with one more, {stream=}"
+        assert g.grouped and g.one_graph == (k is None or stream) and g.streams == stream
+        assert g.ops.hits_first == (k is not None and not stream and not mxfp4)
         keys = {key[0] for key in g.graphs}
-        assert keys == ({"token", "ahead"} if k is None else {"attention", "moe", "head"} | ({"shared"} if shared else set())
+        assert keys == ({"token", "ahead"} if g.one_graph else {"attention", "moe", "head"} | ({"shared"} if shared else set())
                         | ({"late"} if g.ops.hits_first else set()))
+        if stream:  # the decoded tokens' misses were read over the "link", not copied in: counted as such
+            stats, cfg = engine.last_stats, engine.config
+            assert stats.cache_misses > 0
+            assert stats.cache_hits + stats.cache_misses >= (NEW_TOKENS - 1) * cfg.num_moe_layers * cfg.top_k
+            assert stats.bytes_h2d == (stats.cache_misses + stats.prefetch_issued) * engine.model.cache.slot_bytes
 
 
 @pytest.mark.skipif(not FUSED, reason="needs TRITON_INTERPRET=1 and Triton")
