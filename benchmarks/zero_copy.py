@@ -8,7 +8,7 @@ kernels can instead read the experts' page-locked home in host memory over the l
 expert cache pins it as engine/runtime/expert_cache.pinned_empty does). Measured here, GB/s
 (bytes / median of 15 CUDA-event timings):
 - the copy engine: N experts host -> device, one cudaMemcpyAsync each;
-- a Triton kernel copying the same experts with P programs each (loads from host memory);
+- decode.fetch_experts copying the same experts with P programs each (loads from host memory);
 - the same kernel beside the copy engine on another stream (both channels at once);
 - the fused HQQ GEMV (hqq_gpu.gemv) of an expert's matrix in device memory and in host memory.
 Needs a CUDA GPU.
@@ -20,26 +20,13 @@ import statistics
 import sys
 
 import torch
-import triton
-import triton.language as tl
 
 from moeferry.engine.kernels import hqq_gpu
+from moeferry.engine.kernels.decode import fetch_experts
 from moeferry.engine.runtime.expert_cache import pinned_empty
 from moeferry.engine.storage import quant
 
 REPS = 15
-
-
-@triton.jit
-def _fetch_kernel(src, dst, ids, stride, chunk, BLOCK: tl.constexpr):
-    """dst[m] = src[ids[m]] (int32 rows of `stride`), program (m, c) the c-th chunk."""
-    m, c = tl.program_id(0), tl.program_id(1)
-    e = tl.load(ids + m).to(tl.int64)
-    start = c.to(tl.int64) * chunk
-    for off in range(0, chunk, BLOCK):
-        o = start + off + tl.arange(0, BLOCK)
-        mask = o < stride
-        tl.store(dst + m * stride + o, tl.load(src + e * stride + o, mask=mask), mask=mask)
 
 
 def timed(fn, reps: int = REPS) -> float:
@@ -56,11 +43,14 @@ def timed(fn, reps: int = REPS) -> float:
     return statistics.median(times)
 
 
-def fetch(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, programs: int, block: int = 4096) -> None:
-    stride = src.shape[1] // 4
-    chunk = triton.cdiv(triton.cdiv(stride, programs), block) * block
-    _fetch_kernel[(ids.numel(), triton.cdiv(stride, chunk))](src.view(torch.int32), dst.view(torch.int32), ids,
-                                                             stride, chunk, BLOCK=block, num_warps=8)
+ABSENT: dict = {}  # a table that holds no expert, per table size
+
+
+def fetch(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, programs: int) -> None:
+    E = src.shape[0]
+    if E not in ABSENT:
+        ABSENT[E] = torch.full((E,), -1, dtype=torch.int32, device=dst.device)
+    fetch_experts(ids, ABSENT[E], src, dst, programs)
 
 
 def copies(src: torch.Tensor, dst: torch.Tensor, experts: list[int]) -> None:

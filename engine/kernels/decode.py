@@ -41,8 +41,10 @@ class FusedOps(EagerOps):
     """EagerOps for one token (T = 1) on the fused kernels: 8 launches for a Mixtral layer's
     attention and routing instead of about 45, 2 more per prefetch guess."""
 
-    def __init__(self, model, grouped: bool = False, side: torch.cuda.Stream | None = None):
-        """side: the stream the k and v GEMVs run on beside q (beside()); None: after q."""
+    def __init__(self, model, grouped: bool = False, side: torch.cuda.Stream | None = None,
+                 fetcher: torch.cuda.Stream | None = None):
+        """side: the stream the k and v GEMVs run on beside q (beside()); None: after q.
+        fetcher: the stream fetch_ahead's copies run on (None: at once, on the CPU)."""
         super().__init__(model)
         cfg, dev, dt = model.cfg, model.device, model.dtype
         self.grouped = grouped
@@ -64,7 +66,12 @@ class FusedOps(EagerOps):
         self.at_ids = distinct_ids((cfg.top_k,), dev)
         self.at_weights = torch.zeros(cfg.top_k, dtype=torch.float32, device=dev)
         self.picks_host = None  # read_later's page-locked copy of Step.picks
-        self.side = side
+        self.side, self.fetcher = side, fetcher
+        # fetch_ahead's copies of the next MoE layer's guessed experts, two layers' worth taking
+        # turns [2, k, B] (set by GraphedDecode when it streams with prefetch), and the events
+        # each MoE layer's experts wait for
+        self.staging: torch.Tensor | None = None
+        self.fetched = [torch.cuda.Event() for _ in range(cfg.num_moe_layers)] if fetcher is not None else None
         if dev.type == "cuda":
             self.device_index = dev.index if dev.index is not None else torch.cuda.current_device()
             self.picks_read = cuda_driver.new_event(torch.cuda.current_stream(dev))
@@ -145,15 +152,41 @@ class FusedOps(EagerOps):
 
     def experts(self, mi: int, s: Step, ids: torch.Tensor, n: int | None = None) -> None:
         """out = the weighted sum of MoE layer mi's routed experts, in two launches that read
-        each expert's slot from the cache's device table; n: only the n positions staged."""
+        each expert's slot from the cache's device table; n: only the n positions staged.
+        Streaming (self.stream), those the cache lacks are read from host memory, or from the
+        copies fetch_ahead made of the guesses for this layer."""
         cache = self.m.cache
         ids, weights = ids[0], s.weights[0]
         if n is not None:
             torch.index_select(ids, 0, self.at[:n], out=self.at_ids[:n])
             torch.index_select(weights, 0, self.at[:n], out=self.at_weights[:n])
             ids, weights = self.at_ids[:n], self.at_weights[:n]
+        fetched = None
+        if self.stream and self.staging is not None and mi > 0:
+            if self.fetched is not None:
+                torch.cuda.current_stream().wait_event(self.fetched[mi])
+            fetched = (s.guesses[mi - 1, 0], cache.offset_to(mi, self.staging[mi % 2]))
         self.moe_decode(s.h, cache.slot_weights(mi, 0), cache.slot_bytes, ids, weights, cache.device_table(mi), s.out,
-                        cache.host_offset(mi) if self.stream else None)
+                        cache.host_offset(mi) if self.stream else None, fetched)
+
+    def fetch_ahead(self, mi: int, s: Step) -> None:
+        """Start the copies of MoE layer mi+1's guessed experts (s.guesses[mi, 0]) that the cache
+        lacks into staging, on the fetcher stream: the link works while this layer's experts and
+        the next attention run. Layer mi+1's experts wait for them (experts())."""
+        j = mi + 1
+        if self.staging is None or j >= self.m.cfg.num_moe_layers:
+            return
+        cache = self.m.cache
+
+        def fetch() -> None:
+            fetch_experts(s.guesses[mi, 0], cache.device_table(j), cache.host[j], self.staging[j % 2])
+        if self.fetcher is None:
+            fetch()
+            return
+        self.fetcher.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.fetcher):
+            fetch()
+            self.fetched[j].record()
 
     def late_experts(self, mi: int, s: Step, n: int) -> None:
         """After experts() ran with some routed experts not in place (-1 in the table): those at
@@ -191,15 +224,17 @@ class FusedOps(EagerOps):
             return self.m.cfg.expert_act == "clamped_swiglu" and mxfp4_gpu.moe_supported(experts)
         return self.m.cfg.expert_act == "silu" and hqq_gpu.moe_supported(experts)
 
-    def moe_decode(self, h, experts: dict, slot_bytes: int, ids, weights, table, out, host_off: int | None = None) -> None:
+    def moe_decode(self, h, experts: dict, slot_bytes: int, ids, weights, table, out, host_off: int | None = None,
+                   fetched: tuple | None = None) -> None:
         """The grouped kernel of the experts' format (grouped_supported): out = their weighted sum;
-        host_off: the experts not in place read from host memory (hqq_gpu.moe_decode's)."""
+        host_off, fetched: the experts not in place read from host memory or from their fetched
+        copies (hqq_gpu.moe_decode's)."""
         if isinstance(experts["w1"], Mxfp4Matrix):
             cfg = self.m.cfg
             mxfp4_gpu.moe_decode(h, experts, slot_bytes, ids, weights, table, out, cfg.swiglu_alpha, cfg.swiglu_limit,
-                                 host_off=host_off)
+                                 host_off=host_off, fetched=fetched)
         else:
-            hqq_gpu.moe_decode(h, experts, slot_bytes, ids, weights, table, out, host_off=host_off)
+            hqq_gpu.moe_decode(h, experts, slot_bytes, ids, weights, table, out, host_off=host_off, fetched=fetched)
 
 
 
@@ -253,6 +288,22 @@ def embed_row(table: torch.Tensor, token: torch.Tensor, out: torch.Tensor) -> No
 
 
 EMBED_BLOCK = 1024
+# fetch_experts: int32 words a program moves per step, and programs per expert
+# (benchmarks/zero_copy.py measures the link's rate against both)
+FETCH_BLOCK, FETCH_PROGRAMS = 4096, 32
+
+
+def fetch_experts(guesses: torch.Tensor, table: torch.Tensor, host: torch.Tensor, staging: torch.Tensor,
+                  programs: int = FETCH_PROGRAMS) -> None:
+    """staging[m] = host[guesses[m]] for each guessed expert the table lacks (-1), by the GPU's
+    own loads over the link: a copy whose source the device chooses, so a CUDA graph can hold
+    it (the copy engine's addresses are fixed at capture). host [E, B] page-locked, staging
+    [k, B] (B a multiple of 4 bytes); programs: per expert, each a contiguous chunk."""
+    words = host.shape[1] // 4
+    chunk = triton.cdiv(triton.cdiv(words, programs), FETCH_BLOCK) * FETCH_BLOCK
+    _fetch_kernel[(guesses.numel(), triton.cdiv(words, chunk))](
+        guesses, table, host.view(torch.int32), staging.view(torch.int32), words, chunk, BLOCK=FETCH_BLOCK,
+        num_warps=8)
 
 
 def _given(t: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
@@ -307,6 +358,17 @@ if triton is not None:
         cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         row = tl.load(tok_ptr).to(tl.int64)
         tl.store(out_ptr + cols, tl.load(t_ptr + row * H + cols, mask=cols < H), mask=cols < H)
+
+    @triton.jit
+    def _fetch_kernel(guess_ptr, table_ptr, src, dst, words, chunk, BLOCK: tl.constexpr):
+        """Program (m, c): the c-th chunk of guessed expert m's words, unless the table holds it."""
+        m, c = tl.program_id(0), tl.program_id(1)
+        e = tl.load(guess_ptr + m).to(tl.int64)
+        end = tl.where(tl.load(table_ptr + e) < 0, words, 0)  # a cached expert: nothing to move
+        start = c.to(tl.int64) * chunk
+        for off in range(0, chunk, BLOCK):
+            o = start + off + tl.arange(0, BLOCK)
+            tl.store(dst + m * words + o, tl.load(src + e * words + o, mask=o < end), mask=o < end)
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, b_ptr, H, eps, HAS_DELTA: tl.constexpr,

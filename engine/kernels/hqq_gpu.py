@@ -335,7 +335,7 @@ def gemv_pair(x: torch.Tensor, a: QMatrix, b: QMatrix, out_a: torch.Tensor, out_
 def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tensor,
                weights: torch.Tensor, table: torch.Tensor, out: torch.Tensor,
                cfg: tuple[dict, dict] | None = None, late: torch.Tensor | None = None,
-               host_off: int | None = None) -> torch.Tensor:
+               host_off: int | None = None, fetched: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """One token through its routed experts in two launches, with no host sync:
     out [1, H] = sum_k weights[k] * w2(silu(w1 h) * w3 h) of expert ids[k].
 
@@ -352,7 +352,9 @@ def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tenso
     the down kernel's partials since that launch, so out is summed in the same order either way.
     With host_off (bytes from slot 0 to expert 0 of the layer's page-locked home in host memory,
     whose experts lie slot_bytes apart) an expert not in place is read there instead, over the
-    link (expert_cache.ExpertCache.host_offset), and out is always written.
+    link (expert_cache.ExpertCache.host_offset), and out is always written; with fetched =
+    (guesses [NG] (device), stage_off) too, one of the guesses is read from the copy that
+    decode.fetch_experts made of it, stage_off + m * slot_bytes bytes from slot 0 for guess m.
     """
     w1, w3, w2 = experts["w1"], experts["w3"], experts["w2"]
     topk = ids.numel()
@@ -368,19 +370,22 @@ def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tenso
     ws = _scratch.get("partials", topk * split * 2 * w1.rows, torch.float32, h.device)
     cnt = _scratch.get("counters", topk * n_j, torch.int32, h.device, zero=True)
     stream = host_off is not None
-    _moe_up_kernel[(n_j, split, launched)](x, act, ids, at, table, slot_bytes, host_off or 0, *_common_args(w1),
+    guesses, stage_off = fetched or (ids, 0)
+    ng = 0 if fetched is None else guesses.numel()
+    _moe_up_kernel[(n_j, split, launched)](x, act, ids, at, table, slot_bytes, host_off or 0, guesses, stage_off,
+                                           *_common_args(w1),
                                            *_common_args(w3), ws, cnt, *_sizes(w1), k_per_split, split,
                                            TOPK=topk, SPLIT=split > 1, LATE=late is not None, **_format(w1, bk),
-                                           STREAM=stream, **consts)
+                                           STREAM=stream, NG=ng, **consts)
     # down: the weighted sum of w2 act[k]; its partials outlive the launch (for `late`)
     n_j, split, k_per_split, bk, consts = _gemv_launch(
         w2.rows, w2.cols, w2.bits, w2.group_size, sms, down_cfg, topk, h.dtype == torch.float32)
     ws = _scratch.get("down_partials", topk * split * w2.rows, torch.float32, h.device)
     cnt = _scratch.get("counters", n_j, torch.int32, h.device, zero=True)
     _moe_down_kernel[(n_j, split, launched)](act, out, ids, at, weights, table, slot_bytes, host_off or 0,
-                                             *_common_args(w2), ws, cnt, *_sizes(w2), k_per_split, split,
+                                             guesses, stage_off, *_common_args(w2), ws, cnt, *_sizes(w2), k_per_split, split,
                                              launched * split, TOPK=topk, LATE=late is not None, PAIRS=False,
-                                             SPLIT=split > 1, STREAM=stream, **_format(w2, bk), **consts)
+                                             SPLIT=split > 1, STREAM=stream, NG=ng, **_format(w2, bk), **consts)
     return out
 
 
@@ -401,15 +406,16 @@ def moe_prompt(h: torch.Tensor, experts: dict, slot_bytes: int, slots: torch.Ten
     n_j, split, k_per_split, bk, consts = _gemv_launch(
         w1.rows, w1.cols, w1.bits, w1.group_size, sms, None, 2 * n, exact)
     ws, cnt = _split_scratch("partials", split, pairs * 2 * w1.rows, pairs * n_j, h.device)
-    _moe_up_kernel[(n_j, split, n)](h, act, positions, at, slots, slot_bytes, 0, *_common_args(w1), *_common_args(w3),
+    _moe_up_kernel[(n_j, split, n)](h, act, positions, at, slots, slot_bytes, 0, at, 0, *_common_args(w1),
+                                    *_common_args(w3),
                                     ws, cnt, *_sizes(w1), k_per_split, split, TOPK=topk, SPLIT=split > 1,
-                                    LATE=True, STREAM=False, **_format(w1, bk), **consts)
+                                    LATE=True, STREAM=False, NG=0, **_format(w1, bk), **consts)
     n_j, split, k_per_split, bk, consts = _gemv_launch(
         w2.rows, w2.cols, w2.bits, w2.group_size, sms, None, n, exact)
     ws, cnt = _split_scratch("down_partials", split, pairs * w2.rows, pairs * n_j, h.device)
-    _moe_down_kernel[(n_j, split, n)](act, y, positions, at, slots, slots, slot_bytes, 0, *_common_args(w2), ws, cnt,
+    _moe_down_kernel[(n_j, split, n)](act, y, positions, at, slots, slots, slot_bytes, 0, at, 0, *_common_args(w2), ws, cnt,
                                       *_sizes(w2), k_per_split, split, 0, TOPK=topk, LATE=True, PAIRS=True, SPLIT=split > 1,
-                                      STREAM=False, **_format(w2, bk), **consts)
+                                      STREAM=False, NG=0, **_format(w2, bk), **consts)
     return y
 
 
@@ -848,16 +854,22 @@ if triton is not None:
         return ptr + off // (ptr.dtype.element_ty.primitive_bitwidth // 8)
 
     @triton.jit
-    def _routed_offset(ids_ptr, table_ptr, kpos, slot_bytes, host_off, STREAM: tl.constexpr):
+    def _routed_offset(ids_ptr, table_ptr, kpos, slot_bytes, host_off, guess_ptr, stage_off,
+                       STREAM: tl.constexpr, NG: tl.constexpr):
         """Bytes from cache slot 0 to the expert at top-k position kpos (int64): to its slot,
         table[ids[kpos]] (slots lie slot_bytes apart). An expert not in place (-1) is read from
         slot 0, and its result not used; with STREAM it is read where it lies in host memory
         instead (page-locked, over the link): expert e lies host_off + e * slot_bytes bytes
-        from slot 0."""
+        from slot 0; or, when it is one of the NG guesses at guess_ptr (the m-th), from the copy
+        fetch_experts made of it, stage_off + m * slot_bytes bytes from slot 0."""
         e = tl.load(ids_ptr + kpos).to(tl.int64)
         slot = tl.load(table_ptr + e).to(tl.int64)
         if STREAM:
-            return tl.where(slot >= 0, slot, e) * slot_bytes + tl.where(slot >= 0, 0, host_off)
+            off = tl.where(slot >= 0, slot, e) * slot_bytes + tl.where(slot >= 0, 0, host_off)
+            for m in tl.static_range(NG):
+                fetched = (slot < 0) & (tl.load(guess_ptr + m).to(tl.int64) == e)
+                off = tl.where(fetched, stage_off + m * slot_bytes, off)
+            return off
         return tl.maximum(slot, 0) * slot_bytes
 
     @triton.jit
@@ -885,18 +897,18 @@ if triton is not None:
         return (s * b.to(dt).to(tl.float32)).to(dt)
 
     @triton.jit
-    def _moe_up_kernel(x_ptr, act_ptr, ids_ptr, at_ptr, table_ptr, slot_bytes, host_off,
-                       a0, a1, a_s, a_z, a_sm, a_zm, b0, b1, b_s, b_z, b_sm, b_zm, ws_ptr, cnt_ptr,
+    def _moe_up_kernel(x_ptr, act_ptr, ids_ptr, at_ptr, table_ptr, slot_bytes, host_off, guess_ptr,
+                       stage_off, a0, a1, a_s, a_z, a_sm, a_zm, b0, b1, b_s, b_z, b_sm, b_zm, ws_ptr, cnt_ptr,
                        G, rows, cols, Ms, Mz, k_per_split, n_split,
                        W0: tl.constexpr, W1: tl.constexpr, GS: tl.constexpr, TOPK: tl.constexpr,
                        SPLIT: tl.constexpr, LATE: tl.constexpr, SMODE: tl.constexpr, ZMODE: tl.constexpr,
                        BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr, NQ: tl.constexpr,
-                       H2: tl.constexpr, EVEN: tl.constexpr, STREAM: tl.constexpr):
+                       H2: tl.constexpr, EVEN: tl.constexpr, STREAM: tl.constexpr, NG: tl.constexpr):
         """act[kpos] = silu(x @ W1.T) * (x @ W3.T) for the expert at position kpos (_position)
         of the routing [tokens, TOPK], x its token's row (a decoded token's: kpos < TOPK); W1
         and W3 are read in the same loop. Split-K as _finish, per kpos."""
         pid_k, kpos = tl.program_id(1), _position(at_ptr, LATE)
-        off = _routed_offset(ids_ptr, table_ptr, kpos, slot_bytes, host_off, STREAM)
+        off = _routed_offset(ids_ptr, table_ptr, kpos, slot_bytes, host_off, guess_ptr, stage_off, STREAM, NG)
         ya, yb, n, j = _gemv_tiles(
             x_ptr + (kpos // TOPK) * cols, _at(a0, off), _at(a1, off),
             _at(a_s, off), _at(a_z, off),
@@ -923,12 +935,14 @@ if triton is not None:
 
     @triton.jit
     def _moe_down_kernel(act_ptr, out_ptr, ids_ptr, at_ptr, weights_ptr, table_ptr, slot_bytes, host_off,
+                         guess_ptr, stage_off,
                          p0, p1, s_ptr, z_ptr, sm_ptr, zm_ptr, ws_ptr, cnt_ptr,
                          G, rows, cols, Ms, Mz, k_per_split, n_split, parts,
                          W0: tl.constexpr, W1: tl.constexpr, GS: tl.constexpr,
                          SMODE: tl.constexpr, ZMODE: tl.constexpr, TOPK: tl.constexpr, LATE: tl.constexpr,
                          PAIRS: tl.constexpr, SPLIT: tl.constexpr, BJ: tl.constexpr, BKO: tl.constexpr, KV: tl.constexpr,
-                         NQ: tl.constexpr, H2: tl.constexpr, EVEN: tl.constexpr, STREAM: tl.constexpr):
+                         NQ: tl.constexpr, H2: tl.constexpr, EVEN: tl.constexpr, STREAM: tl.constexpr,
+                         NG: tl.constexpr):
         """out = sum over the top-k of weight[kpos] * (act[kpos] @ W2.T), kpos from _position.
         Every (split, kpos) program stores a partial; the last of the `parts` programs of a row
         tile adds up all TOPK positions' partials as the eager path does: each expert's output
@@ -936,7 +950,7 @@ if triton is not None:
         (transformers' order). It writes out only when every routed expert was in place.
         PAIRS (moe_prompt): out[kpos] = act[kpos] @ W2.T instead, each position's own row."""
         pid_k, kpos = tl.program_id(1), _position(at_ptr, LATE)
-        off = _routed_offset(ids_ptr, table_ptr, kpos, slot_bytes, host_off, STREAM)
+        off = _routed_offset(ids_ptr, table_ptr, kpos, slot_bytes, host_off, guess_ptr, stage_off, STREAM, NG)
         y, _, n, j = _gemv_tiles(
             act_ptr + kpos * cols, _at(p0, off), _at(p1, off),
             _at(s_ptr, off), _at(z_ptr, off),

@@ -160,7 +160,8 @@ def moe_supported(experts: dict) -> bool:
 
 def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tensor, weights: torch.Tensor,
                table: torch.Tensor, out: torch.Tensor, alpha: float, limit: float,
-               cfg: tuple[dict, dict] | None = None, host_off: int | None = None) -> torch.Tensor:
+               cfg: tuple[dict, dict] | None = None, host_off: int | None = None,
+               fetched: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """One token through its routed experts, no host sync: out [1, H] = sum over k of
     weights[k] * (w2 clamped_swiglu(w1 h + b1, w3 h + b3) + b2) of expert ids[k], added in
     ascending expert order (the eager path's, step for step in out's dtype).
@@ -170,22 +171,25 @@ def moe_decode(h: torch.Tensor, experts: dict, slot_bytes: int, ids: torch.Tenso
     ids [k] (device), so one CUDA graph of this serves any routing. cfg: (up, down) launch
     parameters as gemv_config's, to override the defaults (benchmarks/mxfp4_sweep.py).
     With H2, h and then the activations go through pack_x first (four launches, not two).
-    host_off: an expert not in place is read from host memory (hqq_gpu.moe_decode's host_off).
+    host_off, fetched: an expert not in place is read from host memory or from its fetched copy
+    (hqq_gpu.moe_decode's).
     """
     w1, w3, w2 = experts["w1"], experts["w3"], experts["w2"]
     topk = ids.numel()
     act = hqq_gpu._scratch.get("mxfp4_act", topk * w1.rows, h.dtype, h.device)[: topk * w1.rows]
     up, down = cfg or (gemv_config(w1.rows, w1.cols, h.dtype), gemv_config(w2.rows, w2.cols, h.dtype, br=4, nb=32))
     pairs, amax = pack_x(h.view(1, -1), "mxfp4_h") if up["H2"] else (h, h)
+    guesses, stage_off = fetched or (ids, 0)
+    ng = 0 if fetched is None else guesses.numel()
     _moe_up_kernel[(triton.cdiv(w1.rows, up["BR"]), topk)](
-        h, pairs, amax, act, ids, table, slot_bytes, host_off or 0, w1.blocks, w1.scales, experts["b1"], w3.blocks, w3.scales,
-        experts["b3"], w1.rows, w1.cols // BLOCK, alpha, limit, BR=up["BR"], NB=up["NB"], H2=up["H2"],
-        STREAM=host_off is not None, num_warps=up["num_warps"])
+        h, pairs, amax, act, ids, table, slot_bytes, host_off or 0, guesses, stage_off, w1.blocks, w1.scales,
+        experts["b1"], w3.blocks, w3.scales, experts["b3"], w1.rows, w1.cols // BLOCK, alpha, limit, BR=up["BR"],
+        NB=up["NB"], H2=up["H2"], STREAM=host_off is not None, NG=ng, num_warps=up["num_warps"])
     pairs, amax = pack_x(act.view(topk, w2.cols), "mxfp4_act") if down["H2"] else (act, act)
     _moe_down_kernel[(triton.cdiv(w2.rows, down["BR"]),)](
-        act, pairs, amax, out, ids, weights, table, slot_bytes, host_off or 0, w2.blocks, w2.scales, experts["b2"],
-        w2.rows, w2.cols // BLOCK, TOPK=topk, BR=down["BR"], NB=down["NB"], H2=down["H2"], STREAM=host_off is not None,
-        num_warps=down["num_warps"])
+        act, pairs, amax, out, ids, weights, table, slot_bytes, host_off or 0, guesses, stage_off, w2.blocks, w2.scales,
+        experts["b2"], w2.rows, w2.cols // BLOCK, TOPK=topk, BR=down["BR"], NB=down["NB"], H2=down["H2"],
+        STREAM=host_off is not None, NG=ng, num_warps=down["num_warps"])
     return out
 
 
@@ -392,13 +396,14 @@ if triton is not None:
         return _round(_round(up + 1.0, dt) * glu, dt)
 
     @triton.jit
-    def _moe_up_kernel(x_ptr, pairs_ptr, amax_ptr, act_ptr, ids_ptr, table_ptr, slot_bytes, host_off, b1_ptr, s1_ptr,
+    def _moe_up_kernel(x_ptr, pairs_ptr, amax_ptr, act_ptr, ids_ptr, table_ptr, slot_bytes, host_off, guess_ptr,
+                       stage_off, b1_ptr, s1_ptr,
                        bias1_ptr, b3_ptr, s3_ptr, bias3_ptr, rows, nblk, alpha, limit, BR: tl.constexpr,
-                       NB: tl.constexpr, H2: tl.constexpr, STREAM: tl.constexpr):
+                       NB: tl.constexpr, H2: tl.constexpr, STREAM: tl.constexpr, NG: tl.constexpr):
         """act[kpos] = clamped_swiglu(x W1.T + b1, x W3.T + b3) of the expert at top-k position
         kpos (grid axis 1), rows [pid BR, +BR)."""
         kpos = tl.program_id(1)
-        off = _routed_offset(ids_ptr, table_ptr, kpos, slot_bytes, host_off, STREAM)
+        off = _routed_offset(ids_ptr, table_ptr, kpos, slot_bytes, host_off, guess_ptr, stage_off, STREAM, NG)
         dt: tl.constexpr = act_ptr.dtype.element_ty
         r = tl.program_id(0) * BR + tl.arange(0, BR)
         mask = r < rows
@@ -412,8 +417,9 @@ if triton is not None:
 
     @triton.jit
     def _moe_down_kernel(act_ptr, pairs_ptr, amax_ptr, out_ptr, ids_ptr, weights_ptr, table_ptr, slot_bytes, host_off,
+                         guess_ptr, stage_off,
                          b_ptr, s_ptr, bias_ptr, rows, nblk, TOPK: tl.constexpr, BR: tl.constexpr,
-                         NB: tl.constexpr, H2: tl.constexpr, STREAM: tl.constexpr):
+                         NB: tl.constexpr, H2: tl.constexpr, STREAM: tl.constexpr, NG: tl.constexpr):
         """out rows [pid BR, +BR) = the weighted sum over the top-k of act[kpos] W2.T + b2, each
         expert's output rounded to out's dtype, times its weight, rounded, added in ascending
         expert order (the eager path's order: out starts at zero)."""
@@ -423,7 +429,7 @@ if triton is not None:
         total = tl.zeros((BR,), tl.float32)
         for rank in tl.static_range(TOPK):
             kr = _position_of_rank(ids_ptr, rank, TOPK)
-            off = _routed_offset(ids_ptr, table_ptr, kr, slot_bytes, host_off, STREAM)
+            off = _routed_offset(ids_ptr, table_ptr, kr, slot_bytes, host_off, guess_ptr, stage_off, STREAM, NG)
             y = _rows(act_ptr + kr * (nblk * _B), pairs_ptr + kr * (nblk * 16), amax_ptr + kr * nblk,
                       _at(b_ptr, off), _at(s_ptr, off), r, rows, nblk, NB, H2)
             y = _biased(y, _at(bias_ptr, off), r, mask, dt)

@@ -339,7 +339,7 @@ class Synthetic:
         return model
 
 
-MODES = ("naive", "lru", "full", "hybrid", "stream")  # the ladder's rows (measure's modes)
+MODES = ("naive", "lru", "full", "hybrid", "stream", "fetch")  # the ladder's rows (measure's modes)
 SPLIT_TOKENS = 24  # decoded after the timed ones with the layer split's marks on
 
 
@@ -504,6 +504,9 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
     # each kernel path gets the cache its workspace leaves room for under the budget
     sizes = {kern: cache_size_for(budget, cfg, s.dense_bytes, stride, prompt_len + new_tokens, device, kern)
              for kern in kernels}
+    # streaming with the next layer's guesses fetched: their copies' room (two layers of top-k) comes off the cache
+    fetch_sizes = {kern: cache_size_for(budget, cfg, s.dense_bytes + 2 * cfg.top_k * stride, stride,
+                                        prompt_len + new_tokens, device, kern) for kern in kernels}
     k, extra = max(sizes.values())
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=gen).tolist()
@@ -525,8 +528,9 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
     for mode in modes:
         for kern in kernels:
             policy = "naive" if mode == "naive" else "lru"
-            kk = cfg.top_k if mode == "naive" else sizes[kern][0]
-            depth = prefetch if mode in ("full", "hybrid") else 0
+            cached, extra_layers = (fetch_sizes if mode == "fetch" else sizes)[kern]
+            kk = cfg.top_k if mode == "naive" else cached
+            depth = prefetch if mode in ("full", "hybrid", "fetch") else 0
             if mode == "hybrid" and s.cpu_copies is None:
                 log(f"  the CPU experts ({cond.cpu_format or 'default'} format)")
                 s.cpu_copies = cpu_copies_of(cfg, s.host, expert_views(cfg, s.fields, s.eq), device,
@@ -535,10 +539,10 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
                                                       cond.routing_source(cfg, device, max(depth, 1)), cycles,
                                                       cpu_copies=s.cpu_copies if mode == "hybrid" else None,
                                                       link_gbps=cond.h2d_gbps,
-                                                      extra_slot_layers=0 if mode == "naive" else sizes[kern][1],
-                                                      stream=mode == "stream")
-            if mode == "stream" and not d["streamed"]:
-                log(f"  stream {kern}: the experts could not be read from host memory here; the misses were copied")
+                                                      extra_slot_layers=0 if mode == "naive" else extra_layers,
+                                                      stream=mode in ("stream", "fetch"))
+            if mode in ("stream", "fetch") and not d["streamed"]:
+                log(f"  {mode} {kern}: the experts could not be read from host memory here; the misses were copied")
             recall = {dd: v for dd, v in recall.items() if dd <= depth}  # the guesses prefetch used
             results.append(mode_result(mode, kern, kk, depth, first, decode, d, peak, recall, new_tokens,
                                        link_bytes_per_s(link), compute[kern], budget))
@@ -730,7 +734,8 @@ def cli_bench(argv: list[str]) -> int:
     p.add_argument("--prompt-len", default="128", help="one or several, comma-separated")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per measurement")
     p.add_argument("--modes", default="naive,lru,full",
-                   help="naive, lru, full, hybrid (full + CPU experts), stream (misses read from host memory)")
+                   help="naive, lru, full, hybrid (full + CPU experts), stream (misses read from host memory), "
+                        "fetch (stream + the next layer's guessed misses copied ahead)")
     p.add_argument("--kernels", default="reference,fused", help="comma-separated: reference, fused")
     p.add_argument("--prefetch", type=int, default=1, help="layers ahead to prefetch experts (0 = off)")
     p.add_argument("--routing", default="uniform",

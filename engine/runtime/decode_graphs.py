@@ -15,7 +15,10 @@ run, else on the eager operations. The routed experts run in one of three ways, 
     token's slot, so the host queues token t+1's graph before it reads token t;
   * the same ONE graph at any cache size with `model.stream_misses` (STREAM_MISSES): the cache
     stays as the prompt left it, and the grouped kernel reads an expert it does not hold where
-    it lies in page-locked host memory, over the link (the GPU's own loads, no copy engine);
+    it lies in page-locked host memory, over the link (the GPU's own loads, no copy engine).
+    With a prefetch depth, each MoE layer's guesses for the next one that the cache lacks are
+    copied by a kernel on a stream of their own (FusedOps.fetch_ahead) while the layer runs,
+    and the next layer reads those copies (STREAM_FETCH);
   * the grouped expert kernel (FusedOps.moe_decode, where the cache's expert format allows it):
     one graph per layer runs all routed experts (reading each one's slot from the cache's
     device table). With HQQ experts it runs before the host reads the routing, on the experts
@@ -54,6 +57,7 @@ from moeferry.engine.runtime.model import EagerOps, attention_options, distinct_
 HITS_FIRST = True  # the developer benchmark (benchmarks/hits_first_ab.py) turns it off to compare
 RUN_AHEAD = True  # benchmarks/token_anatomy.py turns it off to compare
 STREAM_MISSES = True  # with model.stream_misses: the one-graph token at any cache size (streams)
+STREAM_FETCH = True  # streaming with a prefetch depth: the next layer's guessed misses copied ahead (FusedOps.fetch_ahead)
 
 
 def use_cuda_graphs(model, on: bool = True) -> None:
@@ -89,7 +93,9 @@ class GraphedDecode:
         # grouped expert kernel is decided per cache in check_keys
         self.fast = (model.kernels != "reference" and hqq_gpu.fused_available(dev)
                      and self.m.fast_path_works(self.probe_decode_kernels, "fused decode kernels"))
-        self.ops = FusedOps(model, side=shared_stream(dev, "side") if capture else None) if self.fast else EagerOps(model)
+        self.ops = (FusedOps(model, side=shared_stream(dev, "side") if capture else None,
+                             fetcher=shared_stream(dev, "fetch") if capture else None)
+                    if self.fast else EagerOps(model))
 
     def rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [P, 1, D] for the positions the KV cache holds (P = its capacity), which
@@ -185,7 +191,7 @@ class GraphedDecode:
             weights, ids, guesses = m.routing.token_table()
             self.forced[0].copy_(weights)
             self.forced[1].copy_(ids)
-            if m.prefetch_depth and not self.one_graph:
+            if m.prefetch_depth and (not self.one_graph or self.s.fetch):
                 self.forced[2].copy_(guesses[:, :self.forced[2].shape[1]])
         s.forced = self.forced if forced else None
         if self.one_graph:  # the cache does not change while its graphs run (the prompt may have changed it)
@@ -256,6 +262,10 @@ class GraphedDecode:
                 self.streams = (STREAM_MISSES and m.stream_misses and self.ops.grouped and m.hybrid is None
                                 and not m.cache.holds_every_expert and self.can_stream())
                 self.ops.stream = self.streams
+                # streaming with prefetch: the next layer's guessed misses fetched while this one runs
+                self.s.fetch = self.streams and STREAM_FETCH and depth > 0
+                self.ops.staging = (torch.empty((2, m.cfg.top_k, m.cache.slot_bytes), dtype=torch.uint8, device=m.device)
+                                    if self.s.fetch else None)
                 self.one_graph = self.ops.grouped and (m.cache.holds_every_expert or self.streams)
                 self.s.resident = self.one_graph
                 if self.one_graph:  # each MoE layer's experts in place, which then never change
@@ -420,7 +430,7 @@ _STREAMS: dict[tuple[int, str], torch.cuda.Stream] = {}
 
 def shared_stream(device: torch.device, role: str) -> torch.cuda.Stream:
     """The device's one stream for a role ("capture": the graphs are captured on it; "side": the
-    k and v GEMVs beside q), shared by every GraphedDecode. The fused kernels keep their scratch
+    k and v GEMVs beside q; "fetch": FusedOps.fetch_ahead's copies), shared by every GraphedDecode. The fused kernels keep their scratch
     per stream (hqq_gpu._Scratch, which never shrinks): a new stream for each new set of graphs
     (a new expert cache, each run of the benchmark) left the last one's scratch allocated,
     about 0.1 GiB each time, past what the VRAM budget sizes."""

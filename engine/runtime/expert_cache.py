@@ -177,7 +177,12 @@ class ExpertCache:
         resident)."""
         if self.host is None or (self.cuda and not self.pinned):
             return None
-        return self.host[layer].data_ptr() - self.layer_slots[layer].data_ptr()
+        return self.offset_to(layer, self.host[layer])
+
+    def offset_to(self, layer: int, t: torch.Tensor) -> int:
+        """Bytes from the layer's slot 0 to t's first byte (the grouped kernels address an
+        expert outside the cache so)."""
+        return t.data_ptr() - self.layer_slots[layer].data_ptr()
 
     def settle(self) -> None:
         """Make the compute stream wait for every copy still landing (before work that reads

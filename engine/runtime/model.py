@@ -230,7 +230,8 @@ class Step:
     start: int = 0  # the first token's position (eager)
     pos: torch.Tensor | None = None  # [1] on the device: the one token's position (CUDA graphs)
     span: int = 0  # with pos: the cached positions an eager attention reads
-    resident: bool = False  # every expert on the device: MoE layers have no host part
+    resident: bool = False  # MoE layers have no host part: every expert on the device, or the misses streamed
+    fetch: bool = False  # with resident (streaming): the next MoE layer's guessed misses fetched ahead (FusedOps.fetch_ahead)
     # a forced routing over the router's, for the graphs: (weights, ids) [MoE layers, k], guesses
     # [MoE layers, D, k], copied in each MoE layer's attention segment (GraphedDecode fills them)
     forced: tuple | None = None
@@ -460,10 +461,12 @@ class OffloadedMixtral:
             else:
                 weights, ids, guesses = s.forced
                 ops.route_forced(layer, s.h, s.weights, s.ids[mi], (weights[mi:mi + 1], ids[mi:mi + 1]))
-            if not s.resident:
+            if not s.resident or s.fetch:
                 self.prefetcher.guess(self, ops, mi, s)
             if s.forced is not None and (pending := self.prefetcher.pending(self, mi, s)) is not None:
                 pending.copy_(guesses[mi, :pending.shape[0]])
+            if s.fetch:
+                ops.fetch_ahead(mi, s)
             if not ops.grouped:  # the experts are added to out one by one (grouped: written whole)
                 s.out.zero_()
 

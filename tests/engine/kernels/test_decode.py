@@ -51,6 +51,23 @@ def test_embed_row_reads_the_tokens_row_from_host_memory(dtype, H):
         assert torch.equal(out.cpu(), table[t:t + 1])
 
 
+@pytest.mark.parametrize("programs", [1, 3, 32])
+def test_fetch_experts_copies_the_guesses_the_cache_lacks(programs):
+    """fetch_experts copies each guessed expert whose table entry is -1 from (page-locked) host
+    memory into its staging row, and leaves the rows of the guesses the cache holds alone."""
+    from moeferry.engine.kernels.decode import fetch_experts
+    host = torch.randint(0, 256, (9, 3 * 256), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    if DEVICE == "cuda":
+        host = host.pin_memory()
+    table = torch.tensor([-1, 0, -1, -1, 1, -1, -1, -1, 2], dtype=torch.int32, device=DEVICE)
+    guesses = torch.tensor([2, 4, 8, 7], dtype=torch.int32, device=DEVICE)
+    staging = torch.zeros(4, 3 * 256, dtype=torch.uint8, device=DEVICE)
+    fetch_experts(guesses, table, host, staging, programs)
+    got = staging.cpu()
+    assert torch.equal(got[0], host[2]) and torch.equal(got[3], host[7])
+    assert not got[1].any() and not got[2].any()  # experts 4 and 8 are cached: not fetched
+
+
 # each family's attention options: qwen3_moe's per-head q/k norm, olmoe's norm over the whole
 # projection with and without clip_qkv, qwen2_moe's q/k/v biases, gpt_oss's biases and sinks;
 # head sizes that are not a power of two (the tests' tiny models) and no GQA once

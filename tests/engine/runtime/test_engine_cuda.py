@@ -126,16 +126,17 @@ def test_cuda_streamed_misses_give_the_tokens_of_copied_ones(tmp_path, family):
         convert_checkpoint(tmp_path / "ck", tmp_path / "st", 16, 16, "cuda")
     greedy = SamplingSettings(temperature=0, max_new_tokens=24)
     runs = {}
-    for stream in (False, True):
-        engine = load_engine(tmp_path / "st", device="cuda", dtype="float32", cache_experts=2, prefetch=1)
+    for stream, depth in ((False, 1), (True, 0), (True, 1)):  # depth 1 streaming: the guesses fetched ahead
+        engine = load_engine(tmp_path / "st", device="cuda", dtype="float32", cache_experts=2, prefetch=depth)
         engine.model.stream_misses = stream
         engine.eos_ids = set()
-        runs[stream] = list(engine.generate_ids(PROMPT, greedy))
-        assert engine.model.graphs.streams == stream and engine.model.runs_ahead() == stream
+        runs[stream, depth] = list(engine.generate_ids(PROMPT, greedy))
+        g = engine.model.graphs
+        assert g.streams == stream and engine.model.runs_ahead() == stream and g.s.fetch == (stream and depth > 0)
         if stream:
             assert engine.last_stats.cache_misses > 0
         engine.close()
-    assert runs[True] == runs[False]
+    assert runs[True, 0] == runs[False, 1] and runs[True, 1] == runs[False, 1]
 
 
 @pytest.mark.parametrize("graphs", [False, True])

@@ -209,15 +209,17 @@ def check_grouped_decode(store_dir, shared: bool, mxfp4: bool = False):
     """Greedy tokens of the graphed decode on the grouped expert kernel equal the eager forward's,
     with 2 experts cached per layer (a graph per layer; HQQ experts: hits first, the misses in a
     late launch), 3 in the first two layers, with 2 and the misses read from host memory (the
-    one-graph token, the cache as the prompt left it), and with all of them (the one-graph token)."""
+    one-graph token, the cache as the prompt left it; with prefetch, the next layer's guesses
+    fetched ahead), and with all of them (the one-graph token)."""
     greedy = SamplingSettings(temperature=0, max_new_tokens=NEW_TOKENS)
     E = None
-    for k, extra, stream in ((2, 0, False), (2, 2, False), (2, 0, True), (None, 0, False)):
+    for k, extra, stream, depth in ((2, 0, False, 1), (2, 2, False, 1), (2, 0, True, 0), (2, 0, True, 1),
+                                    (None, 0, False, 1)):
         engine = packed_engine(store_dir, k or 2, extra)
         E = engine.config.num_experts
         if k is None:  # every expert resident: the one-graph token
             engine = packed_engine(store_dir, E)
-        engine.set_prefetch(1)
+        engine.set_prefetch(depth)
         engine.model.kernels = "reference"
         want = list(engine.generate_ids(PROMPT, greedy))
         engine.model.stream_misses = stream
@@ -226,6 +228,7 @@ def check_grouped_decode(store_dir, shared: bool, mxfp4: bool = False):
         engine.cached_ids = []
         assert list(engine.generate_ids(PROMPT, greedy)) == want, f"K={k or E}, {extra} layers with one more, {stream=}"
         assert g.grouped and g.one_graph == (k is None or stream) and g.streams == stream
+        assert g.s.fetch == (stream and depth > 0)
         assert g.ops.hits_first == (k is not None and not stream and not mxfp4)
         keys = {key[0] for key in g.graphs}
         assert keys == ({"token", "ahead"} if g.one_graph else {"attention", "moe", "head"} | ({"shared"} if shared else set())
