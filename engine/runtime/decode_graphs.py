@@ -81,6 +81,7 @@ class GraphedDecode:
         self.runs_ahead = False  # set per expert cache in check_keys
         self.streams = False  # a one-graph token whose misses are read from host memory (check_keys)
         self.streamed: list[torch.Tensor] = []  # streaming tokens' routing, not yet counted (count_streamed)
+        self.unfenced = False  # streaming graphs queued since the cache's last fence (fence())
         moe = max(1, cfg.num_moe_layers)  # a forced routing's choice: weights, ids, guesses [.., D, k]
         self.forced = (torch.zeros(moe, cfg.top_k, dtype=torch.float32, device=dev),
                        distinct_ids((moe, cfg.top_k), dev), distinct_ids((moe, 1, cfg.top_k), dev))
@@ -127,6 +128,7 @@ class GraphedDecode:
             self.run(("token", forced), self.token_segment)
             self.token_done()
             return self.logits.clone()
+        self.fence()
         step = [] if m.trace is not None else None
         for i in range(m.cfg.num_layers):
             m.layer(i, s, self.ops, self.run, step)
@@ -206,11 +208,20 @@ class GraphedDecode:
         ids = self.s.ids[:m.cfg.num_moe_layers, 0]
         if self.streams:
             self.streamed.append(ids.clone())
+            self.unfenced = True
         else:
             m.cache.count_hits(m.cfg.num_moe_layers * m.cfg.top_k)
         if m.trace is not None:
             resident = [m.cache.resident(i) for i in range(m.cfg.num_moe_layers)] if self.streams else self.resident
             m.trace.append((ids.clone(), resident))
+
+    def fence(self) -> None:
+        """Before anything may copy into the cache again (a prompt, a step that is not one graph):
+        the copies wait for the streaming graphs queued so far, which read slots unannounced
+        (one may still run past the last token read: decode_greedy's)."""
+        if self.unfenced:
+            self.m.cache.fence()
+            self.unfenced = False
 
     def count_streamed(self) -> None:
         """Add the streaming tokens' hits and misses (experts read over the link) to the cache's

@@ -296,6 +296,13 @@ class ExpertCache:
             cuda_driver.record(self.free_handles[layer], self._compute_handle())
             self.free_awaited[layer] = False
 
+    def fence(self) -> None:
+        """Make later copies into any slot wait for the work queued on the compute stream so far:
+        graphs that read slots without acquiring them (a streaming token's) may still be running."""
+        if self.cuda:
+            for layer in range(self.L):
+                self.release(layer)
+
     def prefetch(self, layer: int, experts: list[int]) -> None:
         """Start copying predicted experts (best guess first); never more than the layer's slots."""
         if self.link_backed_up():

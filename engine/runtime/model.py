@@ -371,6 +371,8 @@ class OffloadedMixtral:
         T = tokens.shape[0]
         if T == 1 and self.graphs is not None:
             return self.graphs.step(tokens, start)
+        if self.graphs is not None:
+            self.graphs.fence()
         tokens = tokens.to(self.device)
         pos = torch.arange(start, start + T, device=self.device)
         s = self.new_step(tokens, *self.rope(pos), start=start)
