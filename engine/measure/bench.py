@@ -506,7 +506,7 @@ def measure(s: Synthetic, vram_budget: str | None = "12GiB", prompt_len: int = 1
              for kern in kernels}
     # streaming with the next layer's guesses fetched: their copies' room (two layers of top-k) comes off the cache
     fetch_sizes = {kern: cache_size_for(budget, cfg, s.dense_bytes + 2 * cfg.top_k * stride, stride,
-                                        prompt_len + new_tokens, device, kern) for kern in kernels}
+                                        prompt_len + new_tokens, device, kern) for kern in kernels} if "fetch" in modes else {}
     k, extra = max(sizes.values())
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=gen).tolist()

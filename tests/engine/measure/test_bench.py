@@ -64,6 +64,12 @@ def test_the_expert_format_is_explicit_on_the_command_line():
     assert hqq.expert_format == "hqq" and hqq.eq["bits"] == 3 and 3.25 < hqq.expert_bits_per_weight() < 3.3  # + 16 bits per 64
 
 
+def test_an_unknown_mode_is_named_with_the_modes_there_are():
+    with pytest.raises(UserError, match="Unknown mode 'streaming' in --modes; choose from naive, lru, full, hybrid, "
+                                        "stream, fetch"):
+        bench.cli_bench(["--modes", "lru,streaming"])
+
+
 def test_a_group_size_of_32_takes_fewer_bits_and_still_decodes():
     """--expert-group-size 32 at 2 bits: 2.5 bits per weight (16 bits of scale and zero per 32
     rows) against the default's 3.0, a smaller cache slot, the report names the groups, and the
