@@ -195,6 +195,31 @@ def lru_hit_ratio(selected: np.ndarray, cache_size: int) -> float:
     return float(np.mean(per_layer))
 
 
+def decode_hits(selected: np.ndarray, cache_size: int, prompt: int, new: int, held: bool) -> tuple[int, int]:
+    """(hits, uses) of one layer's cache over the decoded tokens of conversations cut from
+    selected [T, k]: each `prompt` tokens read into a fresh LRU cache, then `new` tokens decoded.
+    held: the cache stays as the prompt left it while decoding (a streaming decode's,
+    model.stream_misses), else it goes on as an LRU."""
+    hits = uses = 0
+    rows = selected.tolist()
+    for start in range(0, len(rows) - prompt - new + 1, prompt + new):
+        cache: list[int] = []  # most recently used first
+        for t, experts in enumerate(rows[start:start + prompt + new]):
+            if t >= prompt:
+                hits += sum(e in cache for e in experts)
+                uses += len(experts)
+                if held:
+                    continue
+            cache = (experts + [c for c in cache if c not in experts])[:cache_size]
+    return hits, uses
+
+
+def decode_hit_ratio(selected: np.ndarray, cache_size: int, prompt: int, new: int, held: bool) -> float:
+    """decode_hits over every layer of selected [L, T, k]; 0 when no conversation fits."""
+    counts = np.array([decode_hits(layer, cache_size, prompt, new, held) for layer in selected])
+    return float(counts[:, 0].sum() / counts[:, 1].sum()) if counts[:, 1].sum() else 0.0
+
+
 def prefetch_recall(guessed: np.ndarray, used: np.ndarray, m: int) -> float:
     """Fraction of the used experts [N, k] found among the first m guesses [N, >= m]."""
     guess = guessed[..., :m]
@@ -463,15 +488,24 @@ def mapped_trace(path: str, num_layers: int, num_experts: int, top_k: int, seed:
     return trace
 
 
+# decode_hit_ratio's conversations in trace_stats: the benchmark's prompt and decode lengths
+STATS_PROMPT, STATS_NEW = 128, 64
+
+
 def trace_stats(trace: RoutingTrace) -> dict:
     """A trace's own statistics: per-layer expert load, LRU hit ratio for 1..E cached, guess
-    recall for 1..D layers ahead."""
+    recall for 1..D layers ahead; and the decoded tokens' hit ratio after a 128-token prompt,
+    the cache going on as an LRU or held as the prompt left it (empty when the trace is
+    shorter than one such conversation)."""
     E = trace.num_experts
     load = [np.bincount(layer.reshape(-1), minlength=E) / layer.size for layer in trace.ids]
+    fits = trace.num_tokens >= STATS_PROMPT + STATS_NEW
     return {"tokens": trace.num_tokens, "layers": trace.num_layers, "num_experts": E,
             "top_k": trace.top_k, "note": trace.note,
             "expert_load": [[round(float(v), 4) for v in row] for row in load],
             "lru_hit_ratio": {c: lru_hit_ratio(trace.ids, c) for c in range(1, E + 1)},
+            "decode_hit_ratio": {way: {c: decode_hit_ratio(trace.ids, c, STATS_PROMPT, STATS_NEW, way == "held")
+                                       for c in range(1, E + 1)} for way in ("lru", "held")} if fits else {},
             "guess_recall": {d: trace_recall(trace, d) for d in range(1, trace.depth + 1)
                              if d < trace.num_layers}}
 
@@ -481,10 +515,14 @@ def stats_markdown(s: dict) -> str:
              f"{s['note']}", "",
              "| cached experts per layer | " + " | ".join(str(c) for c in s["lru_hit_ratio"]) + " |",
              "|---|" + "---|" * len(s["lru_hit_ratio"]),
-             "| LRU hit ratio | " + " | ".join(f"{v:.3f}" for v in s["lru_hit_ratio"].values()) + " |", "",
-             "Guess recall (top-k guessed d layers ahead): "
-             + ", ".join(f"d={d}: {v:.3f}" for d, v in s["guess_recall"].items()), "",
-             "Expert load per layer (share of routed slots, experts 0..E-1):"]
+             "| LRU hit ratio | " + " | ".join(f"{v:.3f}" for v in s["lru_hit_ratio"].values()) + " |"]
+    if s.get("decode_hit_ratio"):
+        lines += [f"| {STATS_NEW} tokens decoded after {STATS_PROMPT}, {name} | "
+                  + " | ".join(f"{v:.3f}" for v in s["decode_hit_ratio"][way].values()) + " |"
+                  for way, name in (("lru", "LRU"), ("held", "cache held as the prompt left it"))]
+    lines += ["", "Guess recall (top-k guessed d layers ahead): "
+              + ", ".join(f"d={d}: {v:.3f}" for d, v in s["guess_recall"].items()), "",
+              "Expert load per layer (share of routed slots, experts 0..E-1):"]
     lines += [f"  layer {l}: " + " ".join(f"{v:.3f}" for v in row) for l, row in enumerate(s["expert_load"])]
     return "\n".join(lines) + "\n"
 

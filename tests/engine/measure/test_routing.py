@@ -304,6 +304,20 @@ def test_the_shipped_demo_trace_is_what_moeferry_trace_records():
     assert stats["guess_recall"][1] > 0.5  # a trained router: far above the random 2/8
 
 
+def test_a_held_cache_keeps_the_prompts_experts_and_an_lru_follows_the_decode():
+    """decode_hits: conversations of a prompt read into a fresh LRU cache, then decoded tokens
+    counted, the cache held (a streaming decode's) or going on as an LRU."""
+    prompt, shift, same = [[0, 1]] * 4, [[2, 3]] * 3, [[1, 0]] * 3
+    layer = np.array(prompt + shift + prompt + same)  # two conversations of 4 + 3 tokens
+    assert routing.decode_hits(layer, 2, 4, 3, held=False) == (4 + 6, 12)  # misses on the first shifted token only
+    assert routing.decode_hits(layer, 2, 4, 3, held=True) == (0 + 6, 12)
+    assert routing.decode_hits(layer, 1, 4, 3, held=True) == (3, 12)  # expert 0 held: the first of the last token
+    both = np.stack([layer, layer[::-1]])
+    assert routing.decode_hit_ratio(both, 2, 4, 3, held=True) == pytest.approx(
+        sum(routing.decode_hits(x, 2, 4, 3, True)[0] for x in both) / 24)
+    assert routing.decode_hit_ratio(both, 2, 10, 5, held=False) == 0.0  # no conversation fits
+
+
 def test_the_recorder_sees_what_transformers_routes(tiny_store, tiny_checkpoint):
     from moeferry.engine.runtime.generate import load_engine
 
