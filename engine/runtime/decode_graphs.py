@@ -7,7 +7,7 @@ near 100 tokens/s. GraphedDecode runs the same layer function on one fixed set o
 replays it afterwards; the host part between the segments (routing sync, cache, prefetch,
 the CPU hybrid) is the layer's own and runs as in the eager forward. The segments run on
 kernels/decode.FusedOps (the fused kernels) wherever the fused GEMVs
-run, else on the eager operations. The routed experts run in one of three ways, fastest first:
+run, else on the eager operations. The routed experts run in one of four ways:
   * every expert resident (the cache holds all of them): nothing is ever copied, so the MoE
     layers have no host part and the whole token - all layers and the head - is ONE graph,
     with no host sync until the logits. Greedy decoding (decode_greedy) then uses a variant
@@ -269,6 +269,8 @@ class GraphedDecode:
         if key != self.key:
             if self.key is None or key[1:] != self.key[1:]:  # a new expert cache, or streaming turned on or off
                 self.ops.grouped = self.fast and self.can_group()
+                if self.key is not None and key[1] != self.key[1]:
+                    self.streamed = []  # tokens of a cache that is gone: its table cannot count them
                 self.count_streamed()
                 self.streams = (STREAM_MISSES and m.stream_misses and self.ops.grouped and m.hybrid is None
                                 and not m.cache.holds_every_expert and self.can_stream())
