@@ -239,7 +239,7 @@ def check_grouped_decode(store_dir, shared: bool, mxfp4: bool = False):
             assert stats.cache_hits + stats.cache_misses >= (NEW_TOKENS - 1) * cfg.num_moe_layers * cfg.top_k
             assert stats.bytes_h2d == (stats.cache_misses + stats.prefetch_issued) * engine.model.cache.slot_bytes
             fenced = []  # the next prompt's copies wait for the streaming graphs queued before them
-            engine.model.cache.fence = lambda: fenced.append(True)
+            engine.model.cache.fence = lambda fenced=fenced: fenced.append(True)
             engine.cached_ids = []
             list(engine.generate_ids(PROMPT[:3], SamplingSettings(temperature=0, max_new_tokens=2)))
             assert fenced == [True]
