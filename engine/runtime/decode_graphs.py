@@ -206,8 +206,9 @@ class GraphedDecode:
         a streaming token's counts wait for count_streamed."""
         m = self.m
         ids = self.s.ids[:m.cfg.num_moe_layers, 0]
-        if self.streams:
-            self.streamed.append(ids.clone())
+        if self.streams:  # the routing, and with fetching the guesses each layer made for the next
+            self.streamed.append(torch.stack([ids, self.s.guesses[:m.cfg.num_moe_layers, 0]]) if self.s.fetch
+                                 else ids.clone())
             self.unfenced = True
         else:
             m.cache.count_hits(m.cfg.num_moe_layers * m.cfg.top_k)
@@ -224,18 +225,31 @@ class GraphedDecode:
             self.unfenced = False
 
     def count_streamed(self) -> None:
-        """Add the streaming tokens' hits and misses (experts read over the link) to the cache's
-        counts, their routing read now rather than once a token."""
+        """Add the streaming tokens' hits and misses to the cache's counts, their routing read now
+        rather than once a token. What crosses the link: the misses read from host memory, and
+        with fetching the guesses the cache lacked (counted as prefetches; a miss among them
+        as a prefetch used, read from its copy)."""
         if not self.streamed:
             return
-        cache = self.m.cache
-        ids = torch.stack(self.streamed).cpu().numpy()  # [tokens, MoE layers, top-k]
+        cache, stats = self.m.cache, self.m.cache.stats
+        routed = torch.stack(self.streamed).cpu().numpy()  # [tokens, MoE layers, top-k], or [tokens, 2, ...]
         self.streamed = []
-        held = cache.table_np[np.arange(ids.shape[1])[None, :, None], ids] >= 0
-        misses = int(held.size - held.sum())
-        cache.stats.hits += int(held.sum())
-        cache.stats.misses += misses
-        cache.stats.bytes_h2d += misses * cache.slot_bytes
+        ids = routed[:, 0] if routed.ndim == 4 else routed
+        layers = np.arange(ids.shape[1])[None, :, None]
+        absent = cache.table_np[layers, ids] < 0
+        fetched_used = 0
+        if routed.ndim == 4:  # guesses[t, l] were fetched for layer l + 1, where the cache lacked them
+            guesses = routed[:, 1, :-1]
+            fetched = cache.table_np[layers[:, 1:], guesses] < 0
+            found = (ids[:, 1:, :, None] == guesses[:, :, None, :]).any(-1) & absent[:, 1:]
+            fetched_used = int(found.sum())
+            stats.prefetch_issued += int(fetched.sum())
+            stats.prefetch_used += fetched_used
+            stats.bytes_h2d += int(fetched.sum()) * cache.slot_bytes
+        misses = int(absent.sum())  # a fetched copy used is a hit, as a prefetched expert's is
+        stats.hits += int(absent.size - misses) + fetched_used
+        stats.misses += misses - fetched_used
+        stats.bytes_h2d += (misses - fetched_used) * cache.slot_bytes
 
     def ahead_segment(self) -> None:
         """token_segment for the token in s.tokens, whose embedding it reads (an embedding in

@@ -8,6 +8,7 @@ Triton installed; skipped otherwise). Greedy tokens must equal transformers' (16
 weights) or the eager forward's (quantized experts on the grouped kernel).
 """
 
+import numpy as np
 import pytest
 import torch
 import transformers as T
@@ -128,6 +129,27 @@ def test_greedy_decode_runs_ahead_of_the_host(tmp_path):
         engine.cached_ids = []
         assert len(list(engine.generate_ids(PROMPT, settings))) == 4
     assert ran == []
+
+
+def test_streaming_tokens_are_counted_from_their_routing_and_fetched_guesses():
+    """count_streamed: a routed expert the cache lacks is a miss read over the link, unless the
+    previous layer's guess fetched it (a hit, a prefetch used); every guess the cache lacked was
+    fetched over the link (a prefetch issued)."""
+    from types import SimpleNamespace
+
+    from moeferry.engine.runtime.expert_cache import CacheStats
+    table = np.array([[0, 1, -1, -1], [-1, -1, 0, -1]], dtype=np.int32)  # layer 0 holds 0 and 1, layer 1 holds 2
+    ids = torch.tensor([[0, 3], [2, 1]])  # a hit and a miss in each layer
+    guesses = torch.tensor([[1, 0], [3, 2]])  # layer 0's guess for layer 1: both lacking, 1 used; the last row unused
+    for fetch, want in ((False, dict(hits=2, misses=2, prefetch_issued=0, prefetch_used=0, bytes_h2d=20)),
+                        (True, dict(hits=3, misses=1, prefetch_issued=2, prefetch_used=1, bytes_h2d=30))):
+        g = GraphedDecode.__new__(GraphedDecode)
+        g.m = SimpleNamespace(cache=SimpleNamespace(table_np=table, stats=CacheStats(), slot_bytes=10))
+        g.streamed = [torch.stack([ids, guesses]) if fetch else ids] * 2  # two tokens
+        g.count_streamed()
+        got = g.m.cache.stats
+        assert {key: getattr(got, key) for key in want} == {key: 2 * v for key, v in want.items()}, f"{fetch=}"
+        assert g.streamed == []
 
 
 def packed_engine(folder, k: int, extra_slot_layers: int = 0):
