@@ -23,6 +23,7 @@ import torch
 
 from moeferry.engine.kernels import hqq_gpu
 from moeferry.engine.kernels.decode import fetch_experts
+from moeferry.engine.runtime import cuda_driver
 from moeferry.engine.runtime.expert_cache import pinned_empty
 from moeferry.engine.storage import quant
 
@@ -50,7 +51,7 @@ def fetch(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, programs: int
     E = src.shape[0]
     if E not in ABSENT:
         ABSENT[E] = torch.full((E,), -1, dtype=torch.int32, device=dst.device)
-    fetch_experts(ids, ABSENT[E], src, dst, programs)
+    fetch_experts(ids, ABSENT[E], dst, cuda_driver.device_pointer(src.data_ptr()) - dst.data_ptr(), programs)
 
 
 def copies(src: torch.Tensor, dst: torch.Tensor, experts: list[int]) -> None:

@@ -178,8 +178,11 @@ class FusedOps(EagerOps):
             return
         cache = self.m.cache
 
+        staging = self.staging[j % 2]
+
         def fetch() -> None:
-            fetch_experts(s.guesses[mi, 0], cache.device_table(j), cache.host[j], self.staging[j % 2])
+            fetch_experts(s.guesses[mi, 0], cache.device_table(j), staging,
+                          cache.host_offset(j) - cache.offset_to(j, staging))
         if self.fetcher is None:
             fetch()
             return
@@ -293,17 +296,18 @@ EMBED_BLOCK = 1024
 FETCH_BLOCK, FETCH_PROGRAMS = 4096, 32
 
 
-def fetch_experts(guesses: torch.Tensor, table: torch.Tensor, host: torch.Tensor, staging: torch.Tensor,
+def fetch_experts(guesses: torch.Tensor, table: torch.Tensor, staging: torch.Tensor, host_off: int,
                   programs: int = FETCH_PROGRAMS) -> None:
-    """staging[m] = host[guesses[m]] for each guessed expert the table lacks (-1), by the GPU's
-    own loads over the link: a copy whose source the device chooses, so a CUDA graph can hold
-    it (the copy engine's addresses are fixed at capture). host [E, B] page-locked, staging
-    [k, B] (B a multiple of 4 bytes); programs: per expert, each a contiguous chunk."""
-    words = host.shape[1] // 4
+    """staging[m] = host expert guesses[m], for each guessed expert the table lacks (-1), by the
+    GPU's own loads over the link: a copy whose source the device chooses, so a CUDA graph can
+    hold it (the copy engine's addresses are fixed at capture). staging [k, B] (B a multiple of
+    4 bytes); the experts' page-locked home lies host_off bytes from staging[0] as kernels
+    address it (ExpertCache.host_offset), B bytes apart; programs: per expert, each a
+    contiguous chunk."""
+    words = staging.shape[1] // 4
     chunk = triton.cdiv(triton.cdiv(words, programs), FETCH_BLOCK) * FETCH_BLOCK
     _fetch_kernel[(guesses.numel(), triton.cdiv(words, chunk))](
-        guesses, table, host.view(torch.int32), staging.view(torch.int32), words, chunk, BLOCK=FETCH_BLOCK,
-        num_warps=8)
+        guesses, table, staging.view(torch.int32), host_off // 4, words, chunk, BLOCK=FETCH_BLOCK, num_warps=8)
 
 
 def _given(t: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
@@ -360,15 +364,17 @@ if triton is not None:
         tl.store(out_ptr + cols, tl.load(t_ptr + row * H + cols, mask=cols < H), mask=cols < H)
 
     @triton.jit
-    def _fetch_kernel(guess_ptr, table_ptr, src, dst, words, chunk, BLOCK: tl.constexpr):
-        """Program (m, c): the c-th chunk of guessed expert m's words, unless the table holds it."""
+    def _fetch_kernel(guess_ptr, table_ptr, dst, host_off, words, chunk, BLOCK: tl.constexpr):
+        """Program (m, c): the c-th chunk of guessed expert m's words, unless the table holds it;
+        the host's experts lie host_off words from dst."""
         m, c = tl.program_id(0), tl.program_id(1)
         e = tl.load(guess_ptr + m).to(tl.int64)
         end = tl.where(tl.load(table_ptr + e) < 0, words, 0)  # a cached expert: nothing to move
         start = c.to(tl.int64) * chunk
+        src = dst + host_off + e * words
         for off in range(0, chunk, BLOCK):
             o = start + off + tl.arange(0, BLOCK)
-            tl.store(dst + m * words + o, tl.load(src + e * words + o, mask=o < end), mask=o < end)
+            tl.store(dst + m * words + o, tl.load(src + o, mask=o < end), mask=o < end)
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, b_ptr, H, eps, HAS_DELTA: tl.constexpr,

@@ -39,6 +39,7 @@ def library():
         lib.cuMemcpyDtoHAsync_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
         lib.cuEventQuery.argtypes = [ctypes.c_void_p]
         lib.cuEventSynchronize.argtypes = [ctypes.c_void_p]
+        lib.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
     except (OSError, AttributeError):
         raise UserError(f"PyTorch sees a CUDA GPU, but the NVIDIA driver's {LIBRARY} cannot be loaded; "
                         f"reinstall the NVIDIA driver, or run with --device cpu.") from None
@@ -58,6 +59,14 @@ def copy_to_device(dst: int, src: int, nbytes: int, stream: int) -> None:
 def copy_to_host(dst: int, src: int, nbytes: int, stream: int) -> None:
     """Queue a copy of nbytes from device address src to (page-locked) host address dst on stream."""
     _check(library().cuMemcpyDtoHAsync_v2(dst, src, nbytes, stream), "a device-to-host copy")
+
+
+def device_pointer(host: int) -> int:
+    """The address through which kernels read page-locked host memory at `host` (the host's own
+    wherever the driver maps registered memory so; it need not be)."""
+    out = ctypes.c_uint64()
+    _check(library().cuMemHostGetDevicePointer_v2(ctypes.byref(out), host, 0), "the device address of pinned memory")
+    return out.value
 
 
 NOT_READY = 600  # CUDA_ERROR_NOT_READY

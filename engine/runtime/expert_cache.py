@@ -73,6 +73,7 @@ class ExpertCache:
         self.device = device
         self.cuda = device.type == "cuda"
         self.host, self.pinned = host, False
+        self.host_on_device: int | None = None  # the page-locked host copy's address for kernels (host_offset)
         self.slots = torch.empty((sum(self.Ks), B), dtype=torch.uint8, device=device)
         first = np.cumsum([0] + self.Ks[:-1]).tolist()
         self.layer_slots = [self.slots[f:f + k] for f, k in zip(first, self.Ks)]  # [K of the layer, B]
@@ -171,13 +172,17 @@ class ExpertCache:
         return self.table[layer]
 
     def host_offset(self, layer: int) -> int | None:
-        """Bytes from the layer's slot 0 to its expert 0 in host memory, for kernels that read
-        an expert not in place where it lies (experts lie slot_bytes apart there too); None
-        where the GPU cannot read it (not page-locked) or nothing lies there (every expert
-        resident)."""
+        """Bytes from the layer's slot 0 to its expert 0 in host memory as kernels address it,
+        for kernels that read an expert not in place where it lies (experts lie slot_bytes
+        apart there too); None where the GPU cannot read it (not page-locked) or nothing lies
+        there (every expert resident)."""
         if self.host is None or (self.cuda and not self.pinned):
             return None
-        return self.offset_to(layer, self.host[layer])
+        if not self.cuda:
+            return self.offset_to(layer, self.host[layer])
+        if self.host_on_device is None:  # registered memory's device address need not be the host's
+            self.host_on_device = cuda_driver.device_pointer(self.host.data_ptr())
+        return self.host_on_device + layer * self.E * self.B - self.layer_slots[layer].data_ptr()
 
     def offset_to(self, layer: int, t: torch.Tensor) -> int:
         """Bytes from the layer's slot 0 to t's first byte (the grouped kernels address an

@@ -56,13 +56,15 @@ def test_fetch_experts_copies_the_guesses_the_cache_lacks(programs):
     """fetch_experts copies each guessed expert whose table entry is -1 from (page-locked) host
     memory into its staging row, and leaves the rows of the guesses the cache holds alone."""
     from moeferry.engine.kernels.decode import fetch_experts
+    from moeferry.engine.runtime import cuda_driver
     host = torch.randint(0, 256, (9, 3 * 256), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
     if DEVICE == "cuda":
         host = host.pin_memory()
     table = torch.tensor([-1, 0, -1, -1, 1, -1, -1, -1, 2], dtype=torch.int32, device=DEVICE)
     guesses = torch.tensor([2, 4, 8, 7], dtype=torch.int32, device=DEVICE)
     staging = torch.zeros(4, 3 * 256, dtype=torch.uint8, device=DEVICE)
-    fetch_experts(guesses, table, host, staging, programs)
+    host_at = cuda_driver.device_pointer(host.data_ptr()) if DEVICE == "cuda" else host.data_ptr()
+    fetch_experts(guesses, table, staging, host_at - staging.data_ptr(), programs)
     got = staging.cpu()
     assert torch.equal(got[0], host[2]) and torch.equal(got[3], host[7])
     assert not got[1].any() and not got[2].any()  # experts 4 and 8 are cached: not fetched
