@@ -48,16 +48,6 @@ def timed(fn, reps: int = REPS) -> float:
     return statistics.median(times)
 
 
-ABSENT: dict = {}  # a table that holds no expert, per table size
-
-
-def fetch(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, programs: int) -> None:
-    E = src.shape[0]
-    if E not in ABSENT:
-        ABSENT[E] = torch.full((E,), -1, dtype=torch.int32, device=dst.device)
-    fetch_experts(ids, ABSENT[E], dst, cuda_driver.device_pointer(src.data_ptr()) - dst.data_ptr(), programs)
-
-
 def copies(src: torch.Tensor, dst: torch.Tensor, experts: list[int]) -> None:
     for m, e in enumerate(experts):
         dst[m].copy_(src[e], non_blocking=True)
@@ -71,7 +61,12 @@ def copy_rows(n: int, mb: float, dev) -> list[str]:
     dst, dst2 = (torch.empty((n, B), dtype=torch.uint8, device=dev) for _ in range(2))
     experts = list(range(3, 3 + 3 * n, 3))
     ids = torch.tensor(experts, dtype=torch.int32, device=dev)
+    absent = torch.full((src.shape[0],), -1, dtype=torch.int32, device=dev)  # a cache that holds no expert
+    host_off = cuda_driver.device_pointer(src.data_ptr()) - dst.data_ptr()
     other, half, rows = torch.cuda.Stream(), n // 2, []
+
+    def fetch(ids: torch.Tensor, programs: int) -> None:
+        fetch_experts(ids, absent, dst, host_off, programs)
 
     def row(way: str, s: float) -> None:
         rows.append(f"| {n} | {B / 2**20:.1f} | {way} | {s * 1e3:.3f} | {n * B / s / 1e9:.1f} |")
@@ -81,15 +76,15 @@ def copy_rows(n: int, mb: float, dev) -> list[str]:
         other.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(other):
             copies(src, dst2, experts[:half])
-        fetch(src, dst, ids[half:], 32)
+        fetch(ids[half:], 32)
         torch.cuda.current_stream().wait_stream(other)
 
     row("copy engine", timed(lambda: copies(src, dst, experts)))
-    fetch(src, dst, ids, 16)
+    fetch(ids, 16)
     torch.cuda.synchronize()
     assert torch.equal(dst[0].cpu(), src[experts[0]]), "the fetch kernel copied wrong bytes"
     for p in (4, 8, 16, 32, 64, 128):
-        row(f"kernel, {p} programs an expert", timed(lambda p=p: fetch(src, dst, ids, p)))
+        row(f"kernel, {p} programs an expert", timed(lambda p=p: fetch(ids, p)))
     row("half copy engine, half kernel (32 programs)", timed(both))
     return rows
 

@@ -178,11 +178,10 @@ class ExpertCache:
         there (every expert resident)."""
         if self.host is None or (self.cuda and not self.pinned):
             return None
-        if not self.cuda:
-            return self.offset_to(layer, self.host[layer])
         if self.host_on_device is None:  # registered memory's device address need not be the host's
-            self.host_on_device = cuda_driver.device_pointer(self.host.data_ptr())
-        return self.host_on_device + layer * self.E * self.B - self.layer_slots[layer].data_ptr()
+            base = self.host.data_ptr()
+            self.host_on_device = cuda_driver.device_pointer(base) if self.cuda else base
+        return self.offset_to(layer, self.host[layer]) + self.host_on_device - self.host.data_ptr()
 
     def offset_to(self, layer: int, t: torch.Tensor) -> int:
         """Bytes from the layer's slot 0 to t's first byte (the grouped kernels address an
